@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""Probe speed: cold probe, cached probe and a real load, per model.
+
+Prints a table and writes JSON (default bench/results/probe_bench.json).
+Models: the three tiny models, and sparse files with the layout of a 7B dense
+and a 30B-A3B MoE (probed only: their data region is a hole).  ``rchar`` is
+the bytes the process read through read() while probing (from /proc/self/io).
+
+    python bench/probe_bench.py [--repeat N] [--out FILE] [--load-shapes]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pyllmrouter import ModelSpec, probe, tinymodels
+from pyllmrouter.loader import load
+from pyllmrouter.tables import mib, render
+
+
+def rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def timed(fn, repeat: int) -> tuple[list[float], object]:
+    times, result = [], None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return times, result
+
+
+def bench_model(name: str, spec: ModelSpec, repeat: int, real_load: bool) -> dict:
+    probe(spec, use_cache=False)  # first call pays llama.cpp's one-time backend start
+    before = rchar()
+    cold, est = timed(lambda: probe(spec, use_cache=False), repeat)
+    read = (rchar() - before) // repeat
+    probe(spec, refresh=True)
+    cached, hit = timed(lambda: probe(spec), repeat * 20)
+    assert hit.cached
+    row = {
+        "model": name, "file_bytes": os.path.getsize(spec.path), "n_ctx": est.n_ctx,
+        "probe_cold_ms_p50": statistics.median(cold) * 1e3, "probe_cold_ms_min": min(cold) * 1e3,
+        "probe_cached_ms_p50": statistics.median(cached) * 1e3, "probe_read_bytes": read,
+        "total_bytes": est.total, "load_ms_p50": None,
+    }
+    if real_load:
+        loads, _ = timed(lambda: load(spec), max(1, repeat // 2))
+        row["load_ms_p50"] = statistics.median(loads) * 1e3
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "probe_bench.json")
+    ap.add_argument("--load-shapes", action="store_true", help="also load the large shapes for real (GBs of RAM)")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["PYLLMROUTER_CACHE"] = str(Path(tmp) / "cache")
+        tiny = tinymodels.write_tiny_set(Path(tmp) / "models")
+        s7 = tinymodels.write_shape(Path(tmp) / "shape-7b.gguf", tinymodels.SHAPE_7B)
+        s30 = tinymodels.write_shape(Path(tmp) / "shape-30b-a3b.gguf", tinymodels.SHAPE_30B_A3B)
+        cases = [
+            ("tiny-llama", ModelSpec(tiny["tiny-llama"]), True),
+            ("tiny-moe", ModelSpec(tiny["tiny-moe"]), True),
+            ("tiny-bert", ModelSpec(tiny["tiny-bert"], n_ctx=512, embedding=True), True),
+            ("7B shape Q4_0", ModelSpec(s7, n_ctx=4096), args.load_shapes),
+            ("30B-A3B shape Q4_0", ModelSpec(s30, n_ctx=4096), args.load_shapes),
+        ]
+        rows = [bench_model(name, spec, args.repeat, real) for name, spec, real in cases]
+
+    def ms(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    print(render(
+        ["model", "file MiB", "probe cold ms (p50)", "probe cached ms (p50)", "read by probe KiB", "load ms (p50)",
+         "probed total MiB"],
+        [[r["model"], mib(r["file_bytes"]), ms(r["probe_cold_ms_p50"]), ms(r["probe_cached_ms_p50"]),
+          f"{r['probe_read_bytes'] / 1024:.1f}", ms(r["load_ms_p50"]), mib(r["total_bytes"])] for r in rows],
+    ))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bench": "probe", "repeat": args.repeat, "rows": rows}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+// PYBIND11_MODULE(_native): conversions, GIL release and exceptions only.
+// The work lives in probe.cpp.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "llama.h"
+#include "probe.h"
+
+namespace py = pybind11;
+using namespace pyllmrouter;
+
+namespace {
+
+py::dict row_dict(const BufferRow & r) {
+    py::dict d;
+    d["buffer_type"] = r.buffer_type;
+    d["device"] = r.device;
+    d["host"] = r.host;
+    d["model"] = r.model;
+    d["context"] = r.context;
+    d["compute"] = r.compute;
+    d["output"] = r.output;
+    return d;
+}
+
+py::list rows_list(const std::vector<BufferRow> & rows) {
+    py::list out;
+    for (const auto & r : rows) out.append(row_dict(r));
+    return out;
+}
+
+py::dict probe(const std::string & path, std::uintptr_t model_params, std::uintptr_t context_params,
+               std::uint32_t n_outputs) {
+    if (model_params == 0 || context_params == 0) {
+        throw py::value_error("model_params and context_params must be addresses of llama_cpp parameter structs");
+    }
+    const auto & mp = *reinterpret_cast<const llama_model_params *>(model_params);
+    const auto & cp = *reinterpret_cast<const llama_context_params *>(context_params);
+    ProbeResult r;
+    {
+        py::gil_scoped_release release;
+        r = probe_file(path, mp, cp, n_outputs);
+    }
+    py::dict facts;
+    facts["architecture"] = r.facts.architecture;
+    facts["name"] = r.facts.name;
+    facts["n_layer"] = r.facts.n_layer;
+    facts["n_ctx_train"] = r.facts.n_ctx_train;
+    facts["n_embd"] = r.facts.n_embd;
+    facts["n_head"] = r.facts.n_head;
+    facts["n_expert"] = r.facts.n_expert;
+    facts["n_vocab"] = r.facts.n_vocab;
+    facts["n_params"] = r.facts.n_params;
+    facts["model_size"] = r.facts.model_size;
+    facts["devices"] = r.facts.devices;
+    py::dict d;
+    d["rows"] = rows_list(r.rows);
+    d["facts"] = facts;
+    d["n_ctx"] = r.n_ctx;
+    d["n_seq_max"] = r.n_seq_max;
+    d["log"] = r.log;
+    return d;
+}
+
+py::list live_breakdown(std::uintptr_t ctx) {
+    if (ctx == 0) throw py::value_error("ctx must be the address of a live llama_context");
+    std::vector<BufferRow> rows;
+    {
+        py::gil_scoped_release release;
+        rows = breakdown_of(reinterpret_cast<const llama_context *>(ctx));
+    }
+    return rows_list(rows);
+}
+
+py::list devices() {
+    std::vector<DeviceInfo> devs;
+    {
+        py::gil_scoped_release release;
+        devs = list_devices();
+    }
+    py::list out;
+    for (const auto & d : devs) {
+        py::dict x;
+        x["index"] = d.index;
+        x["name"] = d.name;
+        x["description"] = d.description;
+        x["type"] = d.type;
+        x["free"] = d.free;
+        x["total"] = d.total;
+        out.append(x);
+    }
+    return out;
+}
+
+py::dict metadata(const std::string & path) {
+    std::map<std::string, MetaValue> kv;
+    {
+        py::gil_scoped_release release;
+        kv = gguf_metadata(path);
+    }
+    py::dict out;
+    for (const auto & [key, value] : kv) {
+        const auto & [kind, text] = value;
+        switch (kind) {
+            case 'i': out[py::str(key)] = py::int_(py::str(text)); break;
+            case 'f': out[py::str(key)] = py::float_(std::stod(text)); break;
+            case 'b': out[py::str(key)] = py::bool_(text == "1"); break;
+            case 'a': out[py::str(key)] = py::make_tuple("array", std::stoll(text)); break;
+            default:  out[py::str(key)] = py::str(text); break;
+        }
+    }
+    return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "pyllmrouter's native probe over the libllama that llama_cpp loads";
+    py::register_exception<probe_error>(m, "LlamaError", PyExc_RuntimeError);
+    m.def("probe", &probe, py::arg("path"), py::arg("model_params"), py::arg("context_params"),
+          py::arg("n_outputs"),
+          "Build model + context with no_alloc from the given llama_cpp parameter structs "
+          "(addresses); return the per-buffer-type breakdown, model facts and the log.");
+    m.def("live_breakdown", &live_breakdown, py::arg("ctx"),
+          "The per-buffer-type breakdown of a live llama_context (its address).");
+    m.def("devices", &devices, "Every ggml backend device with free and total bytes.");
+    m.def("metadata", &metadata, py::arg("path"),
+          "Scalar GGUF metadata (arrays as ('array', length)), read without tensor data.");
+    m.def("device_handle", [](const std::string & name) { return reinterpret_cast<std::uintptr_t>(device_handle(name)); },
+          py::arg("name"), "Address of the ggml device with this name (for llama_model_params.devices).");
+    m.def("buffer_type_handle", [](const std::string & name) { return reinterpret_cast<std::uintptr_t>(buffer_type_handle(name)); },
+          py::arg("name"), "Address of the ggml buffer type with this name (for tensor overrides).");
+    m.def("max_devices", &llama_max_devices);
+    m.def("max_parallel_sequences", &llama_max_parallel_sequences);
+}

@@ -1,0 +1,279 @@
+#include "probe.h"
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+
+#include "ggml-backend.h"
+#include "gguf.h"
+#include "llama-ext.h"
+#include "llama.h"
+
+namespace pyllmrouter {
+namespace {
+
+// llama.cpp logs through one process-wide callback, so probes run one at a time
+// and capture the log for their own duration only.
+std::mutex & probe_mutex() {
+    static std::mutex m;
+    return m;
+}
+
+void backend_init_once() {
+    static std::once_flag once;
+    std::call_once(once, [] { llama_backend_init(); });
+}
+
+const char * level_name(ggml_log_level level) {
+    switch (level) {
+        case GGML_LOG_LEVEL_ERROR: return "E";
+        case GGML_LOG_LEVEL_WARN:  return "W";
+        case GGML_LOG_LEVEL_INFO:  return "I";
+        default:                   return "D";
+    }
+}
+
+// Collects llama.cpp's log lines ("E text", "W text", ...) while alive, then
+// puts the previous callback back.
+class LogCapture {
+  public:
+    LogCapture() {
+        llama_log_get(&prev_cb_, &prev_ud_);
+        llama_log_set(&LogCapture::callback, this);
+    }
+    ~LogCapture() { llama_log_set(prev_cb_, prev_ud_); }
+    LogCapture(const LogCapture &) = delete;
+    LogCapture & operator=(const LogCapture &) = delete;
+
+    std::vector<std::string> take() {
+        if (!partial_.empty()) {
+            lines_.push_back(partial_);
+            partial_.clear();
+        }
+        return std::move(lines_);
+    }
+
+    // The error lines, joined: the reason llama.cpp gave for a failure.
+    std::string reason() const {
+        std::string out;
+        for (const auto & line : lines_) {
+            if (line.rfind("E ", 0) == 0) {
+                if (!out.empty()) out += "; ";
+                out += line.substr(2);
+            }
+        }
+        if (!partial_.empty() && partial_.rfind("E ", 0) == 0) {
+            if (!out.empty()) out += "; ";
+            out += partial_.substr(2);
+        }
+        return out.empty() ? std::string("llama.cpp gave no reason") : out;
+    }
+
+  private:
+    static void callback(ggml_log_level level, const char * text, void * user_data) {
+        auto * self = static_cast<LogCapture *>(user_data);
+        if (self->partial_.empty()) {
+            // a continuation keeps the level of the line it continues
+            self->level_ = level == GGML_LOG_LEVEL_CONT ? self->level_ : level;
+            self->partial_ = std::string(level_name(self->level_)) + " ";
+        }
+        for (const char * p = text; *p; ++p) {
+            if (*p == '\n') {
+                self->lines_.push_back(self->partial_);
+                self->partial_.clear();
+                if (p[1]) self->partial_ = std::string(level_name(self->level_)) + " ";
+            } else {
+                self->partial_ += *p;
+            }
+        }
+    }
+
+    ggml_log_callback prev_cb_ = nullptr;
+    void * prev_ud_ = nullptr;
+    ggml_log_level level_ = GGML_LOG_LEVEL_INFO;
+    std::string partial_;
+    std::vector<std::string> lines_;
+};
+
+std::string meta_str(const llama_model * model, const char * key) {
+    char buf[256];
+    int32_t n = llama_model_meta_val_str(model, key, buf, sizeof(buf));
+    return n < 0 ? std::string() : std::string(buf);
+}
+
+ModelFacts facts_of(const llama_model * model) {
+    ModelFacts f;
+    f.architecture = meta_str(model, "general.architecture");
+    f.name = meta_str(model, "general.name");
+    f.n_layer = llama_model_n_layer(model);
+    f.n_ctx_train = llama_model_n_ctx_train(model);
+    f.n_embd = llama_model_n_embd(model);
+    f.n_head = llama_model_n_head(model);
+    f.n_expert = llama_model_n_expert(model);
+    f.n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    f.n_params = llama_model_n_params(model);
+    f.model_size = llama_model_size(model);
+    for (int i = 0; i < llama_model_n_devices(model); ++i) {
+        f.devices.emplace_back(ggml_backend_dev_name(llama_model_get_device(model, i)));
+    }
+    return f;
+}
+
+// Mirrors llama_context::output_reserve(): logits for every output row, plus an
+// embedding per row when the context extracts embeddings. Host memory.
+BufferRow output_row(const llama_model * model, const llama_context_params & cparams, std::uint32_t n_outputs) {
+    const std::uint64_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+    const std::uint64_t n_embd_out = llama_model_n_embd_out(model);
+    const std::uint64_t rows = std::max<std::uint64_t>(n_outputs, cparams.n_seq_max);
+    BufferRow row;
+    row.buffer_type = "output";
+    row.device = "CPU";
+    row.host = true;
+    row.output = (n_vocab * rows + (cparams.embeddings ? n_embd_out * rows : 0)) * sizeof(float);
+    return row;
+}
+
+std::string device_type_name(enum ggml_backend_dev_type type) {
+    switch (type) {
+        case GGML_BACKEND_DEVICE_TYPE_CPU:   return "cpu";
+        case GGML_BACKEND_DEVICE_TYPE_GPU:   return "gpu";
+        case GGML_BACKEND_DEVICE_TYPE_IGPU:  return "igpu";
+        case GGML_BACKEND_DEVICE_TYPE_ACCEL: return "accel";
+        default:                             return "other";
+    }
+}
+
+struct ModelFree { void operator()(llama_model * m) const { llama_model_free(m); } };
+struct ContextFree { void operator()(llama_context * c) const { llama_free(c); } };
+
+}  // namespace
+
+std::vector<BufferRow> breakdown_of(const llama_context * ctx) {
+    std::vector<BufferRow> rows;
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+        BufferRow row;
+        row.buffer_type = ggml_backend_buft_name(buft);
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+        row.device = dev ? ggml_backend_dev_name(dev) : "CPU";
+        row.host = ggml_backend_buft_is_host(buft);
+        row.model = mb.model;
+        row.context = mb.context;
+        row.compute = mb.compute;
+        rows.push_back(row);
+    }
+    return rows;
+}
+
+ProbeResult probe_file(const std::string & path, const llama_model_params & mparams,
+                       const llama_context_params & cparams, std::uint32_t n_outputs) {
+    backend_init_once();
+    std::lock_guard<std::mutex> lock(probe_mutex());
+    LogCapture capture;
+
+    llama_model_params mp = mparams;
+    mp.no_alloc = true;
+    mp.load_mode = LLAMA_LOAD_MODE_NONE;  // the default mode with no_alloc aborts
+    mp.progress_callback = nullptr;
+    mp.progress_callback_user_data = nullptr;
+
+    std::unique_ptr<llama_model, ModelFree> model(llama_model_load_from_file(path.c_str(), mp));
+    if (!model) {
+        throw probe_error(path + ": cannot load model: " + capture.reason());
+    }
+    llama_context_params cp = cparams;
+    cp.cb_eval = nullptr;
+    cp.abort_callback = nullptr;
+    std::unique_ptr<llama_context, ContextFree> ctx(llama_init_from_model(model.get(), cp));
+    if (!ctx) {
+        throw probe_error(path + ": cannot create a context: " + capture.reason());
+    }
+
+    ProbeResult result;
+    result.rows = breakdown_of(ctx.get());
+    result.rows.push_back(output_row(model.get(), cp, n_outputs));
+    result.facts = facts_of(model.get());
+    result.n_ctx = llama_n_ctx(ctx.get());
+    result.n_seq_max = llama_n_seq_max(ctx.get());
+    ctx.reset();
+    model.reset();
+    result.log = capture.take();
+    return result;
+}
+
+std::vector<DeviceInfo> list_devices() {
+    backend_init_once();
+    std::vector<DeviceInfo> out;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        DeviceInfo info;
+        info.index = static_cast<int>(i);
+        info.name = ggml_backend_dev_name(dev);
+        info.description = ggml_backend_dev_description(dev);
+        info.type = device_type_name(ggml_backend_dev_type(dev));
+        size_t free = 0, total = 0;
+        ggml_backend_dev_memory(dev, &free, &total);
+        info.free = free;
+        info.total = total;
+        out.push_back(info);
+    }
+    return out;
+}
+
+void * device_handle(const std::string & name) {
+    backend_init_once();
+    std::string known;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        if (name == ggml_backend_dev_name(dev)) return dev;
+        known += std::string(known.empty() ? "" : ", ") + ggml_backend_dev_name(dev);
+    }
+    throw probe_error("unknown device '" + name + "' (devices here: " + known + ")");
+}
+
+void * buffer_type_handle(const std::string & name) {
+    backend_init_once();
+    std::string known;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        for (ggml_backend_buffer_type_t buft : {ggml_backend_dev_buffer_type(dev), ggml_backend_dev_host_buffer_type(dev)}) {
+            if (!buft) continue;
+            if (name == ggml_backend_buft_name(buft)) return buft;
+            known += std::string(known.empty() ? "" : ", ") + ggml_backend_buft_name(buft);
+        }
+    }
+    throw probe_error("unknown buffer type '" + name + "' (buffer types here: " + known + ")");
+}
+
+std::map<std::string, MetaValue> gguf_metadata(const std::string & path) {
+    std::lock_guard<std::mutex> lock(probe_mutex());
+    LogCapture capture;
+    gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/nullptr};
+    gguf_context * g = gguf_init_from_file(path.c_str(), params);
+    if (!g) {
+        throw probe_error(path + ": not a readable GGUF file: " + capture.reason());
+    }
+    std::map<std::string, MetaValue> out;
+    for (int64_t i = 0; i < gguf_get_n_kv(g); ++i) {
+        const std::string key = gguf_get_key(g, i);
+        switch (gguf_get_kv_type(g, i)) {
+            case GGUF_TYPE_UINT8:   out[key] = {'i', std::to_string(gguf_get_val_u8(g, i))}; break;
+            case GGUF_TYPE_INT8:    out[key] = {'i', std::to_string(gguf_get_val_i8(g, i))}; break;
+            case GGUF_TYPE_UINT16:  out[key] = {'i', std::to_string(gguf_get_val_u16(g, i))}; break;
+            case GGUF_TYPE_INT16:   out[key] = {'i', std::to_string(gguf_get_val_i16(g, i))}; break;
+            case GGUF_TYPE_UINT32:  out[key] = {'i', std::to_string(gguf_get_val_u32(g, i))}; break;
+            case GGUF_TYPE_INT32:   out[key] = {'i', std::to_string(gguf_get_val_i32(g, i))}; break;
+            case GGUF_TYPE_UINT64:  out[key] = {'i', std::to_string(gguf_get_val_u64(g, i))}; break;
+            case GGUF_TYPE_INT64:   out[key] = {'i', std::to_string(gguf_get_val_i64(g, i))}; break;
+            case GGUF_TYPE_FLOAT32: out[key] = {'f', std::to_string(gguf_get_val_f32(g, i))}; break;
+            case GGUF_TYPE_FLOAT64: out[key] = {'f', std::to_string(gguf_get_val_f64(g, i))}; break;
+            case GGUF_TYPE_BOOL:    out[key] = {'b', gguf_get_val_bool(g, i) ? "1" : "0"}; break;
+            case GGUF_TYPE_STRING:  out[key] = {'s', gguf_get_val_str(g, i)}; break;
+            case GGUF_TYPE_ARRAY:   out[key] = {'a', std::to_string(gguf_get_arr_n(g, i))}; break;
+            default: break;
+        }
+    }
+    gguf_free(g);
+    return out;
+}
+
+}  // namespace pyllmrouter

@@ -1,0 +1,93 @@
+// Exact memory probe over libllama/libggml: no Python in here.
+//
+// probe_file() builds a model and a context with no_alloc (and load mode NONE:
+// the default mmap mode with no_alloc aborts), reads llama.cpp's own per
+// buffer-type breakdown of what a real load would allocate, and frees both.
+// breakdown_of() reads the same breakdown from a live context, so a
+// prediction and the real thing can be compared in one process.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+struct llama_context;
+struct llama_model_params;
+struct llama_context_params;
+
+namespace pyllmrouter {
+
+// Raised for every failure; the message names the file and the reason.
+class probe_error : public std::runtime_error {
+  public:
+    using std::runtime_error::runtime_error;
+};
+
+// Bytes in one backend buffer type. `device` is the ggml device that owns the
+// buffer type; `host` says the bytes live in system memory (CPU, CUDA_Host...).
+struct BufferRow {
+    std::string buffer_type;
+    std::string device;
+    bool host = false;
+    std::uint64_t model = 0;
+    std::uint64_t context = 0;
+    std::uint64_t compute = 0;
+    std::uint64_t output = 0;  // logits/embeddings buffer: not in llama.cpp's breakdown
+};
+
+struct ModelFacts {
+    std::string architecture;
+    std::string name;
+    std::int32_t n_layer = 0;
+    std::int32_t n_ctx_train = 0;
+    std::int32_t n_embd = 0;
+    std::int32_t n_head = 0;
+    std::int32_t n_expert = 0;
+    std::int32_t n_vocab = 0;
+    std::uint64_t n_params = 0;
+    std::uint64_t model_size = 0;
+    std::vector<std::string> devices;  // devices the model is split over
+};
+
+struct ProbeResult {
+    std::vector<BufferRow> rows;
+    ModelFacts facts;
+    std::uint32_t n_ctx = 0;
+    std::uint32_t n_seq_max = 0;
+    std::vector<std::string> log;  // llama.cpp's log lines during the probe
+};
+
+struct DeviceInfo {
+    int index = 0;
+    std::string name;
+    std::string description;
+    std::string type;  // cpu, gpu, igpu, accel
+    std::uint64_t free = 0;
+    std::uint64_t total = 0;
+};
+
+// A scalar GGUF key: integers, floats, bools and strings; arrays as their length.
+using MetaValue = std::pair<char, std::string>;  // ('i'|'f'|'b'|'s'|'a', text)
+
+// n_outputs: rows of the output buffer to reserve (n_seq_max for generation,
+// n_batch when every token of a batch yields logits or an embedding).
+ProbeResult probe_file(const std::string & path, const llama_model_params & mparams,
+                       const llama_context_params & cparams, std::uint32_t n_outputs);
+
+std::vector<BufferRow> breakdown_of(const llama_context * ctx);
+
+std::vector<DeviceInfo> list_devices();
+
+// Handles for llama_model_params: a device by ggml name ("CUDA0", "RPC0"), a
+// buffer type by name ("CPU", "CUDA0", "CUDA_Host"). Unknown names throw and
+// list the known ones.
+void * device_handle(const std::string & name);
+void * buffer_type_handle(const std::string & name);
+
+std::map<std::string, MetaValue> gguf_metadata(const std::string & path);
+
+}  // namespace pyllmrouter

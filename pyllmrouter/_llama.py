@@ -1,0 +1,78 @@
+"""The one way into llama.cpp from Python.
+
+``llama_cpp`` is imported first and loads libllama/libggml; ``_native`` links the
+same libraries by SONAME, so the process holds exactly one copy of each.  Both
+are imported lazily: ``import pyllmrouter`` alone loads no backend, which is
+what lets the router process stay free of any GPU context.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import ModuleType
+
+__all__ = ["llama_cpp_module", "native", "forward_log"]
+
+# llama.cpp is chatty: its errors become exceptions anyway, so nothing here is
+# louder than WARNING and information is DEBUG (quiet unless asked for).
+_LEVELS = {"E": logging.WARNING, "W": logging.INFO, "I": logging.DEBUG, "D": logging.DEBUG}
+LOG = logging.getLogger("pyllmrouter.llama")
+
+
+# enum ggml_log_level: NONE, DEBUG, INFO, WARN, ERROR, CONT
+_GGML_LEVELS = {1: "D", 2: "I", 3: "W", 4: "E"}
+
+
+class _LogBridge:
+    """llama.cpp's log callback, forwarding whole lines to ``logging``.
+
+    Replaces llama_cpp's own callback (which prints to stderr); the instance
+    keeps the ctypes trampoline alive for as long as the process runs.
+    """
+
+    def __init__(self, lc: ModuleType):
+        self.level = "I"
+        self.partial = ""
+        self.callback = lc.llama_log_callback(self._on_log)
+        lc.llama_log_set(self.callback, None)
+
+    def _on_log(self, level: int, text: bytes, _user_data) -> None:
+        if level != 5:  # CONT keeps the level of the line it continues
+            self.level = _GGML_LEVELS.get(level, "D")
+        self.partial += text.decode("utf-8", "replace")
+        *lines, self.partial = self.partial.split("\n")
+        forward_log([f"{self.level} {line}" for line in lines])
+
+
+@functools.cache
+def llama_cpp_module() -> ModuleType:
+    import llama_cpp.llama_cpp as lc  # noqa: PLC0415 - lazy on purpose
+
+    _log_bridge(lc)
+    return lc
+
+
+@functools.cache
+def _log_bridge(lc: ModuleType) -> _LogBridge:
+    return _LogBridge(lc)
+
+
+@functools.cache
+def native() -> ModuleType:
+    llama_cpp_module()
+    from . import _native  # noqa: PLC0415 - after llama_cpp on purpose
+
+    return _native
+
+
+def forward_log(lines: list[str]) -> None:
+    """Pass llama.cpp log lines captured by the probe ("E text") to ``logging``.
+
+    Quiet by default: nothing is emitted at a level a bare logging setup shows,
+    except llama.cpp errors.
+    """
+    for line in lines:
+        level = _LEVELS.get(line[:1], logging.DEBUG)
+        if LOG.isEnabledFor(level):
+            LOG.log(level, "%s", line[2:])

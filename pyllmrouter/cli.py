@@ -1,0 +1,174 @@
+"""Command line: ``pyllmrouter devices | probe | demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Sequence
+
+from .probe import HOST, MemoryEstimate, ProbeError, cache_dir, probe
+from .spec import FLASH_ATTN, KV_TYPES, ModelSpec, SpecError
+from .tables import MiB, mib, render
+
+__all__ = ["main", "spec_from_args", "add_spec_arguments"]
+
+
+def _devices() -> list[dict]:
+    from ._llama import native  # noqa: PLC0415 - loads llama.cpp
+
+    return native().devices()
+
+
+def add_spec_arguments(p: argparse.ArgumentParser) -> None:
+    """llama-server's names for the settings that decide a model's memory."""
+    p.add_argument("model", help="GGUF file (a split model by its first shard)")
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="n_ctx", type=int, default=4096,
+                   help="context size (0 = the model's training context; default 4096)")
+    p.add_argument("-b", "--batch-size", dest="n_batch", type=int, default=2048)
+    p.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=int, default=512)
+    p.add_argument("-np", "--parallel", dest="n_seq_max", type=int, default=1, help="parallel sequences")
+    p.add_argument("--kv-unified", action="store_true", help="one KV buffer shared by all sequences")
+    p.add_argument("-ngl", "--n-gpu-layers", "--ngl", dest="n_gpu_layers", type=int, default=-1,
+                   help="layers on the GPU (-1 = all)")
+    p.add_argument("-sm", "--split-mode", dest="split_mode", default="layer", choices=["none", "layer", "row"])
+    p.add_argument("-mg", "--main-gpu", dest="main_gpu", type=int, default=0)
+    p.add_argument("-ts", "--tensor-split", dest="tensor_split", default=None,
+                   help="proportions per device, e.g. 3,1")
+    p.add_argument("-dev", "--device", dest="devices", default=None, help="comma-separated ggml device names")
+    p.add_argument("-ctk", "--cache-type-k", "--type-k", dest="type_k", default="f16", choices=sorted(KV_TYPES))
+    p.add_argument("-ctv", "--cache-type-v", "--type-v", dest="type_v", default="f16", choices=sorted(KV_TYPES))
+    p.add_argument("-fa", "--flash-attn", dest="flash_attn", default="auto", choices=sorted(FLASH_ATTN))
+    p.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true")
+    p.add_argument("--cpu-moe", dest="cpu_moe", action="store_true", help="all MoE experts in host memory")
+    p.add_argument("--n-cpu-moe", dest="n_cpu_moe", type=int, default=0,
+                   help="experts of the first N layers in host memory")
+    p.add_argument("-nkvo", "--no-kv-offload", dest="offload_kqv", action="store_false")
+    p.add_argument("--no-mmap", dest="use_mmap", action="store_false")
+
+
+def spec_from_args(a: argparse.Namespace) -> ModelSpec:
+    split = tuple(float(x) for x in a.tensor_split.split(",")) if a.tensor_split else None
+    devices = tuple(d.strip() for d in a.devices.split(",")) if a.devices else None
+    return ModelSpec(
+        a.model, n_ctx=a.n_ctx, n_batch=a.n_batch, n_ubatch=a.n_ubatch, n_seq_max=a.n_seq_max,
+        kv_unified=a.kv_unified, n_gpu_layers=a.n_gpu_layers, split_mode=a.split_mode,
+        main_gpu=a.main_gpu, tensor_split=split, devices=devices, type_k=a.type_k, type_v=a.type_v,
+        flash_attn=a.flash_attn, embedding=a.embedding, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
+        offload_kqv=a.offload_kqv, use_mmap=a.use_mmap,
+    )
+
+
+def estimate_table(est: MemoryEstimate, free: dict[str, int], margin: int) -> str:
+    rows = []
+    for d in est.devices:
+        f = free.get(d.device)
+        fits = "-" if f is None else ("yes" if d.total <= f - margin else "no")
+        rows.append([d.device, mib(d.weights), mib(d.kv), mib(d.compute), mib(d.output), mib(d.total), mib(f), fits])
+    head = ["device", "weights MiB", "KV MiB", "compute MiB", "output MiB", "total MiB", "free MiB",
+            f"fits (margin {margin // MiB} MiB)"]
+    return render(head, rows)
+
+
+def _free_by_pool(devices: list[dict]) -> dict[str, int]:
+    free = {d["name"]: d["free"] for d in devices}
+    cpu = next((d for d in devices if d["type"] == "cpu"), None)
+    if cpu is not None:
+        free[HOST] = cpu["free"]
+    return free
+
+
+def cmd_devices(a: argparse.Namespace) -> int:
+    devs = _devices()
+    if a.json:
+        print(json.dumps(devs, indent=2))
+        return 0
+    rows = [[d["index"], d["name"], d["type"], d["description"], mib(d["free"]), mib(d["total"])] for d in devs]
+    print(render(["#", "name", "type", "description", "free MiB", "total MiB"], rows))
+    return 0
+
+
+def cmd_probe(a: argparse.Namespace) -> int:
+    spec = spec_from_args(a)
+    t0 = time.perf_counter()
+    est = probe(spec, use_cache=not a.no_cache)
+    elapsed = time.perf_counter() - t0
+    devs = _devices()
+    margin = a.margin * MiB
+    if a.json:
+        out = est.to_dict()
+        free = _free_by_pool(devs)
+        out["free"] = {d.device: free.get(d.device) for d in est.devices}
+        out["fits"] = {d.device: free.get(d.device) is not None and d.total <= free[d.device] - margin
+                       for d in est.devices}
+        out["probe_seconds"] = elapsed
+        print(json.dumps(out, indent=2))
+        return 0
+    f = est.facts
+    print(f"{spec.path}: {f.architecture} '{f.name}', {f.n_layer} layers, {f.n_params / 1e6:.1f}M params, "
+          f"n_ctx {est.n_ctx} (train {f.n_ctx_train}), {est.n_seq_max} seq, experts {f.n_expert}")
+    print(estimate_table(est, _free_by_pool(devs), margin))
+    print(f"total {mib(est.total)} MiB; probed in {elapsed * 1000:.2f} ms{' (cached)' if est.cached else ''}")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    """Offline tour: devices, then exact estimates for generated models."""
+    from . import tinymodels  # noqa: PLC0415
+
+    models_dir = cache_dir() / "models"
+    paths = tinymodels.write_tiny_set(models_dir)
+    shape = models_dir / "shape-7b-q4_0.gguf"
+    if not shape.exists():
+        tinymodels.write_shape(shape, tinymodels.SHAPE_7B)
+    print("Devices llama.cpp sees here:\n")
+    cmd_devices(argparse.Namespace(json=False))
+    specs = [ModelSpec(str(paths["tiny-llama"])), ModelSpec(str(paths["tiny-moe"]), n_seq_max=4),
+             ModelSpec(str(paths["tiny-bert"]), embedding=True, n_ctx=512),
+             ModelSpec(str(shape), n_ctx=8192), ModelSpec(str(shape), n_ctx=32768, type_k="q8_0", type_v="q8_0")]
+    rows = []
+    for spec in specs:
+        t0 = time.perf_counter()
+        est = probe(spec, refresh=True)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        probe(spec)
+        warm = time.perf_counter() - t0
+        d = est.devices[0]
+        rows.append([est.facts.name, est.n_ctx, est.n_seq_max, spec.type_k, mib(d.weights), mib(d.kv),
+                     mib(d.compute), mib(d.output), mib(est.total), f"{cold * 1000:.1f}", f"{warm * 1000:.3f}"])
+    print("\nExact memory per model (no tensor data read; the 7B is a sparse file of its real layout):\n")
+    print(render(["model", "n_ctx", "seqs", "kv type", "weights MiB", "KV MiB", "compute MiB", "output MiB",
+                  "total MiB", "probe ms", "cached ms"], rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyllmrouter", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("devices", help="list ggml devices with free/total memory")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_devices)
+    p = sub.add_parser("probe", help="exact memory a model needs, per device")
+    add_spec_arguments(p)
+    p.add_argument("--margin", type=int, default=1024, help="MiB kept free per device (default 1024)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--no-cache", action="store_true", help="probe again even if cached")
+    p.set_defaults(func=cmd_probe)
+    p = sub.add_parser("demo", help="offline tour on generated models")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ProbeError, SpecError) as e:
+        print(f"pyllmrouter: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

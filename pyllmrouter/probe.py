@@ -1,0 +1,315 @@
+"""Exact memory estimates: what loading a ModelSpec allocates, per device.
+
+    probe(spec) ─┬─ cache hit? ──> MemoryEstimate (from JSON, no llama.cpp import)
+                 └─ checks the file (exists, GGUF magic)
+                    params.build(spec) ──> _native.probe(no_alloc model + context)
+                    ──> MemoryEstimate ──> cache
+
+Rows come per backend buffer type, straight from llama.cpp's own
+``llama_get_memory_breakdown`` plus the host output (logits) buffer it leaves
+out.  ``MemoryEstimate.devices`` folds them into memory pools: a host buffer
+type (CPU, CUDA_Host, ...) lives in system memory, pool "CPU"; any other lives
+on its device ("CUDA0", "RPC1", ...).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from ._llama import forward_log, native
+from .spec import ModelSpec
+
+__all__ = [
+    "BufferUse",
+    "DeviceUse",
+    "ModelFacts",
+    "MemoryEstimate",
+    "ProbeError",
+    "probe",
+    "live_breakdown",
+    "aggregate",
+    "cache_dir",
+    "HOST",
+]
+
+HOST = "CPU"  # the pool name of system memory, as ggml names the CPU device
+_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+class ProbeError(RuntimeError):
+    """A model could not be probed; ``path`` and ``reason`` say which and why."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class BufferUse:
+    """Bytes of one ggml backend buffer type."""
+
+    buffer_type: str
+    device: str
+    host: bool
+    model: int = 0
+    context: int = 0
+    compute: int = 0
+    output: int = 0
+
+    @property
+    def pool(self) -> str:
+        return HOST if self.host else self.device
+
+    @property
+    def total(self) -> int:
+        return self.model + self.context + self.compute + self.output
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """Bytes one model needs in one memory pool (a device, or host memory)."""
+
+    device: str
+    weights: int = 0
+    kv: int = 0
+    compute: int = 0
+    output: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute + self.output
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    architecture: str
+    name: str
+    n_layer: int
+    n_ctx_train: int
+    n_embd: int
+    n_head: int
+    n_expert: int
+    n_vocab: int
+    n_params: int
+    model_size: int
+    file_size: int
+    devices: tuple[str, ...] = ()
+
+
+def aggregate(buffers: Iterable[BufferUse]) -> tuple[DeviceUse, ...]:
+    """Fold buffer rows into one row per pool; devices in first-seen order, host last."""
+    sums: dict[str, list[int]] = {}
+    for b in buffers:
+        s = sums.setdefault(b.pool, [0, 0, 0, 0])
+        s[0] += b.model
+        s[1] += b.context
+        s[2] += b.compute
+        s[3] += b.output
+    order = [d for d in sums if d != HOST] + ([HOST] if HOST in sums else [])
+    return tuple(DeviceUse(d, *sums[d]) for d in order)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """What loading ``spec`` allocates, per buffer type and per device."""
+
+    spec: ModelSpec
+    facts: ModelFacts
+    buffers: tuple[BufferUse, ...]
+    n_ctx: int
+    n_seq_max: int
+    cached: bool = field(default=False, compare=False)
+
+    @property
+    def devices(self) -> tuple[DeviceUse, ...]:
+        return aggregate(self.buffers)
+
+    def per_device(self) -> dict[str, int]:
+        """Total bytes per pool: the figure admission compares with free memory."""
+        return {d.device: d.total for d in self.devices}
+
+    @property
+    def total(self) -> int:
+        return sum(b.total for b in self.buffers)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "spec": self.spec.to_dict(),
+            "facts": asdict(self.facts),
+            "buffers": [asdict(b) for b in self.buffers],
+            "n_ctx": self.n_ctx,
+            "n_seq_max": self.n_seq_max,
+        }
+        d["devices"] = [dict(asdict(u), total=u.total) for u in self.devices]
+        d["total"] = self.total
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], cached: bool = False) -> "MemoryEstimate":
+        facts = dict(d["facts"])
+        facts["devices"] = tuple(facts.get("devices", ()))
+        return cls(
+            spec=ModelSpec.from_dict(d["spec"]),
+            facts=ModelFacts(**facts),
+            buffers=tuple(BufferUse(**b) for b in d["buffers"]),
+            n_ctx=d["n_ctx"],
+            n_seq_max=d["n_seq_max"],
+            cached=cached,
+        )
+
+
+# -- files ------------------------------------------------------------------
+
+def _shards(path: str) -> list[str]:
+    """All files of a model: the path itself, or every shard of a split GGUF."""
+    m = _SHARD.search(path)
+    if not m:
+        return [path]
+    n = int(m.group(2))
+    stem = path[: m.start()]
+    return [f"{stem}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
+
+
+def _check_file(path: str) -> list[os.stat_result]:
+    """Stat every file of the model; raise ProbeError for what llama.cpp would choke on."""
+    stats = []
+    for p in _shards(path):
+        try:
+            st = os.stat(p)
+        except FileNotFoundError:
+            raise ProbeError(p, "file not found") from None
+        except OSError as e:
+            raise ProbeError(p, f"cannot read: {e.strerror}") from None
+        if not os.path.isfile(p):
+            raise ProbeError(p, "not a regular file")
+        if st.st_size == 0:
+            raise ProbeError(p, "empty file")
+        stats.append(st)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ProbeError(path, f"not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+    return stats
+
+
+# -- cache ------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    root = os.environ.get("PYLLMROUTER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pyllmrouter")
+    return Path(root)
+
+
+@functools.cache
+def _installation() -> tuple[str, tuple[str, ...]]:
+    """The llama.cpp build and the GPUs of this machine (fixed while a process lives)."""
+    gpus_dir = "/proc/driver/nvidia/gpus"
+    gpus = tuple(sorted(os.listdir(gpus_dir))) if os.path.isdir(gpus_dir) else ()
+    return importlib.metadata.version("llama-cpp-python"), gpus
+
+
+def _environment() -> dict[str, Any]:
+    """What decides which devices llama.cpp sees here, readable without loading it."""
+    masks = {k: os.environ.get(k) for k in (
+        "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GGML_VK_VISIBLE_DEVICES",
+    )}
+    version, gpus = _installation()
+    return {"llama_cpp": version, "masks": masks, "gpus": gpus}
+
+
+def _cache_key(spec: ModelSpec, stats: list[os.stat_result]) -> str:
+    ident = {
+        "path": os.path.realpath(spec.path),
+        "files": [(st.st_size, st.st_mtime_ns, st.st_ino) for st in stats],
+        "spec": spec.to_dict(),
+        "env": _environment(),
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
+
+
+def _cache_read(path: Path) -> MemoryEstimate | None:
+    try:
+        return MemoryEstimate.from_dict(json.loads(path.read_text()), cached=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _cache_write(path: Path, est: MemoryEstimate) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(est.to_dict()))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache costs speed, never correctness
+
+
+# -- probing ----------------------------------------------------------------
+
+def _rows(raw: list[dict[str, Any]]) -> tuple[BufferUse, ...]:
+    return tuple(BufferUse(**r) for r in raw)
+
+
+def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = False) -> MemoryEstimate:
+    """Bytes that loading ``spec`` allocates, per buffer type and device, exactly.
+
+    Reads only the GGUF metadata (tensor data is never touched). Runs in the
+    calling process with the devices it can see: a masked process sees only
+    its devices.  ``refresh`` probes again and rewrites the cache entry;
+    ``use_cache=False`` neither reads nor writes it.
+    """
+    if not isinstance(spec, ModelSpec):
+        spec = ModelSpec(spec)
+    stats = _check_file(spec.path)
+    key_path = cache_dir() / "probes" / f"{_cache_key(spec, stats)}.json"
+    if use_cache and not refresh:
+        hit = _cache_read(key_path)
+        if hit is not None:
+            return hit
+
+    from . import params as _params  # imports llama_cpp: only on a cache miss
+
+    nat = native()
+    n_ctx_train = None
+    if spec.n_ctx == 0:
+        try:
+            meta = nat.metadata(spec.path)
+        except nat.LlamaError as e:
+            raise ProbeError(spec.path, str(e).split(": ", 1)[-1]) from None
+        n_ctx_train = meta.get(f"{meta.get('general.architecture')}.context_length")
+        if not isinstance(n_ctx_train, int):
+            raise ProbeError(spec.path, "n_ctx=0 but the file has no <arch>.context_length")
+    try:
+        p = _params.build(spec, n_ctx_train)
+        raw = nat.probe(spec.path, p.model_address, p.context_address, p.n_outputs)
+    except nat.LlamaError as e:
+        raise ProbeError(spec.path, str(e).removeprefix(spec.path + ": ")) from None
+    forward_log(raw["log"])
+    facts = dict(raw["facts"])
+    facts["devices"] = tuple(facts["devices"])
+    est = MemoryEstimate(
+        spec=spec,
+        facts=ModelFacts(file_size=sum(st.st_size for st in stats), **facts),
+        buffers=_rows(raw["rows"]),
+        n_ctx=raw["n_ctx"],
+        n_seq_max=raw["n_seq_max"],
+    )
+    if use_cache:
+        _cache_write(key_path, est)
+    return est
+
+
+def live_breakdown(llm: Any) -> tuple[BufferUse, ...]:
+    """The buffer rows of a loaded ``llama_cpp.Llama`` (without the output buffer)."""
+    import ctypes
+
+    ctx = llm._ctx.ctx  # noqa: SLF001 - the llama_context the Llama owns
+    return _rows(native().live_breakdown(ctypes.cast(ctx, ctypes.c_void_p).value))

@@ -1,0 +1,105 @@
+"""ModelSpec: the one description of a model load, shared by probe and loader.
+
+A spec is plain data (no llama.cpp import), so the router process can hold,
+hash and compare specs without touching a GPU backend.  ``params.py`` turns a
+spec into the llama.cpp parameter structs; the probe and the loader both use
+that one conversion, so the bytes probed are the bytes loaded.
+
+Defaults follow llama-server rather than llama_cpp.Llama: all layers on the
+GPU, flash attention ``auto``, n_batch 2048, n_ubatch 512, n_ctx 4096.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ModelSpec", "SpecError", "KV_TYPES", "SPLIT_MODES", "FLASH_ATTN"]
+
+# ggml_type ids of the cache types llama.cpp accepts for K and V
+KV_TYPES = {
+    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
+    "iq4_nl": 20, "bf16": 30,
+}
+# enum llama_split_mode
+SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
+# enum llama_flash_attn_type
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+
+
+class SpecError(ValueError):
+    """A spec field has an impossible value; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything that decides what loading ``path`` allocates, and where."""
+
+    path: str
+    n_ctx: int = 4096  # 0: the model's training context
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_seq_max: int = 1  # parallel sequences (llama-server --parallel)
+    kv_unified: bool = False
+    n_gpu_layers: int = -1  # -1: every layer
+    split_mode: str = "layer"
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] | None = None
+    devices: tuple[str, ...] | None = None  # ggml device names; None: all visible
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: str = "auto"
+    offload_kqv: bool = True
+    op_offload: bool = True
+    swa_full: bool = True
+    embedding: bool = False
+    pooling: int = -1  # enum llama_pooling_type; -1: from the model
+    n_cpu_moe: int = 0  # keep the experts of the first N layers in host memory
+    cpu_moe: bool = False  # keep every expert tensor in host memory
+    tensor_overrides: tuple[tuple[str, str], ...] = ()  # (regex, buffer type) pairs
+    use_mmap: bool = True
+    n_threads: int | None = None
+    n_threads_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", os.fspath(self.path))
+        for name in ("tensor_split", "devices"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+        if not isinstance(self.tensor_overrides, tuple):
+            object.__setattr__(self, "tensor_overrides", tuple(tuple(p) for p in self.tensor_overrides))
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise SpecError(f"{name}={getattr(self, name)!r}: {why}")
+
+        need(self.n_ctx >= 0, "n_ctx", "must be >= 0 (0 = the model's training context)")
+        need(self.n_batch >= 1, "n_batch", "must be >= 1")
+        need(self.n_ubatch >= 1, "n_ubatch", "must be >= 1")
+        need(1 <= self.n_seq_max <= 256, "n_seq_max", "must be between 1 and 256")
+        need(self.n_gpu_layers >= -1, "n_gpu_layers", "must be >= -1 (-1 = all layers)")
+        need(self.split_mode in SPLIT_MODES, "split_mode", f"must be one of {sorted(SPLIT_MODES)}")
+        need(self.type_k in KV_TYPES, "type_k", f"must be one of {sorted(KV_TYPES)}")
+        need(self.type_v in KV_TYPES, "type_v", f"must be one of {sorted(KV_TYPES)}")
+        need(self.flash_attn in FLASH_ATTN, "flash_attn", f"must be one of {sorted(FLASH_ATTN)}")
+        need(self.n_cpu_moe >= 0, "n_cpu_moe", "must be >= 0")
+        need(self.main_gpu >= 0, "main_gpu", "must be >= 0")
+        if self.tensor_split is not None:
+            need(all(x >= 0 for x in self.tensor_split) and sum(self.tensor_split) > 0,
+                 "tensor_split", "needs non-negative proportions with a positive sum")
+
+    def replace(self, **changes: Any) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        return cls(**d)
+

@@ -1,0 +1,365 @@
+"""Tiny random-weight GGUF models for tests, the demo and benchmarks.
+
+Every writer here produces a real GGUF file that llama.cpp loads and runs:
+
+    write_llama(path)   dense llama, SentencePiece (SPM) vocabulary, chat template
+    write_moe(path)     qwen3moe mixture of experts, same SPM vocabulary
+    write_bert(path)    bert encoder with a WordPiece vocabulary (embeddings)
+    write_shape(path)   a large model *shape* (7B dense, 30B-A3B MoE): header and
+                        tensor table only; the data region is a sparse hole that
+                        is never written, so probes can be timed on real layouts
+
+Weights are random (seeded), so the text they generate is noise; what matters
+is that every tensor, key and buffer llama.cpp allocates is real.
+"""
+
+from __future__ import annotations
+
+import os
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "Shape",
+    "LLAMA",
+    "MOE",
+    "BERT",
+    "SHAPE_7B",
+    "SHAPE_30B_A3B",
+    "write_llama",
+    "write_moe",
+    "write_bert",
+    "write_shape",
+    "write_tiny_set",
+]
+
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Hyper-parameters of a generated model (ggml naming)."""
+
+    arch: str
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx_train: int = 2048
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_vocab: int = 0  # 0: the size of the built-in vocabulary
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+LLAMA = Shape("llama", n_embd=128, n_layer=2, n_head=4, n_head_kv=2, n_ff=256)
+MOE = Shape(
+    "qwen3moe", n_embd=128, n_layer=2, n_head=4, n_head_kv=2, n_ff=256,
+    n_expert=4, n_expert_used=2, n_ff_exp=64,
+)
+BERT = Shape("bert", n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx_train=512)
+SHAPE_7B = Shape(
+    "llama", n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, n_ff=14336,
+    n_ctx_train=32768, n_vocab=32000,
+)
+SHAPE_30B_A3B = Shape(
+    "qwen3moe", n_embd=2048, n_layer=48, n_head=32, n_head_kv=4, n_ff=6144,
+    n_ctx_train=40960, n_expert=128, n_expert_used=8, n_ff_exp=768, n_vocab=151936,
+)
+
+
+# -- vocabularies -----------------------------------------------------------
+
+def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """<unk> <s> </s>, chat markers, 256 byte tokens, then letters and words."""
+    import gguf
+
+    tokens = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    types = [gguf.TokenType.UNKNOWN] + [gguf.TokenType.CONTROL] * 4
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [gguf.TokenType.BYTE] * 256
+    words = ["the", "a", "of", "and", "to", "is", "in", "it", "you", "that", "hello", "world",
+             "model", "router", "memory", "GPU", "token", "fast"]
+    pieces = ["\u2581"] + list(string.ascii_letters + string.digits + ".,!?'")
+    pieces += ["\u2581" + c for c in string.ascii_lowercase] + ["\u2581" + w for w in words] + words
+    seen = set(tokens)
+    for p in pieces:
+        if p not in seen:
+            seen.add(p)
+            tokens.append(p)
+            types.append(gguf.TokenType.NORMAL)
+    scores = [0.0] * 261 + [-float(i) for i in range(len(tokens) - 261)]
+    return tokens, scores, [int(t) for t in types]
+
+
+def _wpm_vocab() -> list[str]:
+    """BERT WordPiece as llama.cpp stores it: word starts carry U+2581, "##" pieces are bare.
+
+    [PAD] [UNK] [CLS] [SEP] [MASK], then word-initial characters and words,
+    then continuation characters.
+    """
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = ["the", "of", "and", "to", "is", "in", "hello", "world", "embedding", "model"]
+    tokens += ["\u2581" + c for c in string.ascii_lowercase + string.digits + ".,!?'-"]
+    tokens += ["\u2581" + w for w in words]
+    tokens += list(string.ascii_lowercase + string.digits)
+    assert len(set(tokens)) == len(tokens), "llama.cpp aborts on duplicate tokens"
+    return tokens
+
+
+# -- writers ----------------------------------------------------------------
+
+class _Weights:
+    """Seeded random tensors, stored f16 for matrices and f32 for norms."""
+
+    def __init__(self, writer, seed: int):
+        self.writer = writer
+        self.rng = np.random.default_rng(seed)
+
+    def mat(self, name: str, *ne: int, f32: bool = False) -> None:
+        # ne is in ggml order (fastest dimension first); numpy wants it reversed
+        data = self.rng.standard_normal(tuple(reversed(ne)), dtype=np.float32) * 0.02
+        self.writer.add_tensor(name, data if f32 else data.astype(np.float16))
+
+    def vec(self, name: str, n: int, value: float | None = None) -> None:
+        if value is None:
+            data = self.rng.standard_normal(n, dtype=np.float32) * 0.02
+        else:
+            data = np.full(n, value, dtype=np.float32)
+        self.writer.add_tensor(name, data)
+
+
+def _finish(writer, path: Path) -> Path:
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add_decoder_hparams(writer, shape: Shape, n_vocab: int) -> None:
+    writer.add_context_length(shape.n_ctx_train)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(n_vocab)
+    if shape.n_expert:
+        writer.add_expert_count(shape.n_expert)
+        writer.add_expert_used_count(shape.n_expert_used)
+        writer.add_expert_feed_forward_length(shape.n_ff_exp)
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+
+
+def _add_spm_tokenizer(writer) -> int:
+    tokens, scores, types = _spm_vocab()
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(4)  # <|im_end|> ends a chat turn
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(_CHATML)
+    return len(tokens)
+
+
+def _write_decoder(path: os.PathLike | str, shape: Shape, seed: int) -> Path:
+    import gguf
+
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, shape.arch)
+    writer.add_name(f"tiny-{shape.arch}")
+    n_vocab = _add_spm_tokenizer(writer)
+    _add_decoder_hparams(writer, shape, n_vocab)
+    w = _Weights(writer, seed)
+    e, hd = shape.n_embd, shape.head_dim
+    w.mat("token_embd.weight", e, n_vocab)
+    w.vec("output_norm.weight", e, 1.0)
+    w.mat("output.weight", e, n_vocab)
+    for i in range(shape.n_layer):
+        b = f"blk.{i}."
+        w.vec(b + "attn_norm.weight", e, 1.0)
+        w.mat(b + "attn_q.weight", e, hd * shape.n_head)
+        w.mat(b + "attn_k.weight", e, hd * shape.n_head_kv)
+        w.mat(b + "attn_v.weight", e, hd * shape.n_head_kv)
+        w.mat(b + "attn_output.weight", hd * shape.n_head, e)
+        w.vec(b + "ffn_norm.weight", e, 1.0)
+        if shape.n_expert:
+            w.vec(b + "attn_q_norm.weight", hd, 1.0)
+            w.vec(b + "attn_k_norm.weight", hd, 1.0)
+            w.mat(b + "ffn_gate_inp.weight", e, shape.n_expert)
+            w.mat(b + "ffn_gate_exps.weight", e, shape.n_ff_exp, shape.n_expert)
+            w.mat(b + "ffn_down_exps.weight", shape.n_ff_exp, e, shape.n_expert)
+            w.mat(b + "ffn_up_exps.weight", e, shape.n_ff_exp, shape.n_expert)
+        else:
+            w.mat(b + "ffn_gate.weight", e, shape.n_ff)
+            w.mat(b + "ffn_down.weight", shape.n_ff, e)
+            w.mat(b + "ffn_up.weight", e, shape.n_ff)
+    return _finish(writer, path)
+
+
+def write_llama(path: os.PathLike | str, shape: Shape = LLAMA, seed: int = 0) -> Path:
+    """A dense llama model with an SPM vocabulary and a ChatML template."""
+    return _write_decoder(path, shape, seed)
+
+
+def write_moe(path: os.PathLike | str, shape: Shape = MOE, seed: int = 0) -> Path:
+    """A qwen3moe mixture-of-experts model (experts in 3-D ``*_exps`` tensors)."""
+    if not shape.n_expert:
+        raise ValueError("a MoE shape needs n_expert > 0")
+    return _write_decoder(path, shape, seed)
+
+
+def write_bert(path: os.PathLike | str, shape: Shape = BERT, seed: int = 0) -> Path:
+    """A bert embedding model with a WordPiece vocabulary and mean pooling."""
+    import gguf
+
+    path = Path(path)
+    tokens = _wpm_vocab()
+    writer = gguf.GGUFWriter(path, "bert")
+    writer.add_name("tiny-bert")
+    writer.add_context_length(shape.n_ctx_train)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_layer_norm_eps(1e-12)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType.MEAN)
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] * 5 + [gguf.TokenType.NORMAL] * (len(tokens) - 5))
+    writer.add_token_type_count(2)
+    writer.add_pad_token_id(0)
+    writer.add_unk_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_uint32("tokenizer.ggml.cls_token_id", 2)
+    writer.add_sep_token_id(3)
+    writer.add_mask_token_id(4)
+    w = _Weights(writer, seed)
+    e = shape.n_embd
+    w.mat("token_embd.weight", e, len(tokens))
+    # added to activations, not multiplied: ggml's CPU add wants f32 here
+    w.mat("token_types.weight", e, 2, f32=True)
+    w.mat("position_embd.weight", e, shape.n_ctx_train, f32=True)
+    w.vec("token_embd_norm.weight", e, 1.0)
+    w.vec("token_embd_norm.bias", e, 0.0)
+    for i in range(shape.n_layer):
+        b = f"blk.{i}."
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.mat(b + part + ".weight", e, e)
+            w.vec(b + part + ".bias", e)
+        w.vec(b + "attn_output_norm.weight", e, 1.0)
+        w.vec(b + "attn_output_norm.bias", e, 0.0)
+        w.mat(b + "ffn_up.weight", e, shape.n_ff)
+        w.vec(b + "ffn_up.bias", shape.n_ff)
+        w.mat(b + "ffn_down.weight", shape.n_ff, e)
+        w.vec(b + "ffn_down.bias", e)
+        w.vec(b + "layer_output_norm.weight", e, 1.0)
+        w.vec(b + "layer_output_norm.bias", e, 0.0)
+    return _finish(writer, path)
+
+
+def write_shape(path: os.PathLike | str, shape: Shape = SHAPE_7B, quant: str = "Q4_0") -> Path:
+    """Write a model's header and tensor table; leave the data region a sparse hole.
+
+    The file has the full size of the real model (so llama.cpp's bounds checks
+    pass) but occupies only a few kilobytes of disk.  It can be probed, not run.
+    """
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[quant.upper()]
+    block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    path = Path(path)
+    n_vocab = shape.n_vocab or len(_spm_vocab()[0])
+    writer = gguf.GGUFWriter(path, shape.arch)
+    writer.add_name(f"shape-{shape.arch}-{shape.n_layer}L")
+    tokens, scores, types = _spm_vocab()
+    pad = n_vocab - len(tokens)
+    if pad < 0:
+        raise ValueError(f"n_vocab {n_vocab} is smaller than the built-in vocabulary ({len(tokens)})")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens + [f"<unused{i}>" for i in range(pad)])
+    writer.add_token_scores(scores + [-1e4] * pad)
+    writer.add_token_types(types + [int(gguf.TokenType.UNUSED)] * pad)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    _add_decoder_hparams(writer, shape, n_vocab)
+
+    def add(name: str, *ne: int, f32: bool = False) -> None:
+        n = int(np.prod(ne))
+        if f32:
+            writer.add_tensor_info(name, tuple(reversed(ne)), np.dtype(np.float32), n * 4)
+        else:
+            nbytes = n // block * type_size
+            writer.add_tensor_info(name, tuple(reversed(ne)), np.dtype(np.float32), nbytes, raw_dtype=qtype)
+
+    e, hd = shape.n_embd, shape.head_dim
+    add("token_embd.weight", e, n_vocab)
+    add("output_norm.weight", e, f32=True)
+    add("output.weight", e, n_vocab)
+    for i in range(shape.n_layer):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", e, f32=True)
+        add(b + "attn_q.weight", e, hd * shape.n_head)
+        add(b + "attn_k.weight", e, hd * shape.n_head_kv)
+        add(b + "attn_v.weight", e, hd * shape.n_head_kv)
+        add(b + "attn_output.weight", hd * shape.n_head, e)
+        add(b + "ffn_norm.weight", e, f32=True)
+        if shape.n_expert:
+            add(b + "attn_q_norm.weight", hd, f32=True)
+            add(b + "attn_k_norm.weight", hd, f32=True)
+            add(b + "ffn_gate_inp.weight", e, shape.n_expert, f32=True)
+            add(b + "ffn_gate_exps.weight", e, shape.n_ff_exp, shape.n_expert)
+            add(b + "ffn_down_exps.weight", shape.n_ff_exp, e, shape.n_expert)
+            add(b + "ffn_up_exps.weight", e, shape.n_ff_exp, shape.n_expert)
+        else:
+            add(b + "ffn_gate.weight", e, shape.n_ff)
+            add(b + "ffn_down.weight", shape.n_ff, e)
+            add(b + "ffn_up.weight", e, shape.n_ff)
+    data_bytes = sum(
+        gguf.GGUFWriter.ggml_pad(ti.nbytes, writer.data_alignment) for ti in writer.tensors[0].values()
+    )
+    writer.write_header_to_file(path)
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.flush()
+    header_end = writer.fout[0].tell()
+    writer.close()
+    data_start = gguf.GGUFWriter.ggml_pad(header_end, writer.data_alignment)
+    os.truncate(path, data_start + data_bytes)
+    return path
+
+
+def write_tiny_set(directory: os.PathLike | str, seed: int = 0) -> dict[str, Path]:
+    """Write (or reuse) the three tiny models into ``directory``; name -> path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    writers = {"tiny-llama": write_llama, "tiny-moe": write_moe, "tiny-bert": write_bert}
+    out = {}
+    for name, write in writers.items():
+        path = directory / f"{name}.gguf"
+        if not path.exists():
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            write(tmp, seed=seed)
+            os.replace(tmp, path)
+        out[name] = path
+    return out
+

@@ -1,0 +1,87 @@
+"""The extension links the very libllama that llama_cpp loads, and only on demand."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pyllmrouter._llama import native
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _libllama_paths() -> str:
+    return """
+        import os
+        def libllama():
+            paths = set()
+            for line in open("/proc/self/maps"):
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libllama.so"):
+                    paths.add(os.path.realpath(path))
+            return sorted(paths)
+    """
+
+
+def test_one_libllama_per_process_with_llama_cpp_first(tiny):
+    out = _run(_libllama_paths() + f"""
+        import llama_cpp
+        from pyllmrouter import ModelSpec, probe
+        from pyllmrouter.loader import load
+        probe(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=128), use_cache=False)
+        load(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=128))
+        print(libllama())
+    """)
+    paths = eval(out)
+    assert len(paths) == 1, paths
+    assert "/llama_cpp/lib/" in paths[0]
+
+
+def test_native_alone_finds_the_same_library_by_rpath():
+    out = _run(_libllama_paths() + """
+        import importlib.util, os
+        from pyllmrouter import _native
+        _native.devices()
+        print(libllama())
+        print(os.path.realpath(os.path.dirname(importlib.util.find_spec("llama_cpp").origin)))
+    """)
+    paths, pkg = out.splitlines()
+    paths = eval(paths)
+    assert len(paths) == 1 and paths[0].startswith(pkg + "/lib/"), (paths, pkg)
+
+
+def test_importing_the_package_loads_no_backend():
+    out = _run(_libllama_paths() + """
+        import sys
+        import pyllmrouter
+        from pyllmrouter import ModelSpec, tinymodels
+        ModelSpec("x.gguf")
+        print(libllama(), "llama_cpp" in sys.modules)
+    """)
+    assert out.strip() == "[] False"
+
+
+def test_devices_lists_the_cpu_with_memory():
+    devs = native().devices()
+    cpu = [d for d in devs if d["type"] == "cpu"]
+    assert len(cpu) == 1
+    assert 0 < cpu[0]["free"] <= cpu[0]["total"]
+
+
+def test_metadata_reads_scalars_without_tensor_data(tiny):
+    meta = native().metadata(str(tiny["tiny-llama"]))
+    assert meta["general.architecture"] == "llama"
+    assert meta["llama.block_count"] == 2
+    assert meta["tokenizer.ggml.tokens"][0] == "array"
+
+
+def test_native_rejects_null_addresses(tiny):
+    with pytest.raises(ValueError):
+        native().probe(str(tiny["tiny-llama"]), 0, 0, 1)
+    with pytest.raises(ValueError):
+        native().live_breakdown(0)

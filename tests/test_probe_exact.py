@@ -1,0 +1,86 @@
+"""The probe predicts, byte for byte, what a real load allocates."""
+
+import itertools
+
+import pytest
+
+from pyllmrouter import ModelSpec, ProbeError, probe
+from pyllmrouter.loader import load
+from pyllmrouter.probe import aggregate, live_breakdown
+
+GRID = [
+    dict(n_ctx=n_ctx, n_seq_max=seqs, type_k=kv, type_v=kv, flash_attn=fa)
+    for n_ctx, seqs, (kv, fa) in itertools.product(
+        (256, 1024), (1, 3), (("f16", "off"), ("f16", "on"), ("q8_0", "on"), ("f16", "auto"))
+    )
+]
+
+
+def _without_output(devices):
+    return [(d.device, d.weights, d.kv, d.compute) for d in devices]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
+@pytest.mark.parametrize("settings", GRID, ids=lambda s: "-".join(f"{v}" for v in s.values()))
+def test_decoder_probe_equals_live_allocation(tiny, model, settings):
+    spec = ModelSpec(tiny[model], **settings)
+    est = probe(spec)
+    llm = load(spec)
+    assert _without_output(est.devices) == _without_output(aggregate(live_breakdown(llm)))
+    assert (est.n_ctx, est.n_seq_max) == (llm.n_ctx(), llm.context_params.n_seq_max)
+    assert est.n_seq_max == settings["n_seq_max"]
+
+
+@pytest.mark.parametrize("fa", ["on", "off"])
+@pytest.mark.parametrize("n_ctx", [128, 512])
+def test_embedding_probe_equals_live_allocation(tiny, fa, n_ctx):
+    spec = ModelSpec(tiny["tiny-bert"], n_ctx=n_ctx, embedding=True, flash_attn=fa)
+    est = probe(spec)
+    assert _without_output(est.devices) == _without_output(aggregate(live_breakdown(load(spec))))
+    assert est.devices[0].kv == 0  # an encoder keeps no KV cache
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe", "tiny-bert"])
+def test_buffer_types_match_exactly_without_mmap(tiny, model):
+    spec = ModelSpec(tiny[model], n_ctx=512, use_mmap=False, embedding=model == "tiny-bert")
+    est = probe(spec)
+    live = live_breakdown(load(spec))
+    probed = {b.buffer_type: (b.model, b.context, b.compute) for b in est.buffers if b.buffer_type != "output"}
+    assert probed == {b.buffer_type: (b.model, b.context, b.compute) for b in live}
+
+
+def test_mmap_moves_weights_to_a_mapped_buffer_of_the_same_size(tiny):
+    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512)
+    live = {b.buffer_type: b for b in live_breakdown(load(spec))}
+    est = probe(spec)
+    assert live["CPU_Mapped"].model == sum(b.model for b in est.buffers)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
+def test_kv_bytes_grow_linearly_with_context(tiny, model):
+    kv = [probe(ModelSpec(tiny[model], n_ctx=n)).devices[0].kv for n in (256, 512, 1024, 2048)]
+    assert kv[0] > 0
+    assert kv == [kv[0] * k for k in (1, 2, 4, 8)]
+
+
+def test_quantized_cache_is_smaller(tiny):
+    f16 = probe(ModelSpec(tiny["tiny-llama"], n_ctx=2048, flash_attn="on")).devices[0].kv
+    q8 = probe(ModelSpec(tiny["tiny-llama"], n_ctx=2048, flash_attn="on", type_k="q8_0", type_v="q8_0"))
+    # q8_0 stores 32 values in 34 bytes, f16 in 64
+    assert q8.devices[0].kv * 64 == f16 * 34
+
+
+def test_output_buffer_is_counted_in_host_memory(tiny):
+    one = probe(ModelSpec(tiny["tiny-llama"], n_ctx=512))
+    four = probe(ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=4))
+    n_vocab = one.facts.n_vocab
+    assert one.devices[-1].output == n_vocab * 4
+    assert four.devices[-1].output == 4 * n_vocab * 4
+    assert one.total == sum(d.total for d in one.devices)
+
+
+def test_quantized_v_cache_without_flash_attention_is_a_clear_error(tiny):
+    spec = ModelSpec(tiny["tiny-llama"], type_v="q8_0", flash_attn="off")
+    with pytest.raises(ProbeError, match="tiny-llama.gguf: cannot create a context: .*flash") as e:
+        probe(spec)
+    assert e.value.path == str(tiny["tiny-llama"])
