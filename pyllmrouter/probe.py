@@ -22,7 +22,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from ._llama import forward_log, native
 from .spec import ModelSpec
@@ -34,6 +34,7 @@ __all__ = [
     "MemoryEstimate",
     "ProbeError",
     "probe",
+    "cached_estimate",
     "live_breakdown",
     "aggregate",
     "cache_dir",
@@ -216,23 +217,36 @@ def _installation() -> tuple[str, tuple[str, ...]]:
     return importlib.metadata.version("llama-cpp-python"), gpus
 
 
-def _environment() -> dict[str, Any]:
-    """What decides which devices llama.cpp sees here, readable without loading it."""
-    masks = {k: os.environ.get(k) for k in (
+def _environment(env: Mapping[str, str]) -> dict[str, Any]:
+    """What decides which devices llama.cpp sees, readable without loading it."""
+    masks = {k: env.get(k) for k in (
         "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GGML_VK_VISIBLE_DEVICES",
     )}
     version, gpus = _installation()
     return {"llama_cpp": version, "masks": masks, "gpus": gpus}
 
 
-def _cache_key(spec: ModelSpec, stats: list[os.stat_result]) -> str:
+def _cache_path(spec: ModelSpec, stats: list[os.stat_result], env: Mapping[str, str]) -> Path:
     ident = {
         "path": os.path.realpath(spec.path),
         "files": [(st.st_size, st.st_mtime_ns, st.st_ino) for st in stats],
         "spec": spec.to_dict(),
-        "env": _environment(),
+        "env": _environment(env),
     }
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
+    return cache_dir() / "probes" / f"{key}.json"
+
+
+def cached_estimate(spec: ModelSpec, env: Mapping[str, str]) -> MemoryEstimate | None:
+    """The cached probe of ``spec`` as a process with environment ``env`` made it.
+
+    Never loads llama.cpp: the router process uses this for masked devices.
+    """
+    try:
+        stats = _check_file(spec.path)
+    except ProbeError:
+        return None
+    return _cache_read(_cache_path(spec, stats, env))
 
 
 def _cache_read(path: Path) -> MemoryEstimate | None:
@@ -269,7 +283,7 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
     if not isinstance(spec, ModelSpec):
         spec = ModelSpec(spec)
     stats = _check_file(spec.path)
-    key_path = cache_dir() / "probes" / f"{_cache_key(spec, stats)}.json"
+    key_path = _cache_path(spec, stats, os.environ)
     if use_cache and not refresh:
         hit = _cache_read(key_path)
         if hit is not None:

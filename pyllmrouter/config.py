@@ -1,0 +1,55 @@
+"""What a user declares: models, and how the router may use the devices."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .spec import ModelSpec
+
+__all__ = ["ModelConfig", "RouterOptions", "MiB", "GiB"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One servable model.
+
+    ``devices`` pins the model to a device set (inventory names: ``CUDA0``,
+    ``GPU1``, ``CPU``); unpinned models go wherever they fit best.
+    ``llama_kwargs`` pass through to ``llama_cpp.Llama`` (chat_format, seed...)
+    and never change memory.
+    """
+
+    name: str
+    spec: ModelSpec
+    aliases: tuple[str, ...] = ()
+    devices: tuple[str, ...] | None = None
+    ttl: float | None = None  # seconds idle before unloading; None: never
+    persistent: bool = False  # never evicted
+    load_on_startup: bool = False
+    llama_kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name.strip() != self.name:
+            raise ValueError(f"bad model name {self.name!r}: empty or padded with spaces")
+        if self.ttl is not None and self.ttl <= 0:
+            raise ValueError(f"model {self.name!r}: ttl must be > 0 seconds")
+        for name in ("aliases", "devices"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, tuple):
+                object.__setattr__(self, name, tuple(value))
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    margin: int = 1024 * MiB  # kept free on every device (llama.cpp's fit default)
+    budgets: dict[str, int] = field(default_factory=dict, hash=False)  # per-device caps
+    max_models: int = 0  # 0: no count limit (llama-server --models-max)
+    queue_timeout: float = 60.0  # seconds a request may wait for admission
+    turn: float = 5.0  # seconds a busy model keeps taking new requests once another waits for its memory
+    load_timeout: float = 600.0
+    autoload: bool = True
+    keep_idle_workers: bool = True

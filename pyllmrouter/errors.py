@@ -1,0 +1,59 @@
+"""Errors the router raises; each message names the model and the reason."""
+
+from __future__ import annotations
+
+__all__ = [
+    "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
+    "RouterClosed",
+]
+
+
+class RouterError(RuntimeError):
+    """Base of every router error."""
+
+
+class UnknownModel(RouterError, KeyError):
+    def __init__(self, name: str, known: list[str]):
+        super().__init__(f"unknown model {name!r}; known models: {', '.join(sorted(known)) or 'none'}")
+        self.name = name
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0]
+
+
+class NeverFits(RouterError):
+    """The model is bigger than a device's budget even with nothing else loaded."""
+
+    def __init__(self, name: str, device: str, need: int, capacity: int, detail: str):
+        super().__init__(f"model {name!r} can never fit: {detail}")
+        self.name, self.device, self.need, self.capacity = name, device, need, capacity
+
+
+class QueueTimeout(RouterError):
+    """The model would fit once busy models finish, but not within the wait allowed."""
+
+    def __init__(self, name: str, waited: float, why: str):
+        super().__init__(f"model {name!r} not admitted within {waited:.1f} s: {why}")
+        self.name, self.waited = name, waited
+
+
+class LoadFailed(RouterError):
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"model {name!r} failed to load: {reason}")
+        self.name, self.reason = name, reason
+
+
+class WorkerDied(RouterError):
+    """The worker process ended while requests were in flight."""
+
+
+class RequestFailed(RouterError):
+    """The model raised while serving a request."""
+
+    def __init__(self, name: str, kind: str, message: str):
+        super().__init__(f"model {name!r}: {kind}: {message}")
+        self.name, self.kind, self.message = name, kind, message
+
+
+class RouterClosed(RouterError):
+    pass

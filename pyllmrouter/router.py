@@ -1,0 +1,177 @@
+"""The Python API: ``Router`` serves OpenAI-shaped requests over the scheduler.
+
+    app ──chat/complete/embed──▶ Router ──lease──▶ Scheduler (admission, eviction)
+                                   │                   │ background: probe, load, unload
+                                   └──Run──▶ WorkerHandle ──pipe──▶ worker process
+                                   ◀──Chunk* Result | Failed──┘
+
+    with Router([ModelConfig("chat", ModelSpec("chat.gguf"))]) as router:
+        router.chat("chat", [{"role": "user", "content": "hi"}])
+        for chunk in router.complete("chat", "Once", stream=True): ...
+        router.status()   # per model state and per device requirement, used and free
+
+Every call ends with a result or an exception (UnknownModel, NeverFits,
+QueueTimeout, LoadFailed, WorkerDied, RequestFailed); a worker killed mid
+request fails that request at once and the next request starts a new worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator, Iterable, Iterator
+
+from .config import ModelConfig, RouterOptions
+from .devices import Inventory, SystemInventory
+from .errors import RequestFailed, RouterError, WorkerDied
+from .protocol import Chunk, Failed, Result, Run
+from .scheduler import Record, Scheduler
+
+__all__ = ["Router"]
+
+
+class Router:
+    def __init__(self, models: Iterable[ModelConfig], *, inventory: Inventory | None = None,
+                 options: RouterOptions | None = None, **option_overrides: Any):
+        options = options or RouterOptions()
+        if option_overrides:
+            options = RouterOptions(**{**options.__dict__, **option_overrides})
+        self.options = options
+        self._sched = Scheduler(list(models), inventory or SystemInventory(), options)
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, name="ttl-reaper", daemon=True)
+        self._reaper.start()
+        for rec in self._sched.records():
+            if rec.config.load_on_startup:
+                threading.Thread(target=self._load_quietly, args=(rec.name,), daemon=True).start()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def __enter__(self) -> "Router":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop every worker; leaves no child process behind."""
+        self._stop.set()
+        self._sched.close()
+        self._reaper.join(5)
+
+    def _reap(self) -> None:
+        while not self._stop.wait(1.0):
+            self._sched.reap_idle()
+
+    def _load_quietly(self, name: str) -> None:
+        try:
+            self.load(name)
+        except RouterError:
+            pass  # the failure is recorded on the model (status shows it)
+
+    # -- control ---------------------------------------------------------------
+
+    def load(self, name: str, timeout: float | None = None) -> None:
+        """Load ``name`` (evicting idle models if needed) and return once LOADED."""
+        rec = self._sched.lease(name, timeout, autoload=True)
+        self._sched.release(rec)
+
+    def unload(self, name: str, wait: float | None = 30.0) -> bool:
+        return self._sched.unload(name, wait)
+
+    def status(self) -> dict[str, Any]:
+        return self._sched.status()
+
+    def models(self) -> list[ModelConfig]:
+        return [r.config for r in self._sched.records()]
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self._sched
+
+    # -- requests --------------------------------------------------------------
+
+    def chat(self, model: str, messages: list[dict[str, Any]], *, stream: bool = False,
+             timeout: float | None = None, autoload: bool | None = None, **params: Any):
+        """OpenAI chat completion (a dict), or an iterator of chunks with ``stream=True``."""
+        return self._request(model, "chat", dict(params, messages=messages), stream, timeout, autoload)
+
+    def complete(self, model: str, prompt: str, *, stream: bool = False, timeout: float | None = None,
+                 autoload: bool | None = None, **params: Any):
+        return self._request(model, "complete", dict(params, prompt=prompt), stream, timeout, autoload)
+
+    def embed(self, model: str, input: str | list[str], *, timeout: float | None = None,
+              autoload: bool | None = None, **params: Any) -> dict[str, Any]:
+        return self._request(model, "embed", dict(params, input=input), False, timeout, autoload)
+
+    async def achat(self, model: str, messages: list[dict[str, Any]], **kw: Any):
+        return await self._async(self.chat, model, messages, **kw)
+
+    async def acomplete(self, model: str, prompt: str, **kw: Any):
+        return await self._async(self.complete, model, prompt, **kw)
+
+    async def aembed(self, model: str, input: str | list[str], **kw: Any) -> dict[str, Any]:
+        return await asyncio.to_thread(self.embed, model, input, **kw)
+
+    async def _async(self, fn, *args: Any, stream: bool = False, **kw: Any):
+        result = await asyncio.to_thread(fn, *args, stream=stream, **kw)
+        return _aiter(result) if stream else result
+
+    def _request(self, model: str, method: str, kwargs: dict[str, Any], stream: bool,
+                 timeout: float | None, autoload: bool | None):
+        rec = self._sched.lease(model, timeout, autoload)
+        try:
+            pending = rec.worker.call(lambda rid: Run(rid, rec.name, method, kwargs, stream))
+        except BaseException:
+            self._sched.release(rec)
+            raise
+        if stream:
+            return self._stream(rec, pending)
+        try:
+            reply = pending.get()
+        finally:
+            self._sched.release(rec)
+        if isinstance(reply, Failed):
+            raise _error(rec, reply)
+        return reply.value
+
+    def _stream(self, rec: Record, pending) -> Iterator[dict[str, Any]]:
+        done = False
+        try:
+            while True:
+                msg = pending.get()
+                if isinstance(msg, Chunk):
+                    yield msg.value
+                    continue
+                done = True
+                if isinstance(msg, Failed):
+                    raise _error(rec, msg)
+                return
+        finally:
+            if done:
+                self._sched.release(rec)
+            else:  # the consumer stopped early: stop generation, then free the lease
+                pending.cancel()
+                threading.Thread(target=self._drain, args=(rec, pending), daemon=True).start()
+
+    def _drain(self, rec: Record, pending) -> None:
+        try:
+            while not isinstance(pending.get(), (Result, Failed)):
+                pass
+        finally:
+            self._sched.release(rec)
+
+
+def _error(rec: Record, reply: Failed) -> RouterError:
+    if reply.kind == "WorkerDied":
+        return WorkerDied(f"model {rec.name!r}: {reply.message}")
+    return RequestFailed(rec.name, reply.kind, reply.message)
+
+
+async def _aiter(it: Iterator[Any]) -> AsyncIterator[Any]:
+    sentinel = object()
+    while True:
+        item = await asyncio.to_thread(next, it, sentinel)
+        if item is sentinel:
+            return
+        yield item

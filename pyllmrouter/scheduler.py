@@ -1,0 +1,502 @@
+"""The scheduler: owns every model's state, the admission queue and the workers.
+
+    lease(name) ──▶ ticket joins the FIFO queue ──▶ wait on the condition until
+        LOADED and may lease ─────────────────────────────────▶ leases += 1, return
+        UNLOADED, our turn ──▶ requirement known? ── no ──▶ background probe (masked)
+                               plan = placement.choose(...)
+                                 never fits  ──▶ NeverFits (at once)
+                                 victims idle ──▶ background unloads, wait
+                                 victims busy ──▶ mark them draining (turns), wait
+                                 fits        ──▶ LOADING + reservation ──▶ background load
+    release(record) ──▶ leases -= 1, notify
+
+All state lives under one lock (``self._cond``).  Nothing blocks on I/O while
+holding it: probes, worker starts, loads and unloads run in background threads
+and report back under the lock.  A decision and the state change it implies
+(reserve, mark UNLOADING) happen in the same critical section, so no other
+thread can act on a stale check.  Placement itself is pure (placement.py).
+
+FIFO: a ticket may start a load only if no earlier ticket that also waits for
+a load could use one of the same devices.  Requests for a LOADED model go
+ahead, except for a model being drained for an earlier waiter: it takes new
+requests only for ``turn`` seconds, then finishes what it has and is evicted.
+Two models that cannot be co-resident are thus served in turns, not per
+request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import placement
+from .config import ModelConfig, RouterOptions
+from .devices import HOST, Inventory
+from .errors import LoadFailed, NeverFits, QueueTimeout, RouterClosed, UnknownModel
+from .probe import MemoryEstimate, ProbeError, cached_estimate
+from .protocol import Failed, LoadModel, Loaded, Probe, Result, UnloadModel
+from .spec import ModelSpec
+from .state import State, check_transition, evictable, holds_memory
+from .workers import WorkerHandle
+
+__all__ = ["Scheduler", "Record"]
+
+
+@dataclass(eq=False)
+class Record:
+    """The router's view of one model (guarded by the scheduler lock)."""
+
+    config: ModelConfig
+    state: State = State.UNLOADED
+    leases: int = 0
+    last_used: float = 0.0
+    device_set: frozenset[str] | None = None
+    need: dict[str, int] = field(default_factory=dict)  # reserved bytes per device (+ COUNT)
+    worker: WorkerHandle | None = None
+    reason: str | None = None  # why it is UNLOADED (failed load, dead worker)
+    requirements: dict[frozenset[str], dict[str, int]] | None = None
+    probing: bool = False
+    error_epoch: int = 0  # bumped by each failure: tickets older than it give up
+    drain: tuple[float, int] | None = None  # (deadline, seq of the ticket that waits)
+    loads: int = 0
+    live: dict[str, int] = field(default_factory=dict)  # bytes the worker measured after load
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+
+@dataclass(eq=False)
+class _Ticket:
+    name: str
+    seq: int
+    epoch: int
+    created: float
+
+
+class Scheduler:
+    def __init__(self, models: list[ModelConfig], inventory: Inventory, options: RouterOptions):
+        self.options = options
+        self.inventory = inventory
+        self._devices = {d.name: d for d in inventory.devices()}
+        self._records: dict[str, Record] = {}
+        self._aliases: dict[str, str] = {}
+        for m in models:
+            if m.name in self._records or m.name in self._aliases:
+                raise ValueError(f"model name {m.name!r} is used twice")
+            for d in m.devices or ():
+                if d not in self._devices:
+                    raise ValueError(f"model {m.name!r} is pinned to unknown device {d!r} "
+                                     f"(devices: {', '.join(self._devices)})")
+            self._records[m.name] = Record(m)
+            for a in m.aliases:
+                if a in self._records or a in self._aliases:
+                    raise ValueError(f"alias {a!r} of model {m.name!r} is used twice")
+                self._aliases[a] = m.name
+        self._cond = threading.Condition()
+        self._queue: list[_Ticket] = []
+        self._seq = itertools.count(1)
+        self._workers: dict[frozenset[str], WorkerHandle] = {}
+        self._worker_locks: dict[frozenset[str], threading.Lock] = {}
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self.events: list[tuple[float, str, str]] = []  # (time, event, model): loads, evictions...
+        self.counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0}
+
+    # -- lookup --------------------------------------------------------------
+
+    def resolve(self, name: str) -> Record:
+        real = self._aliases.get(name, name)
+        rec = self._records.get(real)
+        if rec is None:
+            raise UnknownModel(name, list(self._records))
+        return rec
+
+    def records(self) -> list[Record]:
+        return list(self._records.values())
+
+    # -- accounting (lock held) ---------------------------------------------
+
+    def _capacity(self, device: str) -> int:
+        total = self._devices[device].total
+        return min(total, self.options.budgets.get(device, total)) - self.options.margin
+
+    def _held(self) -> dict[str, int]:
+        held: dict[str, int] = {}
+        for r in self._records.values():
+            if holds_memory(r.state):
+                for d, n in r.need.items():
+                    held[d] = held.get(d, 0) + n
+        for w in self._workers.values():
+            for d, n in w.overhead.items():
+                held[d] = held.get(d, 0) + n
+        return held
+
+    def _available(self) -> dict[str, int]:
+        free = self.inventory.free()
+        held = self._held()
+        out = {}
+        for name, dev in self._devices.items():
+            # what other programs use: the device's use minus what we hold
+            external = max(0, dev.total - free.get(name, dev.total) - held.get(name, 0))
+            out[name] = min(self._capacity(name), dev.total - external - self.options.margin) - held.get(name, 0)
+        if self.options.max_models:
+            out[placement.COUNT] = self.options.max_models - held.get(placement.COUNT, 0)
+        return out
+
+    def _candidates(self, rec: Record) -> list[frozenset[str]]:
+        if rec.config.devices:
+            return [frozenset(rec.config.devices)]
+        gpus = [n for n, d in self._devices.items() if d.kind != "cpu"]
+        return [frozenset({g}) for g in gpus] or [frozenset({HOST})]
+
+    def _residents(self, ignore_leases: bool = False) -> list[placement.Resident]:
+        return [
+            placement.Resident(
+                r.name, r.need, r.last_used,
+                evictable(r.state, 0 if ignore_leases else r.leases, r.config.persistent),
+            )
+            for r in self._records.values() if holds_memory(r.state)
+        ]
+
+    def check_invariant(self) -> dict[str, int]:
+        """Bytes held per device; raises if any device holds more than its capacity."""
+        with self._cond:
+            held = self._held()
+            for d, n in held.items():
+                if d == placement.COUNT:
+                    if self.options.max_models and n > self.options.max_models:
+                        raise AssertionError(f"{n} models held, limit {self.options.max_models}")
+                elif n > self._capacity(d):
+                    raise AssertionError(f"{d}: {n} bytes held > capacity {self._capacity(d)}")
+            return held
+
+    # -- leases ----------------------------------------------------------------
+
+    def lease(self, name: str, timeout: float | None = None, autoload: bool | None = None) -> Record:
+        """Block until ``name`` is LOADED and take a lease on it."""
+        rec = self.resolve(name)
+        timeout = self.options.queue_timeout if timeout is None else timeout
+        autoload = self.options.autoload if autoload is None else autoload
+        with self._cond:
+            if self._closed:
+                raise RouterClosed("router is closed")
+            if rec.state is not State.LOADED and not autoload:
+                raise LoadFailed(rec.name, f"model is {rec.state.value} and autoload is off")
+            ticket = _Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
+            self._queue.append(ticket)
+            deadline = ticket.created + timeout
+            try:
+                while True:
+                    if self._closed:
+                        raise RouterClosed("router is closed")
+                    if rec.error_epoch > ticket.epoch:
+                        raise LoadFailed(rec.name, rec.reason or "unknown reason")
+                    if rec.state is State.LOADED and self._may_lease(rec, ticket):
+                        rec.leases += 1
+                        rec.last_used = time.monotonic()
+                        return rec
+                    why = "waiting"
+                    if rec.state is State.UNLOADED:
+                        why = self._admit(rec, ticket)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise QueueTimeout(rec.name, timeout, why)
+                    self._cond.wait(min(remaining, 0.25))
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+
+    def release(self, rec: Record) -> None:
+        with self._cond:
+            rec.leases -= 1
+            rec.last_used = time.monotonic()
+            self._cond.notify_all()
+
+    def _may_lease(self, rec: Record, ticket: _Ticket) -> bool:
+        if rec.drain is None:
+            return True
+        deadline, waiter_seq = rec.drain
+        return ticket.seq < waiter_seq or time.monotonic() < deadline
+
+    # -- admission (lock held) -----------------------------------------------
+
+    def _earlier_loader_blocks(self, rec: Record, ticket: _Ticket) -> bool:
+        mine = set().union(*self._candidates(rec))
+        for t in self._queue:
+            if t.seq >= ticket.seq:
+                return False
+            other = self._records[t.name]
+            if other is rec:
+                return True  # an earlier ticket of the same model drives its load
+            if other.state is State.UNLOADED and mine & set().union(*self._candidates(other)):
+                return True
+        return False
+
+    def _admit(self, rec: Record, ticket: _Ticket) -> str:
+        """Move ``rec`` towards LOADING if it is this ticket's turn; say why not."""
+        if self._earlier_loader_blocks(rec, ticket):
+            return "queued behind earlier requests for the same devices"
+        if rec.requirements is None:
+            if not rec.probing:
+                rec.probing = True
+                self._spawn(self._probe_requirements, rec)
+            return "measuring its memory"
+        for ds in self._candidates(rec):
+            capacity = {d: self._capacity(d) for d in rec.requirements[ds] if d != placement.COUNT}
+            if self.options.max_models:
+                capacity[placement.COUNT] = self.options.max_models
+            worst = placement.never_fits(rec.requirements[ds], capacity)
+            if worst is None:
+                break
+        else:
+            rec.error_epoch += 1
+            rec.reason = str(worst)
+            raise NeverFits(rec.name, worst.device, worst.need, worst.capacity, str(worst))
+        available = self._available()
+        candidates = [(ds, rec.requirements[ds]) for ds in self._candidates(rec)]
+        plan = placement.choose(candidates, available, self._residents())
+        if plan is None:
+            self._drain_for(candidates, available, ticket)
+            return "waiting for busy models to finish"
+        if plan.victims:
+            for v in plan.victims:
+                self._begin_unload(self._records[v], evicted=True)
+            return "evicting idle models"
+        check_transition(rec.state, State.LOADING)
+        rec.state, rec.device_set, rec.need, rec.reason = State.LOADING, plan.device_set, dict(plan.need), None
+        self._spawn(self._load, rec)
+        return "loading"
+
+    def _drain_for(self, candidates, available, ticket: _Ticket) -> None:
+        """Busy models stand in the way: let them take new requests for one turn only."""
+        plan = placement.choose(candidates, available, self._residents(ignore_leases=True))
+        if plan is None:
+            return  # not even idle would do: LOADING models or persistent ones, wait
+        deadline = ticket.created + self.options.turn
+        for v in plan.victims:
+            victim = self._records[v]
+            if victim.drain is None or victim.drain[1] > ticket.seq:
+                victim.drain = (deadline, ticket.seq)
+
+    def _begin_unload(self, rec: Record, evicted: bool = False) -> None:
+        check_transition(rec.state, State.UNLOADING)
+        rec.state = State.UNLOADING
+        self._event("evict" if evicted else "unload", rec.name)
+        if evicted:
+            self.counters["evictions"] += 1
+        self._spawn(self._unload, rec)
+
+    # -- background work -------------------------------------------------------
+
+    def _spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _event(self, what: str, name: str) -> None:
+        self.events.append((time.monotonic(), what, name))
+
+    def _probe_requirements(self, rec: Record) -> None:
+        reqs: dict[frozenset[str], dict[str, int]] = {}
+        error = None
+        try:
+            for ds in self._candidates(rec):
+                est = self._probe_masked(rec.config.spec, ds)
+                need = self.inventory.to_inventory(ds, est.per_device())
+                if self.options.max_models:
+                    need[placement.COUNT] = 1
+                reqs[ds] = need
+        except Exception as e:  # noqa: BLE001 - reported to every waiting request
+            error = e
+        with self._cond:
+            rec.probing = False
+            if error is None:
+                rec.requirements = reqs
+            else:
+                rec.error_epoch += 1
+                rec.reason = f"cannot measure memory: {error}"
+            self._cond.notify_all()
+
+    def _worker_spec(self, spec: ModelSpec) -> ModelSpec:
+        # the mask decides the devices a worker sees; ggml names inside differ
+        return spec.replace(devices=None)
+
+    def _probe_masked(self, spec: ModelSpec, device_set: frozenset[str]) -> MemoryEstimate:
+        spec = self._worker_spec(spec)
+        env = self.inventory.mask_env(device_set)
+        hit = cached_estimate(spec, env)
+        if hit is not None:
+            return hit
+        with self._cond:
+            worker = self._workers.get(device_set)
+        temporary = worker is None or not worker.alive
+        if temporary:
+            worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set, env, lambda w: None)
+            worker.start()
+        try:
+            reply = worker.call(lambda rid: Probe(rid, spec)).get(self.options.load_timeout)
+        finally:
+            if temporary:
+                worker.stop()
+        if isinstance(reply, Failed):
+            raise ProbeError(spec.path, reply.message.removeprefix(spec.path + ": "))
+        return MemoryEstimate.from_dict(reply.value)
+
+    def _ensure_worker(self, device_set: frozenset[str]) -> WorkerHandle:
+        with self._cond:
+            lock = self._worker_locks.setdefault(device_set, threading.Lock())
+        with lock:
+            with self._cond:
+                w = self._workers.get(device_set)
+                if w is not None and w.alive:
+                    return w
+            w = WorkerHandle("+".join(sorted(device_set)), device_set, self.inventory.mask_env(device_set),
+                             self._on_worker_death)
+            w.start()
+            with self._cond:
+                self._workers[device_set] = w
+                self._cond.notify_all()
+            return w
+
+    def _load(self, rec: Record) -> None:
+        try:
+            worker = self._ensure_worker(rec.device_set)
+            with self._cond:
+                # the worker's measured overhead now counts: does the reservation still fit?
+                available = self._available()
+                mine = {d: available.get(d, 0) + n for d, n in rec.need.items()}
+                if placement.shortfall(rec.need, mine):
+                    check_transition(rec.state, State.UNLOADED)
+                    rec.state, rec.need = State.UNLOADED, {}
+                    self._cond.notify_all()
+                    return
+            cfg = rec.config
+            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, self._worker_spec(cfg.spec),
+                                                        dict(cfg.llama_kwargs)))
+            reply = pending.get(self.options.load_timeout)
+        except Exception as e:  # noqa: BLE001
+            reply = Failed(0, type(e).__name__, str(e))
+        with self._cond:
+            if rec.state is not State.LOADING:  # the worker died meanwhile and said so
+                return
+            if isinstance(reply, Loaded):
+                rec.state, rec.worker, rec.live = State.LOADED, worker, dict(reply.pools)
+                rec.last_used = time.monotonic()
+                rec.loads += 1
+                self.counters["loads"] += 1
+                self._event("load", rec.name)
+            else:
+                rec.state, rec.need, rec.worker = State.UNLOADED, {}, None
+                rec.reason = f"{reply.kind}: {reply.message}"
+                rec.error_epoch += 1
+                self.counters["load_failures"] += 1
+                self._event("load-failed", rec.name)
+            self._cond.notify_all()
+
+    def _unload(self, rec: Record) -> None:
+        worker = rec.worker
+        if worker is not None and worker.alive:
+            try:
+                worker.call(lambda rid: UnloadModel(rid, rec.name)).get(self.options.load_timeout)
+            except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
+                pass
+        with self._cond:
+            if rec.state is State.UNLOADING:
+                rec.state, rec.need, rec.worker, rec.drain, rec.live = State.UNLOADED, {}, None, None, {}
+            self._cond.notify_all()
+        if not self.options.keep_idle_workers and worker is not None:
+            self._stop_if_idle(worker)
+
+    def _stop_if_idle(self, worker: WorkerHandle) -> None:
+        with self._cond:
+            if any(r.worker is worker for r in self._records.values()):
+                return
+            self._workers.pop(worker.devices, None)
+        worker.stop()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _on_worker_death(self, worker: WorkerHandle) -> None:
+        with self._cond:
+            self.counters["worker_deaths"] += 1
+            if self._workers.get(worker.devices) is worker:
+                del self._workers[worker.devices]
+            for r in self._records.values():
+                if r.worker is worker or (r.state is State.LOADING and r.device_set == worker.devices):
+                    r.state, r.need, r.worker, r.drain, r.live = State.UNLOADED, {}, None, None, {}
+                    r.reason = f"worker process {worker.pid} died"
+                    self._event("worker-died", r.name)
+            self._cond.notify_all()
+
+    # -- explicit control ------------------------------------------------------
+
+    def unload(self, name: str, wait: float | None = 30.0) -> bool:
+        """Unload ``name`` once idle (waits for in-flight requests). False if not loaded."""
+        rec = self.resolve(name)
+        deadline = time.monotonic() + (wait or 0)
+        with self._cond:
+            while rec.state is State.LOADED and rec.leases > 0 and time.monotonic() < deadline:
+                self._cond.wait(0.1)
+            if rec.state is not State.LOADED or rec.leases > 0:
+                return False
+            self._begin_unload(rec)
+            while wait and rec.state is State.UNLOADING and time.monotonic() < deadline:
+                self._cond.wait(0.1)
+            return True
+
+    def reap_idle(self) -> list[str]:
+        """Unload models idle longer than their ttl; returns their names."""
+        now = time.monotonic()
+        out = []
+        with self._cond:
+            for r in self._records.values():
+                ttl = r.config.ttl
+                if ttl and evictable(r.state, r.leases, False) and now - r.last_used > ttl:
+                    self._begin_unload(r)
+                    out.append(r.name)
+        return out
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            workers = list(self._workers.values())
+            self._workers.clear()
+            for r in self._records.values():
+                r.state, r.need, r.worker, r.leases = State.UNLOADED, {}, None, 0
+            self._cond.notify_all()
+        for w in workers:
+            w.stop()
+        for t in list(self._threads):
+            t.join(5)
+
+    # -- status ----------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            available = self._available()
+            held = self._held()
+            free = self.inventory.free()
+            models = {
+                r.name: {
+                    "state": r.state.value, "aliases": list(r.config.aliases), "leases": r.leases,
+                    "devices": sorted(r.device_set) if r.device_set and holds_memory(r.state) else [],
+                    "requirement": {"+".join(sorted(ds)): {d: n for d, n in need.items() if d != placement.COUNT}
+                                    for ds, need in (r.requirements or {}).items()},
+                    "live": dict(r.live), "reason": r.reason, "loads": r.loads,
+                    "persistent": r.config.persistent, "ttl": r.config.ttl,
+                }
+                for r in self._records.values()
+            }
+            devices = {
+                n: {"kind": d.kind, "total": d.total, "free": free.get(n), "capacity": self._capacity(n),
+                    "held": held.get(n, 0), "available": available.get(n)}
+                for n, d in self._devices.items()
+            }
+            workers = [{"devices": sorted(w.devices), "pid": w.pid, "alive": w.alive, "overhead": w.overhead}
+                       for w in self._workers.values()]
+            return {"models": models, "devices": devices, "workers": workers, "counters": dict(self.counters),
+                    "queue": len(self._queue)}

@@ -1,0 +1,172 @@
+"""The worker process: one per device set, hosting models in-process.
+
+    main thread:  conn.recv() ─┬─ LoadModel ──▶ loader thread ─▶ Loaded | Failed
+                               ├─ Run ────────▶ the model's queue
+                               ├─ UnloadModel ▶ the model's queue (after its requests)
+                               ├─ Cancel ─────▶ cancelled set (checked per token)
+                               ├─ Probe ──────▶ probe thread ─▶ Result | Failed
+                               └─ Shutdown / EOF (router gone) ──▶ exit
+    model thread (one per model): requests in arrival order ─▶ Chunk* Result | Failed
+
+The device mask is applied to the environment before llama_cpp is imported,
+so this process can only ever see (and create contexts on) its own devices.
+Different models serve concurrently; one model serves one request at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+from .protocol import Cancel, Chunk, Failed, LoadModel, Loaded, Probe, Ready, Result, Run, Shutdown, Unloaded, \
+    UnloadModel
+
+__all__ = ["worker_main"]
+
+
+def _rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _Hosted:
+    """One loaded model and the thread that serves its requests in order."""
+
+    def __init__(self, name: str, llm: Any, send: Callable[[Any], None], cancelled: set[int]):
+        self.name = name
+        self.llm = llm
+        self.send = send
+        self.cancelled = cancelled
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name=f"model-{name}", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            msg = self.queue.get()
+            if isinstance(msg, UnloadModel):
+                self.llm.close()
+                self.llm = None
+                self.send(Unloaded(msg.req_id, self.name))
+                return
+            try:
+                self._run(msg)
+            except Exception as e:  # noqa: BLE001 - any failure goes back to the caller
+                self.send(Failed(msg.req_id, type(e).__name__, str(e)))
+            finally:
+                self.cancelled.discard(msg.req_id)
+
+    def _run(self, msg: Run) -> None:
+        if msg.req_id in self.cancelled:
+            self.send(Failed(msg.req_id, "Cancelled", "request cancelled before it started"))
+            return
+        kwargs = dict(msg.kwargs)
+        if msg.method == "embed":
+            self.send(Result(msg.req_id, self.llm.create_embedding(**kwargs)))
+            return
+        import llama_cpp  # noqa: PLC0415 - already imported by the loader
+        import numpy as np  # noqa: PLC0415
+
+        rid, eos = msg.req_id, self.llm.token_eos()
+
+        def stop_when_cancelled(_ids, scores):
+            # a cancelled request can only sample end-of-sequence: generation ends
+            if rid in self.cancelled:
+                scores = np.full_like(scores, -np.inf)
+                scores[eos] = 0.0
+            return scores
+
+        kwargs["logits_processor"] = llama_cpp.LogitsProcessorList(
+            list(kwargs.get("logits_processor") or []) + [stop_when_cancelled])
+        fn = {"chat": self.llm.create_chat_completion, "complete": self.llm.create_completion}.get(msg.method)
+        if fn is None:
+            raise ValueError(f"unknown method {msg.method!r}")
+        if not msg.stream:
+            self.send(Result(rid, fn(**kwargs)))
+            return
+        n = 0
+        for chunk in fn(stream=True, **kwargs):
+            if rid in self.cancelled:
+                break
+            self.send(Chunk(rid, chunk))
+            n += 1
+        self.send(Result(rid, {"chunks": n, "cancelled": rid in self.cancelled}))
+
+
+class _Worker:
+    def __init__(self, conn):
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.models: dict[str, _Hosted] = {}
+        self.cancelled: set[int] = set()
+
+    def send(self, msg: Any) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def _load(self, msg: LoadModel) -> None:
+        from .loader import load  # noqa: PLC0415
+        from .probe import aggregate, live_breakdown  # noqa: PLC0415
+
+        try:
+            if msg.name in self.models:
+                raise RuntimeError(f"model {msg.name!r} is already loaded in this worker")
+            t0 = time.perf_counter()
+            llm = load(msg.spec, **msg.llama_kwargs)
+            pools = {d.device: d.total for d in aggregate(live_breakdown(llm))}
+            self.models[msg.name] = _Hosted(msg.name, llm, self.send, self.cancelled)
+            self.send(Loaded(msg.req_id, msg.name, pools, time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001
+            self.send(Failed(msg.req_id, type(e).__name__, str(e)))
+
+    def _probe(self, msg: Probe) -> None:
+        from .probe import probe  # noqa: PLC0415
+
+        try:
+            self.send(Result(msg.req_id, probe(msg.spec).to_dict()))
+        except Exception as e:  # noqa: BLE001
+            self.send(Failed(msg.req_id, type(e).__name__, str(e)))
+
+    def serve(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                return  # the router is gone: so are we
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, Cancel):
+                self.cancelled.add(msg.req_id)
+            elif isinstance(msg, LoadModel):
+                threading.Thread(target=self._load, args=(msg,), daemon=True).start()
+            elif isinstance(msg, Probe):
+                threading.Thread(target=self._probe, args=(msg,), daemon=True).start()
+            elif isinstance(msg, UnloadModel):
+                hosted = self.models.pop(msg.name, None)
+                if hosted is None:
+                    self.send(Unloaded(msg.req_id, msg.name))
+                else:
+                    hosted.queue.put(msg)
+            elif isinstance(msg, Run):
+                hosted = self.models.get(msg.name)
+                if hosted is None:
+                    self.send(Failed(msg.req_id, "ModelNotLoaded", f"model {msg.name!r} is not loaded here"))
+                else:
+                    hosted.queue.put(msg)
+
+
+def worker_main(conn, env: dict[str, str]) -> None:
+    """Process entry point (multiprocessing, spawn)."""
+    os.environ.update(env)  # before anything imports llama_cpp
+    from ._llama import native  # noqa: PLC0415 - imports llama_cpp under the mask
+
+    native().devices()  # initialise the backends now, so the overhead below is real
+    worker = _Worker(conn)
+    worker.send(Ready(os.getpid(), {"CPU": _rss()}))
+    worker.serve()
