@@ -33,15 +33,45 @@ const char * level_name(ggml_log_level level) {
     }
 }
 
-// Collects llama.cpp's log lines ("E text", "W text", ...) while alive, then
-// puts the previous callback back.
+// llama.cpp has one process-wide log callback, and other threads (a model
+// loading or generating in the same process) log through it while a probe
+// runs.  So a routing callback is installed once: lines logged by a thread
+// that is probing go to that probe's capture (thread-local), every other line
+// goes on to the callback that was there before.
+class LogCapture;
+thread_local LogCapture * tl_capture = nullptr;
+
+struct LogRoute {
+    std::mutex mutex;
+    ggml_log_callback prev_cb = nullptr;
+    void * prev_ud = nullptr;
+};
+
+LogRoute & log_route() {
+    static LogRoute route;
+    return route;
+}
+
+void routed_log(ggml_log_level level, const char * text, void * user_data);
+
+// Collects the log lines ("E text", "W text", ...) of the current thread
+// while alive.
 class LogCapture {
   public:
     LogCapture() {
-        llama_log_get(&prev_cb_, &prev_ud_);
-        llama_log_set(&LogCapture::callback, this);
+        LogRoute & route = log_route();
+        std::lock_guard<std::mutex> lock(route.mutex);
+        ggml_log_callback cb = nullptr;
+        void * ud = nullptr;
+        llama_log_get(&cb, &ud);
+        if (cb != &routed_log) {  // first use, or someone replaced it since
+            route.prev_cb = cb;
+            route.prev_ud = ud;
+            llama_log_set(&routed_log, nullptr);
+        }
+        tl_capture = this;
     }
-    ~LogCapture() { llama_log_set(prev_cb_, prev_ud_); }
+    ~LogCapture() { tl_capture = nullptr; }
     LogCapture(const LogCapture &) = delete;
     LogCapture & operator=(const LogCapture &) = delete;
 
@@ -56,44 +86,50 @@ class LogCapture {
     // The error lines, joined: the reason llama.cpp gave for a failure.
     std::string reason() const {
         std::string out;
-        for (const auto & line : lines_) {
+        auto add = [&out](const std::string & line) {
             if (line.rfind("E ", 0) == 0) {
                 if (!out.empty()) out += "; ";
                 out += line.substr(2);
             }
-        }
-        if (!partial_.empty() && partial_.rfind("E ", 0) == 0) {
-            if (!out.empty()) out += "; ";
-            out += partial_.substr(2);
-        }
+        };
+        for (const auto & line : lines_) add(line);
+        add(partial_);
         return out.empty() ? std::string("llama.cpp gave no reason") : out;
     }
 
-  private:
-    static void callback(ggml_log_level level, const char * text, void * user_data) {
-        auto * self = static_cast<LogCapture *>(user_data);
-        if (self->partial_.empty()) {
+    void add(ggml_log_level level, const char * text) {
+        if (partial_.empty()) {
             // a continuation keeps the level of the line it continues
-            self->level_ = level == GGML_LOG_LEVEL_CONT ? self->level_ : level;
-            self->partial_ = std::string(level_name(self->level_)) + " ";
+            level_ = level == GGML_LOG_LEVEL_CONT ? level_ : level;
+            partial_ = std::string(level_name(level_)) + " ";
         }
         for (const char * p = text; *p; ++p) {
             if (*p == '\n') {
-                self->lines_.push_back(self->partial_);
-                self->partial_.clear();
-                if (p[1]) self->partial_ = std::string(level_name(self->level_)) + " ";
+                lines_.push_back(partial_);
+                partial_.clear();
+                if (p[1]) partial_ = std::string(level_name(level_)) + " ";
             } else {
-                self->partial_ += *p;
+                partial_ += *p;
             }
         }
     }
 
-    ggml_log_callback prev_cb_ = nullptr;
-    void * prev_ud_ = nullptr;
+  private:
     ggml_log_level level_ = GGML_LOG_LEVEL_INFO;
     std::string partial_;
     std::vector<std::string> lines_;
 };
+
+void routed_log(ggml_log_level level, const char * text, void * /*user_data*/) {
+    if (tl_capture != nullptr) {
+        tl_capture->add(level, text);
+        return;
+    }
+    LogRoute & route = log_route();
+    if (route.prev_cb != nullptr) {
+        route.prev_cb(level, text, route.prev_ud);
+    }
+}
 
 std::string meta_str(const llama_model * model, const char * key) {
     char buf[256];

@@ -153,11 +153,14 @@ class Scheduler:
         gpus = [n for n, d in self._devices.items() if d.kind != "cpu"]
         return [frozenset({g}) for g in gpus] or [frozenset({HOST})]
 
-    def _residents(self, ignore_leases: bool = False) -> list[placement.Resident]:
+    def _residents(self, ticket: _Ticket, ignore_busy: bool = False) -> list[placement.Resident]:
+        """Models holding memory; evictable only if idle and no earlier request waits for them."""
+        awaited = {t.name for t in self._queue if t.seq < ticket.seq}
         return [
             placement.Resident(
                 r.name, r.need, r.last_used,
-                evictable(r.state, 0 if ignore_leases else r.leases, r.config.persistent),
+                evictable(r.state, 0, r.config.persistent) if ignore_busy
+                else evictable(r.state, r.leases, r.config.persistent) and r.name not in awaited,
             )
             for r in self._records.values() if holds_memory(r.state)
         ]
@@ -258,7 +261,7 @@ class Scheduler:
             raise NeverFits(rec.name, worst.device, worst.need, worst.capacity, str(worst))
         available = self._available()
         candidates = [(ds, rec.requirements[ds]) for ds in self._candidates(rec)]
-        plan = placement.choose(candidates, available, self._residents())
+        plan = placement.choose(candidates, available, self._residents(ticket))
         if plan is None:
             self._drain_for(candidates, available, ticket)
             return "waiting for busy models to finish"
@@ -273,7 +276,7 @@ class Scheduler:
 
     def _drain_for(self, candidates, available, ticket: _Ticket) -> None:
         """Busy models stand in the way: let them take new requests for one turn only."""
-        plan = placement.choose(candidates, available, self._residents(ignore_leases=True))
+        plan = placement.choose(candidates, available, self._residents(ticket, ignore_busy=True))
         if plan is None:
             return  # not even idle would do: LOADING models or persistent ones, wait
         deadline = ticket.created + self.options.turn

@@ -85,3 +85,32 @@ def test_native_rejects_null_addresses(tiny):
         native().probe(str(tiny["tiny-llama"]), 0, 0, 1)
     with pytest.raises(ValueError):
         native().live_breakdown(0)
+
+
+def test_probing_while_another_thread_loads_and_generates(tiny):
+    # llama.cpp's log callback is process-wide: a probe must capture only its own lines
+    out = _run(f"""
+        import threading
+        from pyllmrouter import ModelSpec, ProbeError, probe
+        from pyllmrouter.loader import load
+        path = {str(tiny["tiny-llama"])!r}
+        stop = []
+        def busy():
+            while not stop:
+                llm = load(ModelSpec(path, n_ctx=256))
+                llm.create_completion("hello", max_tokens=4)
+                llm.close()
+        t = threading.Thread(target=busy)
+        t.start()
+        reasons = set()
+        for i in range(60):
+            probe(ModelSpec(path, n_ctx=128 + i), use_cache=False)
+            try:
+                probe(ModelSpec(path, type_v="q8_0", flash_attn="off"), use_cache=False)
+            except ProbeError as e:
+                reasons.add(e.reason)
+        stop.append(1)
+        t.join()
+        print(len(reasons), sorted(reasons)[0][:40])
+    """)
+    assert out.strip() == "1 cannot create a context: llama_init_from"

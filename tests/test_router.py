@@ -1,0 +1,326 @@
+"""The router with real worker processes and real tiny models on emulated devices."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from pyllmrouter import ModelSpec, probe
+from pyllmrouter.config import ModelConfig
+from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.errors import LoadFailed, NeverFits, QueueTimeout, UnknownModel, WorkerDied
+from pyllmrouter.router import Router
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def _module_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(_module_cache, monkeypatch):
+    """Probes are cached per module here: every router test would re-probe otherwise."""
+    monkeypatch.setenv("PYLLMROUTER_CACHE", str(_module_cache))
+
+
+@pytest.fixture(scope="module")
+def specs(tiny):
+    return {
+        "a": ModelSpec(tiny["tiny-llama"], n_ctx=512),
+        "b": ModelSpec(tiny["tiny-moe"], n_ctx=512),
+        "c": ModelSpec(tiny["tiny-llama"], n_ctx=256),
+        "e": ModelSpec(tiny["tiny-bert"], n_ctx=256, embedding=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def need(specs):
+    """Bytes each model needs on an emulated device (what the CPU probe measures)."""
+    return {k: probe(s).total for k, s in specs.items()}
+
+
+def make(specs, names, gpus, *, pins=None, **options):
+    pins = pins or {}
+    models = [ModelConfig(n, specs[n[0]], devices=pins.get(n)) for n in names]
+    options.setdefault("margin", 0)
+    return Router(models, inventory=EmulatedInventory(gpus), **options)
+
+
+def held_stream(router, model):
+    """Start a streaming request and keep it open: the model stays busy."""
+    it = router.complete(model, "hello", max_tokens=8, stream=True, temperature=0.0)
+    next(it)
+    return it
+
+
+def loads(router):
+    return [(what, name) for _, what, name in router.scheduler.events]
+
+
+# -- the upstream router scenarios (llama-server test_router_*), in our words --
+
+def test_concurrent_requests_to_two_models_with_room_for_one(specs):
+    with make(specs, ["a", "b"], {"GPU0": 1 << 30}, max_models=1) as r:
+        results, errors = [], []
+
+        def go(m):
+            try:
+                results.append(r.chat(m, HI, max_tokens=4))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=go, args=(m,)) for _ in range(3) for m in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and len(results) == 6
+        # served in turns, not one load per request
+        assert r.status()["counters"]["loads"] <= 3
+
+
+def test_three_models_with_room_for_two(specs):
+    with make(specs, ["a", "b", "c"], {"GPU0": 1 << 30}, max_models=2) as r:
+        errors, n = [], []
+        threads = [threading.Thread(target=lambda m=m: n.append(r.complete(m, "x", max_tokens=3)))
+                   for m in ("a", "b", "c") for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(n) == 6 and not errors
+        assert sum(v["state"] == "loaded" for v in r.status()["models"].values()) <= 2
+        r.scheduler.check_invariant()
+
+
+def test_alternating_requests(specs):
+    with make(specs, ["a", "b"], {"GPU0": 1 << 30}, max_models=1) as r:
+        for _ in range(3):
+            assert r.chat("a", HI, max_tokens=3)["choices"]
+            assert r.chat("b", HI, max_tokens=3)["choices"]
+        assert loads(r).count(("evict", "a")) == 3 and loads(r).count(("evict", "b")) == 2
+
+
+def test_many_concurrent_requests_share_one_load(specs):
+    with make(specs, ["a"], {"GPU0": 1 << 30}) as r:
+        out = []
+        threads = [threading.Thread(target=lambda: out.append(r.complete("a", "x", max_tokens=3)))
+                   for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(out) == 12
+        assert r.status()["counters"]["loads"] == 1
+
+
+# -- the two-GPU incident ----------------------------------------------------
+
+def test_second_model_pinned_to_a_full_gpu_waits_then_evicts_and_never_oversubscribes(specs, need):
+    gpu0 = max(need["a"], need["b"]) + min(need["a"], need["b"]) // 2  # one at a time
+    pins = {"a": ("GPU0",), "b": ("GPU0",)}
+    with make(specs, ["a", "b", "c"], {"GPU0": gpu0, "GPU1": 1 << 30}, pins=pins) as r:
+        busy = held_stream(r, "a")
+        with pytest.raises(QueueTimeout, match="'b'.*busy"):
+            r.chat("b", HI, max_tokens=2, timeout=1.0)
+        assert r.status()["models"]["a"]["state"] == "loaded"  # busy: not evicted
+        r.scheduler.check_invariant()
+        list(busy)  # the request in flight finishes
+        assert r.chat("b", HI, max_tokens=2)["choices"]
+        assert loads(r)[-2:] == [("evict", "a"), ("load", "b")]
+        # an unpinned model goes to the idle GPU, no eviction
+        r.chat("c", HI, max_tokens=2)
+        st = r.status()["models"]
+        assert st["c"]["devices"] == ["GPU1"] and st["b"]["state"] == "loaded"
+        r.scheduler.check_invariant()
+
+
+def test_fifo_order_between_waiting_loads(specs, need):
+    pins = {n: ("GPU0",) for n in "abc"}
+    with make(specs, ["a", "b", "c"], {"GPU0": max(need.values()) + 1}, pins=pins, turn=0.1) as r:
+        busy = held_stream(r, "a")
+        done = []
+
+        def go(m):
+            try:
+                done.append(r.complete(m, "x", max_tokens=2)["choices"][0]["finish_reason"])
+            except Exception as e:  # noqa: BLE001
+                done.append(repr(e))
+
+        tb = threading.Thread(target=go, args=("b",))
+        tb.start()
+        time.sleep(0.3)
+        tc = threading.Thread(target=go, args=("c",))
+        tc.start()
+        time.sleep(0.3)
+        list(busy)
+        tb.join(60)
+        tc.join(60)
+        assert done == ["length", "length"]
+        order = [name for what, name in loads(r) if what == "load"]
+        assert order == ["a", "b", "c"]
+
+
+def test_waiter_that_times_out_leaves_without_side_effects(specs, need):
+    pins = {"a": ("GPU0",), "b": ("GPU0",)}
+    with make(specs, ["a", "b"], {"GPU0": max(need.values()) + 1}, pins=pins) as r:
+        busy = held_stream(r, "a")
+        with pytest.raises(QueueTimeout):
+            r.complete("b", "x", timeout=0.5)
+        st = r.status()
+        assert st["queue"] == 0 and st["models"]["b"]["state"] == "unloaded"
+        assert loads(r) == [("load", "a")]
+        list(busy)
+        assert r.complete("a", "x", max_tokens=2)["choices"]
+
+
+def test_persistent_model_is_never_evicted(specs, need):
+    models = [ModelConfig("a", specs["a"], devices=("GPU0",), persistent=True),
+              ModelConfig("b", specs["b"], devices=("GPU0",))]
+    inv = EmulatedInventory({"GPU0": max(need.values()) + 1})
+    with Router(models, inventory=inv, margin=0) as r:
+        r.load("a")
+        with pytest.raises(QueueTimeout):
+            r.complete("b", "x", timeout=0.8)
+        assert r.status()["models"]["a"]["state"] == "loaded"
+
+
+# -- failures ----------------------------------------------------------------
+
+def test_worker_killed_mid_request_fails_it_and_spares_other_workers(specs):
+    pins = {"a": ("GPU0",), "e": ("GPU1",)}
+    with make(specs, ["a", "e"], {"GPU0": 1 << 30, "GPU1": 1 << 30}, pins=pins) as r:
+        r.embed("e", "hello")
+        it = r.complete("a", "hello", max_tokens=200, stream=True)
+        next(it)
+        pid = next(w["pid"] for w in r.status()["workers"] if w["devices"] == ["GPU0"])
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied):
+            for _ in it:
+                pass
+        assert time.monotonic() - t0 < 10
+        st = r.status()
+        assert st["models"]["a"]["state"] == "unloaded" and "died" in st["models"]["a"]["reason"]
+        assert st["models"]["e"]["state"] == "loaded"
+        assert r.embed("e", "again")["data"]
+        assert r.complete("a", "x", max_tokens=2)["choices"]  # a new worker
+        new_pid = next(w["pid"] for w in r.status()["workers"] if w["devices"] == ["GPU0"])
+        assert new_pid != pid
+
+
+def test_corrupt_model_file_is_a_clear_error_and_unloads_nothing(specs, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    data = open(specs["a"].path, "rb").read()
+    bad.write_bytes(data[: len(data) // 3])
+    models = [ModelConfig("a", specs["a"], devices=("GPU0",)),
+              ModelConfig("broken", ModelSpec(bad, n_ctx=512), devices=("GPU0",))]
+    with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0, max_models=1) as r:
+        r.load("a")
+        with pytest.raises(LoadFailed, match="broken.gguf.*not within the file bounds"):
+            r.complete("broken", "x")
+        assert r.status()["models"]["a"]["state"] == "loaded"
+        assert r.complete("a", "x", max_tokens=2)["choices"]
+
+
+def test_model_that_can_never_fit_fails_at_once_naming_the_device(specs, need):
+    with make(specs, ["a"], {"GPU0": need["a"] // 2}, pins={"a": ("GPU0",)}) as r:
+        t0 = time.monotonic()
+        with pytest.raises(NeverFits, match=f"needs {need['a']} bytes .* on GPU0") as e:
+            r.complete("a", "x", timeout=30)
+        assert time.monotonic() - t0 < 10
+        assert e.value.device == "GPU0" and e.value.need == need["a"] and e.value.capacity == need["a"] // 2
+
+
+def test_unknown_model(specs):
+    with make(specs, ["a"], {"GPU0": 1 << 30}) as r:
+        with pytest.raises(UnknownModel, match="'zzz'.*known models: a"):
+            r.complete("zzz", "x")
+
+
+# -- lifecycle -----------------------------------------------------------------
+
+def test_ttl_unloads_an_idle_model(specs):
+    models = [ModelConfig("a", specs["a"], ttl=0.5)]
+    with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
+        r.complete("a", "x", max_tokens=2)
+        deadline = time.monotonic() + 10
+        while r.status()["models"]["a"]["state"] != "unloaded" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert r.status()["models"]["a"]["state"] == "unloaded"
+
+
+def test_load_on_startup(specs):
+    models = [ModelConfig("a", specs["a"], load_on_startup=True)]
+    with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
+        deadline = time.monotonic() + 30
+        while r.status()["models"]["a"]["state"] != "loaded" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.status()["models"]["a"]["state"] == "loaded"
+
+
+def test_cancelled_stream_frees_the_model(specs):
+    with make(specs, ["a"], {"GPU0": 1 << 30}) as r:
+        it = r.complete("a", "hello", max_tokens=400, stream=True)
+        next(it)
+        it.close()
+        deadline = time.monotonic() + 10
+        while r.status()["models"]["a"]["leases"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert r.status()["models"]["a"]["leases"] == 0
+        assert r.complete("a", "x", max_tokens=2)["choices"]
+
+
+def test_async_api(specs):
+    import asyncio
+
+    async def go(r):
+        out = await r.achat("a", HI, max_tokens=3)
+        chunks = [c async for c in await r.acomplete("a", "x", max_tokens=3, stream=True)]
+        emb = await r.aembed("e", ["a", "b"])
+        return out, chunks, emb
+
+    with make(specs, ["a", "e"], {"GPU0": 1 << 30}) as r:
+        out, chunks, emb = asyncio.run(go(r))
+        assert out["choices"][0]["message"]["role"] == "assistant"
+        assert chunks and len(emb["data"]) == 2
+
+
+def test_close_leaves_no_process_and_router_never_loads_a_backend(tiny):
+    code = textwrap.dedent(f"""
+        import multiprocessing, os, sys
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.config import ModelConfig
+        from pyllmrouter.devices import EmulatedInventory
+        from pyllmrouter.router import Router
+        if __name__ == "__main__":
+            r = Router([ModelConfig("a", ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=256))],
+                       inventory=EmulatedInventory({{"GPU0": 1 << 30}}), margin=0)
+            r.complete("a", "x", max_tokens=2)
+            pids = [w["pid"] for w in r.status()["workers"]]
+            maps = open("/proc/self/maps").read()
+            print("libllama" in maps, "llama_cpp" in sys.modules, "libggml" in maps)
+            r.close()
+            alive = []
+            for p in pids:
+                try:
+                    os.kill(p, 0)
+                    alive.append(p)
+                except ProcessLookupError:
+                    pass
+            print(len(pids), alive, multiprocessing.active_children())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    backend, rest = out.stdout.splitlines()
+    assert backend == "False False False"
+    assert rest == "1 [] []"
