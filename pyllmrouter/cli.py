@@ -1,4 +1,4 @@
-"""Command line: ``pyllmrouter devices | probe | demo``."""
+"""Command line: ``pyllmrouter devices | probe | serve | demo``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Sequence
 
+from .presets import PresetError
 from .probe import HOST, MemoryEstimate, ProbeError, cache_dir, probe
 from .spec import FLASH_ATTN, KV_TYPES, ModelSpec, SpecError
 from .tables import MiB, mib, render
@@ -114,7 +115,7 @@ def cmd_probe(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
-    """Offline tour: devices, then exact estimates for generated models."""
+    """Offline tour: devices, exact estimates for generated models, then the router serving them."""
     from . import tinymodels  # noqa: PLC0415
 
     models_dir = cache_dir() / "models"
@@ -141,7 +142,16 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print("\nExact memory per model (no tensor data read; the 7B is a sparse file of its real layout):\n")
     print(render(["model", "n_ctx", "seqs", "kv type", "weights MiB", "KV MiB", "compute MiB", "output MiB",
                   "total MiB", "probe ms", "cached ms"], rows))
-    return 0
+    print("\nThe router serving the tiny models over HTTP:\n")
+    from .demo import run_demo  # noqa: PLC0415
+
+    return run_demo()
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .server.run import serve  # noqa: PLC0415
+
+    return serve(a)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_probe)
     p = sub.add_parser("demo", help="offline tour on generated models")
     p.set_defaults(func=cmd_demo)
+    p = sub.add_parser("serve", help="OpenAI and llama-server router compatible HTTP server")
+    from .server.run import add_serve_arguments  # noqa: PLC0415
+
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -165,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ProbeError, SpecError) as e:
+    except (ProbeError, SpecError, PresetError) as e:
         print(f"pyllmrouter: error: {e}", file=sys.stderr)
         return 2
 

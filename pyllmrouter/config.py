@@ -30,6 +30,7 @@ class ModelConfig:
     ttl: float | None = None  # seconds idle before unloading; None: never
     persistent: bool = False  # never evicted
     load_on_startup: bool = False
+    stop_timeout: float = 10.0  # seconds an explicit unload waits for requests in flight
     llama_kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:

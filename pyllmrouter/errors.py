@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
-    "RouterClosed",
+    "RouterClosed", "NotLoaded",
 ]
 
 
@@ -41,6 +41,14 @@ class LoadFailed(RouterError):
     def __init__(self, name: str, reason: str):
         super().__init__(f"model {name!r} failed to load: {reason}")
         self.name, self.reason = name, reason
+
+
+class NotLoaded(RouterError):
+    """The model is not loaded and loading on demand is off (autoload=false)."""
+
+    def __init__(self, name: str, state: str):
+        super().__init__(f"model {name!r} is {state} and autoload is off: load it first (POST /models/load)")
+        self.name = name
 
 
 class WorkerDied(RouterError):

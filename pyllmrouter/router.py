@@ -45,6 +45,14 @@ class Router:
             if rec.config.load_on_startup:
                 threading.Thread(target=self._load_quietly, args=(rec.name,), daemon=True).start()
 
+    @classmethod
+    def from_preset(cls, path, **kw: Any) -> "Router":
+        """A router over the models of a llama-server preset INI file."""
+        from .presets import read_preset  # noqa: PLC0415
+
+        preset = read_preset(path)
+        return cls(preset.models, **{**preset.router, **kw})
+
     # -- lifecycle -------------------------------------------------------------
 
     def __enter__(self) -> "Router":
@@ -119,6 +127,10 @@ class Router:
 
     def _request(self, model: str, method: str, kwargs: dict[str, Any], stream: bool,
                  timeout: float | None, autoload: bool | None):
+        spec = self._sched.resolve(model).config.spec
+        if spec.embedding != (method == "embed"):
+            what = "an embedding model: use embeddings" if spec.embedding else "not an embedding model"
+            raise RequestFailed(model, "ValueError", f"model {model!r} is {what}")
         rec = self._sched.lease(model, timeout, autoload)
         try:
             pending = rec.worker.call(lambda rid: Run(rid, rec.name, method, kwargs, stream))
@@ -135,31 +147,72 @@ class Router:
             raise _error(rec, reply)
         return reply.value
 
-    def _stream(self, rec: Record, pending) -> Iterator[dict[str, Any]]:
-        done = False
-        try:
-            while True:
-                msg = pending.get()
-                if isinstance(msg, Chunk):
-                    yield msg.value
-                    continue
-                done = True
-                if isinstance(msg, Failed):
-                    raise _error(rec, msg)
-                return
-        finally:
-            if done:
-                self._sched.release(rec)
-            else:  # the consumer stopped early: stop generation, then free the lease
-                pending.cancel()
-                threading.Thread(target=self._drain, args=(rec, pending), daemon=True).start()
+    def _stream(self, rec: Record, pending) -> "Stream":
+        return Stream(rec, pending, self._sched.release)
 
-    def _drain(self, rec: Record, pending) -> None:
-        try:
-            while not isinstance(pending.get(), (Result, Failed)):
-                pass
-        finally:
-            self._sched.release(rec)
+
+class Stream:
+    """Chunks of one streaming request; ``cancel()`` may be called from any thread.
+
+    The lease on the model is released exactly once: when the final reply
+    arrives, whether the stream was read to its end, closed or cancelled.
+    """
+
+    def __init__(self, rec: Record, pending, release):
+        self._rec = rec
+        self._pending = pending
+        self._release = release
+        self._done = False
+        self._lock = threading.Lock()
+        self._read = threading.Lock()  # one reader at a time (a drain may race a reader)
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        with self._read:
+            if self._done:
+                raise StopIteration
+            msg = self._pending.get()
+            if isinstance(msg, Chunk):
+                return msg.value
+            self._finish()
+        if isinstance(msg, Failed):
+            raise _error(self._rec, msg)
+        raise StopIteration
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self._release(self._rec)
+
+    def cancel(self) -> None:
+        """Stop generation (thread-safe). Whoever reads the stream then sees its end."""
+        if not self._done:
+            self._pending.cancel()
+
+    def close(self) -> None:
+        """Cancel and wait for the worker's final reply (the lease is then free)."""
+        self.cancel()
+        self._drain()
+
+    def _drain(self) -> None:
+        while not self._done:
+            try:
+                next(self)
+            except (StopIteration, RouterError):
+                return
+
+    def abandon(self) -> None:
+        """Cancel without waiting: the final reply is read (and the lease freed) in the background."""
+        if not self._done:
+            self.cancel()
+            threading.Thread(target=self._drain, daemon=True).start()
+
+    def __del__(self) -> None:
+        self.abandon()
 
 
 def _error(rec: Record, reply: Failed) -> RouterError:

@@ -35,7 +35,7 @@ from typing import Any
 from . import placement
 from .config import ModelConfig, RouterOptions
 from .devices import HOST, Inventory
-from .errors import LoadFailed, NeverFits, QueueTimeout, RouterClosed, UnknownModel
+from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel
 from .probe import MemoryEstimate, ProbeError, cached_estimate
 from .protocol import Failed, LoadModel, Loaded, Probe, Result, UnloadModel
 from .spec import ModelSpec
@@ -103,8 +103,9 @@ class Scheduler:
         self._worker_locks: dict[frozenset[str], threading.Lock] = {}
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self.events: list[tuple[float, str, str]] = []  # (time, event, model): loads, evictions...
+        self.events: list[tuple[float, str, str, str]] = []  # (time, event, model, devices), the last 1000
         self.counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0}
+        self.on_wait: Any = None  # called as on_wait(model, seconds) for every lease (metrics)
 
     # -- lookup --------------------------------------------------------------
 
@@ -155,7 +156,9 @@ class Scheduler:
 
     def _residents(self, ticket: _Ticket, ignore_busy: bool = False) -> list[placement.Resident]:
         """Models holding memory; evictable only if idle and no earlier request waits for them."""
-        awaited = {t.name for t in self._queue if t.seq < ticket.seq}
+        # an earlier request that may take a lease keeps its model (one blocked by a drain does not)
+        awaited = {t.name for t in self._queue
+                   if t.seq < ticket.seq and self._may_lease(self._records[t.name], t)}
         return [
             placement.Resident(
                 r.name, r.need, r.last_used,
@@ -188,7 +191,7 @@ class Scheduler:
             if self._closed:
                 raise RouterClosed("router is closed")
             if rec.state is not State.LOADED and not autoload:
-                raise LoadFailed(rec.name, f"model is {rec.state.value} and autoload is off")
+                raise NotLoaded(rec.name, rec.state.value)
             ticket = _Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
             self._queue.append(ticket)
             deadline = ticket.created + timeout
@@ -201,6 +204,8 @@ class Scheduler:
                     if rec.state is State.LOADED and self._may_lease(rec, ticket):
                         rec.leases += 1
                         rec.last_used = time.monotonic()
+                        if self.on_wait is not None:
+                            self.on_wait(rec.name, rec.last_used - ticket.created)
                         return rec
                     why = "waiting"
                     if rec.state is State.UNLOADED:
@@ -211,6 +216,9 @@ class Scheduler:
                     self._cond.wait(min(remaining, 0.25))
             finally:
                 self._queue.remove(ticket)
+                for r in self._records.values():
+                    if r.drain is not None and r.drain[1] == ticket.seq:
+                        r.drain = None  # its waiter is gone; a later waiter sets its own
                 self._cond.notify_all()
 
     def release(self, rec: Record) -> None:
@@ -301,7 +309,10 @@ class Scheduler:
         t.start()
 
     def _event(self, what: str, name: str) -> None:
-        self.events.append((time.monotonic(), what, name))
+        rec = self._records[name]
+        where = "+".join(sorted(rec.device_set)) if rec.device_set else ""
+        self.events.append((time.monotonic(), what, name, where))
+        del self.events[:-1000]
 
     def _probe_requirements(self, rec: Record) -> None:
         reqs: dict[frozenset[str], dict[str, int]] = {}

@@ -74,16 +74,21 @@ class _Hosted:
         import numpy as np  # noqa: PLC0415
 
         rid, eos = msg.req_id, self.llm.token_eos()
+        bias = {int(k): float(v) for k, v in (kwargs.pop("logit_bias", None) or {}).items()}
 
-        def stop_when_cancelled(_ids, scores):
-            # a cancelled request can only sample end-of-sequence: generation ends
-            if rid in self.cancelled:
+        def bias_and_cancel(_ids, scores):
+            # logit_bias is applied here: llama_cpp drops both its own bias and any
+            # logits_processor when given the two together (list.extend returns None)
+            for token, b in bias.items():
+                if 0 <= token < scores.shape[-1]:
+                    scores[token] += b
+            if rid in self.cancelled:  # a cancelled request can only end its sequence
                 scores = np.full_like(scores, -np.inf)
                 scores[eos] = 0.0
             return scores
 
         kwargs["logits_processor"] = llama_cpp.LogitsProcessorList(
-            list(kwargs.get("logits_processor") or []) + [stop_when_cancelled])
+            list(kwargs.get("logits_processor") or []) + [bias_and_cancel])
         fn = {"chat": self.llm.create_chat_completion, "complete": self.llm.create_completion}.get(msg.method)
         if fn is None:
             raise ValueError(f"unknown method {msg.method!r}")

@@ -63,7 +63,7 @@ def held_stream(router, model):
 
 
 def loads(router):
-    return [(what, name) for _, what, name in router.scheduler.events]
+    return [(what, name) for _, what, name, _ in router.scheduler.events]
 
 
 # -- the upstream router scenarios (llama-server test_router_*), in our words --

@@ -1,0 +1,260 @@
+"""The HTTP server: OpenAI endpoints, llama-server's router API, and our own.
+
+    client ──HTTP──▶ middleware (API key, body limit) ──▶ route ──▶ Router (threads)
+                                                           └─ SSE: chunks pulled in a thread;
+                                                              a client that leaves cancels
+
+| endpoint                          | what                                              |
+| GET  /health                      | liveness (no API key needed)                      |
+| GET  /v1/models                   | OpenAI model list                                 |
+| POST /v1/chat/completions         | OpenAI chat, SSE with "stream": true              |
+| POST /v1/completions              | OpenAI completions                                |
+| POST /v1/embeddings               | OpenAI embeddings                                 |
+| GET  /models                      | llama-server router list: status, memory per device |
+| POST /models/load, /models/unload | llama-server router control                       |
+| GET  /props[?model=]              | router or model properties                        |
+| GET  /devices                     | devices: capacity, held, free, available, workers |
+| GET  /events                      | recent loads, evictions, unloads, failures        |
+| GET  /metrics                     | Prometheus                                        |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import RouterError
+from ..router import Router, Stream
+from .errors import ApiError, error_response, from_router_error
+from .metrics import Metrics
+
+__all__ = ["create_app"]
+
+PUBLIC = frozenset({"/health"})
+# OpenAI fields forwarded to llama_cpp, per endpoint; others are ignored
+_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "stop", "seed", "max_tokens", "presence_penalty",
+             "frequency_penalty", "repeat_penalty", "logit_bias", "logprobs", "typical_p", "mirostat_mode",
+             "mirostat_tau", "mirostat_eta", "tfs_z"}
+ALLOWED = {
+    "chat": _SAMPLING | {"messages", "response_format", "tools", "tool_choice", "top_logprobs", "functions",
+                         "function_call"},
+    "complete": _SAMPLING | {"prompt", "suffix", "echo"},
+    "embed": {"input"},
+}
+
+
+def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
+    status: dict[str, Any] = {"value": m["state"]}
+    if m["reason"]:
+        status.update(failed=True, reason=m["reason"])
+    return {
+        "id": name, "object": "model", "owned_by": "pyllmrouter", "aliases": m["aliases"],
+        "path": cfg.spec.path, "status": status,
+        "memory": {"requirement": m["requirement"], "devices": m["devices"], "live": m["live"]},
+        "in_flight": m["leases"], "loads": m["loads"], "persistent": m["persistent"], "ttl": m["ttl"],
+    }
+
+
+def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
+               close_router: bool = True) -> FastAPI:
+    metrics = Metrics(router.status)
+    router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
+    configs = {c.name: c for c in router.models()}
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        if close_router:  # after uvicorn has drained requests in flight
+            await asyncio.to_thread(router.close)
+
+    app = FastAPI(title="pyllmrouter", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_req, e: ApiError):
+        return error_response(e)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if api_key and request.url.path not in PUBLIC:
+            given = request.headers.get("x-api-key") or ""
+            auth = request.headers.get("authorization") or ""
+            if auth.lower().startswith("bearer "):
+                given = auth[7:].strip()
+            if not hmac.compare_digest(given.encode(), api_key.encode()):
+                return error_response(ApiError(401, "invalid or missing API key", "authentication_error",
+                                               "invalid_api_key"))
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_body:
+            return error_response(ApiError(413, f"request body of {length} bytes exceeds the limit of {max_body}",
+                                           code="body_too_large"))
+        return await call_next(request)
+
+    async def body(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > max_body:
+            raise ApiError(413, f"request body exceeds the limit of {max_body} bytes", code="body_too_large")
+        try:
+            data = json.loads(raw or b"{}")
+        except ValueError as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        return data
+
+    def autoload_param(request: Request) -> bool | None:
+        v = request.query_params.get("autoload")
+        return None if v is None else v.lower() in ("1", "true", "yes", "on")
+
+    async def call(fn, *args, **kw):
+        try:
+            return await asyncio.to_thread(fn, *args, **kw)
+        except RouterError as e:
+            raise from_router_error(e) from None
+
+    async def serve(request: Request, method: str, endpoint: str):
+        t0 = time.perf_counter()
+        data = await body(request)
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
+        if data.get("n", 1) != 1:
+            raise ApiError(400, "only n=1 is supported", param="n")
+        if method == "chat" and not isinstance(data.get("messages"), list):
+            raise ApiError(400, "'messages' must be a list", param="messages")
+        if method == "complete" and not isinstance(data.get("prompt"), (str, list)):
+            raise ApiError(400, "'prompt' must be a string", param="prompt")
+        if method == "embed" and not isinstance(data.get("input"), (str, list)):
+            raise ApiError(400, "'input' must be a string or a list of strings", param="input")
+        if "max_completion_tokens" in data and "max_tokens" not in data:
+            data["max_tokens"] = data["max_completion_tokens"]
+        params = {k: v for k, v in data.items() if k in ALLOWED[method]}
+        if isinstance(params.get("logit_bias"), dict):
+            params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
+        stream = bool(data.get("stream")) and method != "embed"
+        fn = {"chat": router.chat, "complete": router.complete, "embed": router.embed}[method]
+        first = params.pop({"chat": "messages", "complete": "prompt", "embed": "input"}[method])
+        kw = dict(params, autoload=autoload_param(request))
+        if stream:
+            kw["stream"] = True
+        status = "200"
+        try:
+            result = await call(fn, model, first, **kw)
+        except ApiError as e:
+            status = str(e.status)
+            raise
+        finally:
+            if not stream or status != "200":
+                metrics.latency.labels(model, endpoint, status).observe(time.perf_counter() - t0)
+        if not stream:
+            result["model"] = model
+            return JSONResponse(result)
+        return StreamingResponse(_sse(result, model, lambda: metrics.latency.labels(model, endpoint, "200").observe(
+            time.perf_counter() - t0)), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/chat/completions")
+    @app.post("/chat/completions")
+    async def chat(request: Request):
+        return await serve(request, "chat", "chat")
+
+    @app.post("/v1/completions")
+    @app.post("/completions")
+    async def completions(request: Request):
+        return await serve(request, "complete", "completions")
+
+    @app.post("/v1/embeddings")
+    @app.post("/embeddings")
+    async def embeddings(request: Request):
+        return await serve(request, "embed", "embeddings")
+
+    @app.get("/v1/models")
+    async def v1_models():
+        st = router.status()["models"]
+        return {"object": "list", "data": [
+            {"id": n, "object": "model", "created": 0, "owned_by": "pyllmrouter", "status": {"value": m["state"]}}
+            for n, m in st.items()]}
+
+    @app.get("/models")
+    async def models():
+        st = router.status()
+        return {"object": "list", "data": [_model_entry(n, m, configs[n]) for n, m in st["models"].items()],
+                "devices": st["devices"]}
+
+    async def model_arg(request: Request) -> str:
+        name = (await body(request)).get("model")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "'model' is required", param="model")
+        return name
+
+    @app.post("/models/load")
+    async def load(request: Request):
+        await call(router.load, await model_arg(request))
+        return {"success": True}
+
+    @app.post("/models/unload")
+    async def unload(request: Request):
+        name = await model_arg(request)
+        rec = await call(router.scheduler.resolve, name)
+        done = await call(router.unload, name, rec.config.stop_timeout)
+        return {"success": bool(done)}
+
+    @app.get("/props")
+    async def props(request: Request):
+        name = request.query_params.get("model")
+        st = router.status()
+        if name is None:
+            return {"role": "router", "models": len(st["models"]), "max_models": router.options.max_models,
+                    "autoload": router.options.autoload, "margin_bytes": router.options.margin}
+        rec = await call(router.scheduler.resolve, name)
+        m = st["models"][rec.name]
+        return {"model": rec.name, "model_path": rec.config.spec.path, "spec": rec.config.spec.to_dict(),
+                "status": m["state"], "memory": {"requirement": m["requirement"], "live": m["live"]}}
+
+    @app.get("/devices")
+    async def devices():
+        st = router.status()
+        return {"devices": st["devices"], "workers": st["workers"]}
+
+    @app.get("/events")
+    async def events():
+        evs = list(router.scheduler.events)
+        t0 = evs[0][0] if evs else 0.0
+        return {"data": [{"t": round(t - t0, 3), "event": what, "model": name, "devices": where}
+                         for t, what, name, where in evs]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+async def _sse(stream: Stream, model: str, on_end):
+    """Server-sent events from a router stream; a client that leaves cancels generation."""
+    sentinel = object()
+    try:
+        while True:
+            try:
+                chunk = await asyncio.to_thread(next, stream, sentinel)
+            except RouterError as e:
+                err = from_router_error(e)
+                yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type}})}\n\n"
+                return
+            if chunk is sentinel:
+                break
+            chunk["model"] = model
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+        on_end()
+    finally:
+        stream.abandon()  # no-op once finished; stops generation if the client left

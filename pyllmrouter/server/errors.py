@@ -1,0 +1,51 @@
+"""Router errors -> HTTP status and OpenAI's error shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from ..errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed, UnknownModel,
+                      WorkerDied)
+
+__all__ = ["ApiError", "error_response", "from_router_error"]
+
+# exception kinds raised inside a worker for a bad request, not a broken server
+_CLIENT_KINDS = {"ValueError", "TypeError", "KeyError", "Cancelled"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None, extra: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.headers = headers or {}
+        self.extra = extra or {}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    body: dict[str, Any] = {"message": e.message, "type": e.type, "param": e.param, "code": e.code or e.status}
+    body.update(e.extra)
+    return JSONResponse({"error": body}, status_code=e.status, headers=e.headers)
+
+
+def from_router_error(e: Exception) -> ApiError:
+    if isinstance(e, UnknownModel):
+        return ApiError(404, str(e), code="model_not_found", param="model")
+    if isinstance(e, NotLoaded):
+        return ApiError(400, str(e), code="model_not_loaded", param="model")
+    if isinstance(e, NeverFits):
+        return ApiError(507, str(e), "insufficient_memory", "model_too_large",
+                        extra={"device": e.device, "needed_bytes": e.need, "capacity_bytes": e.capacity})
+    if isinstance(e, QueueTimeout):
+        return ApiError(503, str(e), "server_busy", "queue_timeout", headers={"Retry-After": "5"})
+    if isinstance(e, (WorkerDied, RouterClosed)):
+        return ApiError(503, str(e), "server_error", "unavailable", headers={"Retry-After": "1"})
+    if isinstance(e, LoadFailed):
+        return ApiError(500, str(e), "server_error", "load_failed")
+    if isinstance(e, RequestFailed):
+        if e.kind in _CLIENT_KINDS:
+            return ApiError(400, e.message, code="invalid_request")
+        return ApiError(500, str(e), "server_error")
+    return ApiError(500, f"{type(e).__name__}: {e}", "server_error")

@@ -1,0 +1,55 @@
+"""Prometheus metrics: request latency and queue waits observed live; loads,
+evictions and per-device bytes read from the router's status at scrape time."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+__all__ = ["Metrics"]
+
+
+class _StatusCollector:
+    def __init__(self, status: Callable[[], dict[str, Any]]):
+        self.status = status
+
+    def collect(self):
+        st = self.status()
+        for name, value in st["counters"].items():
+            c = CounterMetricFamily(f"pyllmrouter_{name}", f"Total {name.replace('_', ' ')}")
+            c.add_metric([], value)
+            yield c
+        for field, help_ in (("held", "Bytes held by our models and workers"),
+                             ("capacity", "Bytes our models may use (budget minus margin)"),
+                             ("free", "Free bytes reported by the device"),
+                             ("available", "Bytes available to the next model")):
+            g = GaugeMetricFamily(f"pyllmrouter_device_{field}_bytes", help_, labels=["device"])
+            for dev, d in st["devices"].items():
+                if d.get(field) is not None:
+                    g.add_metric([dev], d[field])
+            yield g
+        g = GaugeMetricFamily("pyllmrouter_model_loaded", "1 if the model is loaded", labels=["model"])
+        q = GaugeMetricFamily("pyllmrouter_model_requests_in_flight", "Requests in flight", labels=["model"])
+        for name, m in st["models"].items():
+            g.add_metric([name], 1 if m["state"] == "loaded" else 0)
+            q.add_metric([name], m["leases"])
+        yield g
+        yield q
+        w = GaugeMetricFamily("pyllmrouter_queue_waiting", "Requests waiting for admission")
+        w.add_metric([], st["queue"])
+        yield w
+
+
+class Metrics:
+    def __init__(self, status: Callable[[], dict[str, Any]]):
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatusCollector(status))
+        self.latency = Histogram("pyllmrouter_request_seconds", "Request latency (to the last byte)",
+                                 ["model", "endpoint", "status"], registry=self.registry)
+        self.queue_wait = Histogram("pyllmrouter_queue_wait_seconds", "Time a request waited for its model",
+                                    ["model"], registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

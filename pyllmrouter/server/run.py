@@ -1,0 +1,99 @@
+"""``pyllmrouter serve``: options (llama-server's names and LLAMA_ARG_* variables)
+-> Router -> FastAPI app -> uvicorn, with graceful shutdown on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+from typing import Any
+
+from ..config import MiB, RouterOptions
+from ..devices import EmulatedInventory, SystemInventory, parse_budgets
+from ..presets import read_preset, scan_models_dir
+from ..router import Router
+
+__all__ = ["add_serve_arguments", "router_from_args", "serve"]
+
+
+def _env(name: str, default: Any = None) -> Any:
+    return os.environ.get(name, default)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    return default if v is None else v.strip().lower() in ("1", "true", "on", "yes", "enabled")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models-preset", default=_env("LLAMA_ARG_MODELS_PRESET"), help="llama-server preset INI")
+    p.add_argument("--models-dir", default=_env("LLAMA_ARG_MODELS_DIR"), help="directory of GGUF models")
+    p.add_argument("--models-max", type=int, default=int(_env("LLAMA_ARG_MODELS_MAX", 0)),
+                   help="most models loaded at once (0 = no count limit; memory still limits)")
+    p.add_argument("--models-memory-margin", type=int, default=None, metavar="MiB",
+                   help="MiB kept free on every device (default 1024, or the preset's memory-margin)")
+    p.add_argument("--device-budget", default=_env("PYLLMROUTER_DEVICE_BUDGET"),
+                   help="per-device caps, e.g. CUDA0=20GiB,CPU=32GiB")
+    p.add_argument("--emulate-devices", default=_env("PYLLMROUTER_EMULATE_DEVICES"),
+                   help="virtual devices run by the CPU backend, e.g. GPU0=24GiB,GPU1=24GiB[,CPU=32GiB]")
+    p.add_argument("--models-autoload", dest="autoload", action=argparse.BooleanOptionalAction,
+                   default=_env_bool("LLAMA_ARG_MODELS_AUTOLOAD", True))
+    p.add_argument("--host", default=_env("LLAMA_ARG_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(_env("LLAMA_ARG_PORT", 8080)))
+    p.add_argument("--api-key", default=_env("LLAMA_API_KEY"), help="required as Bearer token or X-Api-Key")
+    p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for its model")
+    p.add_argument("--turn", type=float, default=5.0,
+                   help="seconds a busy model keeps taking requests once another model waits for its memory")
+    p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds to let requests in flight finish on SIGTERM/SIGINT")
+
+
+def router_from_args(a: argparse.Namespace) -> Router:
+    models, router_kw = [], {}
+    if a.models_preset:
+        preset = read_preset(a.models_preset)
+        models += preset.models
+        router_kw.update(preset.router)
+    if a.models_dir:
+        taken = {m.name for m in models}
+        models += [m for m in scan_models_dir(a.models_dir) if m.name not in taken]
+    if not models:
+        raise SystemExit("pyllmrouter serve: no models: give --models-preset and/or --models-dir")
+    inventory = EmulatedInventory.parse(a.emulate_devices) if a.emulate_devices else SystemInventory()
+    options = RouterOptions(
+        margin=a.models_memory_margin * MiB if a.models_memory_margin is not None else router_kw.get("margin",
+                                                                                                      1024 * MiB),
+        budgets=parse_budgets(a.device_budget) if a.device_budget else {},
+        max_models=a.models_max, queue_timeout=a.queue_timeout, turn=a.turn, autoload=a.autoload,
+    )
+    return Router(models, inventory=inventory, options=options)
+
+
+def serve(a: argparse.Namespace) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from .app import create_app  # noqa: PLC0415
+
+    class Server(uvicorn.Server):
+        """SIGTERM/SIGINT: drain, shut down, exit 0 (uvicorn would re-raise the signal)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    router = router_from_args(a)
+    app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB))
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
+                            timeout_graceful_shutdown=a.shutdown_timeout)
+    try:
+        Server(config).run()
+    finally:
+        router.close()  # idempotent: the app's shutdown closed it already
+    return 0

@@ -1,0 +1,271 @@
+"""The HTTP server on loopback, driven by the real openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from pyllmrouter import ModelSpec, probe
+from pyllmrouter.config import ModelConfig
+from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.router import Router
+from pyllmrouter.server import create_app
+
+KEY = "s3cret"
+HI = [{"role": "user", "content": "hi"}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def _module_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(_module_cache, monkeypatch):
+    monkeypatch.setenv("PYLLMROUTER_CACHE", str(_module_cache))
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory, _module_cache):
+    os.environ["PYLLMROUTER_CACHE"] = str(_module_cache)
+    broken = tmp_path_factory.mktemp("bad") / "broken.gguf"
+    data = tiny["tiny-llama"].read_bytes()
+    broken.write_bytes(data[: len(data) // 3])
+    a, b = ModelSpec(tiny["tiny-llama"], n_ctx=512), ModelSpec(tiny["tiny-moe"], n_ctx=512)
+    gpu0 = max(probe(a).total, probe(b).total) + 1
+    models = [
+        ModelConfig("a", a, aliases=("alpha",), devices=("GPU0",)),
+        ModelConfig("b", b, devices=("GPU0",)),
+        ModelConfig("e", ModelSpec(tiny["tiny-bert"], n_ctx=256, embedding=True), devices=("GPU1",)),
+        ModelConfig("broken", ModelSpec(broken, n_ctx=512), devices=("GPU1",)),
+        ModelConfig("huge", ModelSpec(tiny["tiny-llama"], n_ctx=1 << 20), devices=("GPU1",)),
+    ]
+    router = Router(models, inventory=EmulatedInventory({"GPU0": gpu0, "GPU1": 1 << 30}), margin=0,
+                    queue_timeout=1.5, turn=0.2)
+    app = create_app(router, api_key=KEY, max_body=64 * 1024)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    while not srv.started:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", router
+    srv.should_exit = True
+    t.join(30)
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture()
+def http(server):
+    with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+        yield c
+
+
+def test_openai_chat_completion_and_embedding(client):
+    out = client.chat.completions.create(model="a", messages=HI, max_tokens=4, temperature=0)
+    assert out.model == "a" and out.choices[0].message.role == "assistant"
+    assert out.usage.completion_tokens >= 1
+    text = client.completions.create(model="alpha", prompt="hello", max_tokens=4)  # alias
+    assert text.choices[0].text is not None
+    emb = client.embeddings.create(model="e", input=["hello world", "the model"])
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) == 64
+
+
+def test_openai_streaming(client):
+    chunks = list(client.chat.completions.create(model="a", messages=HI, max_tokens=6, stream=True))
+    assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
+    pieces = list(client.completions.create(model="a", prompt="x", max_tokens=6, stream=True))
+    assert len(pieces) >= 2
+
+
+def test_model_lists(client, http):
+    ids = {m.id for m in client.models.list()}
+    assert ids == {"a", "b", "e", "broken", "huge"}
+    data = http.get("/models").json()["data"]
+    entry = next(m for m in data if m["id"] == "e")
+    assert entry["status"]["value"] in ("unloaded", "loading", "loaded")
+    assert entry["aliases"] == [] and next(m for m in data if m["id"] == "a")["aliases"] == ["alpha"]
+
+
+def test_load_unload_and_per_model_memory(http):
+    assert http.post("/models/load", json={"model": "e"}).json() == {"success": True}
+    entry = next(m for m in http.get("/models").json()["data"] if m["id"] == "e")
+    assert entry["status"]["value"] == "loaded" and entry["memory"]["devices"] == ["GPU1"]
+    assert entry["memory"]["requirement"]["GPU1"]["GPU1"] > 0
+    devices = http.get("/devices").json()
+    assert devices["devices"]["GPU1"]["held"] >= entry["memory"]["requirement"]["GPU1"]["GPU1"]
+    assert http.post("/models/unload", json={"model": "e"}).json() == {"success": True}
+    entry = next(m for m in http.get("/models").json()["data"] if m["id"] == "e")
+    assert entry["status"]["value"] == "unloaded"
+
+
+def test_props_health_metrics(http, server):
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}  # no key needed
+    assert http.get("/props").json()["role"] == "router"
+    props = http.get("/props", params={"model": "a"}).json()
+    assert props["model"] == "a" and props["spec"]["n_ctx"] == 512
+    http.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
+    text = http.get("/metrics").text
+    assert "pyllmrouter_loads_total" in text and 'pyllmrouter_device_capacity_bytes{device="GPU0"}' in text
+    assert 'pyllmrouter_request_seconds_count{endpoint="completions",model="a",status="200"}' in text
+    assert "pyllmrouter_queue_wait_seconds_count" in text
+
+
+def test_auth(server):
+    base = server[0]
+    assert httpx.get(base + "/v1/models").status_code == 401
+    assert httpx.get(base + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(base + "/v1/models", headers={"X-Api-Key": KEY}).status_code == 200
+    bad = openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (json.dumps({"messages": HI}).encode(), 400, "'model' is required"),
+    (json.dumps({"model": "a", "messages": "hi"}).encode(), 400, "'messages' must be a list"),
+    (json.dumps({"model": "a", "messages": HI, "n": 2}).encode(), 400, "n=1"),
+    (json.dumps({"model": "zzz", "messages": HI}).encode(), 404, "unknown model 'zzz'"),
+])
+def test_bad_requests_get_openai_errors(http, body, status, fragment):
+    r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == status
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_wrong_endpoint_for_the_model_is_400(client, http):
+    with pytest.raises(openai.BadRequestError, match="embedding model"):
+        client.completions.create(model="e", prompt="x")
+    r = http.post("/v1/embeddings", json={"model": "a", "input": "x"})
+    assert r.status_code == 400 and "not an embedding model" in r.json()["error"]["message"]
+
+
+def test_unknown_model_through_openai(client):
+    with pytest.raises(openai.NotFoundError, match="unknown model"):
+        client.chat.completions.create(model="nope", messages=HI)
+
+
+def test_body_limit(http):
+    r = http.post("/v1/completions", json={"model": "a", "prompt": "x" * 100_000})
+    assert r.status_code == 413
+
+
+def test_model_that_never_fits_is_507_with_figures(http):
+    r = http.post("/v1/completions", json={"model": "huge", "prompt": "x"})
+    assert r.status_code == 507
+    err = r.json()["error"]
+    assert err["device"] == "GPU1" and err["needed_bytes"] > err["capacity_bytes"]
+
+
+def test_corrupt_model_is_500_and_harms_nothing(http):
+    http.post("/models/load", json={"model": "e"})
+    r = http.post("/v1/completions", json={"model": "broken", "prompt": "x"})
+    assert r.status_code == 500 and "not within the file bounds" in r.json()["error"]["message"]
+    entry = next(m for m in http.get("/models").json()["data"] if m["id"] == "e")
+    assert entry["status"]["value"] == "loaded"
+
+
+def test_autoload_off_per_request(http):
+    http.post("/models/unload", json={"model": "b"})
+    r = http.post("/v1/completions?autoload=false", json={"model": "b", "prompt": "x"})
+    assert r.status_code == 400 and "autoload is off" in r.json()["error"]["message"]
+
+
+def test_queue_timeout_is_503_with_retry_after(server, http, client):
+    # a holds GPU0 with a request in flight; b (also GPU0) cannot be admitted in time
+    stream = client.completions.create(model="a", prompt="hello", max_tokens=400, stream=True,
+                                       logit_bias={"2": -100, "4": -100})  # no end-of-sequence: stays busy
+    chunks = iter(stream)  # kept: dropping it would close the connection
+    next(chunks)
+    r = http.post("/v1/completions", json={"model": "b", "prompt": "x"})
+    assert r.status_code == 503 and r.headers["Retry-After"]
+    stream.close()
+    deadline = time.monotonic() + 20
+    while server[1].status()["models"]["a"]["leases"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server[1].status()["models"]["a"]["leases"] == 0  # the client left: generation stopped
+
+
+def test_concurrent_clients_on_models_that_evict_each_other(client, server):
+    results, errors = [], []
+
+    def go(model):
+        try:
+            if model == "e":
+                results.append(client.embeddings.create(model=model, input="x"))
+            else:
+                results.append(client.completions.create(model=model, prompt="x", max_tokens=3))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(m,)) for m in ("a", "b", "e") for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    # a and b share GPU0 one at a time, in turns within the queue timeout
+    assert not errors and len(results) == 6
+    server[1].scheduler.check_invariant()
+
+
+def test_serve_cli_drains_on_sigterm_and_leaves_no_process(tiny, tmp_path):
+    preset = tmp_path / "p.ini"
+    preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 1024\n")
+    port = free_port()
+    env = dict(os.environ, LLAMA_API_KEY="k", LLAMA_ARG_MODELS_MAX="1", LLAMA_ARG_PORT=str(port))
+    proc = subprocess.Popen([sys.executable, "-m", "pyllmrouter.cli", "serve", "--models-preset", str(preset),
+                             "--emulate-devices", "GPU0=1GiB", "--models-memory-margin", "0"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+        h = {"X-Api-Key": "k"}
+        assert httpx.get(base + "/props", headers=h).json()["max_models"] == 1  # from LLAMA_ARG_MODELS_MAX
+        lines = []
+        with httpx.stream("POST", base + "/v1/completions", headers=h, timeout=60,
+                          json={"model": "m", "prompt": "hello", "max_tokens": 200, "stream": True}) as r:
+            it = r.iter_lines()
+            lines.append(next(it))
+            pids = [w["pid"] for w in httpx.get(base + "/devices", headers=h).json()["workers"]]
+            proc.send_signal(signal.SIGTERM)
+            lines += list(it)
+        lines = [line for line in lines if line]
+        assert len(lines) > 2 and lines[-1] == "data: [DONE]"  # the request in flight finished
+        assert proc.wait(60) == 0
+        time.sleep(0.5)
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
