@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Protocol
+from typing import Mapping, Protocol
 
 __all__ = [
     "Device",
@@ -76,6 +76,9 @@ class Inventory(Protocol):
     def to_inventory(self, device_set: frozenset[str], pools: Mapping[str, int]) -> dict[str, int]:
         """Map a masked probe's pools (worker-local names) to inventory devices."""
 
+    def process_usage(self, pid: int) -> dict[str, int]:
+        """Device bytes a process holds (its GPU context included), where known."""
+
 
 def _meminfo() -> tuple[int, int]:
     """(total, available) system memory in bytes."""
@@ -107,6 +110,14 @@ class _NVML:
         info = self.nvml.nvmlDeviceGetMemoryInfo(self.handles[i])
         return int(info.total), int(info.free)
 
+    def process_usage(self, pid: int) -> dict[str, int]:
+        out = {}
+        for i, h in enumerate(self.handles):
+            for p in self.nvml.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid == pid and p.usedGpuMemory:
+                    out[f"CUDA{i}"] = int(p.usedGpuMemory)
+        return out
+
 
 class SystemInventory:
     """The real machine: system memory, plus NVIDIA GPUs when NVML is available."""
@@ -136,6 +147,9 @@ class SystemInventory:
         if cuda:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(d[4:] for d in cuda)
         return env
+
+    def process_usage(self, pid: int) -> dict[str, int]:
+        return self._nvml.process_usage(pid) if self._nvml else {}
 
     def to_inventory(self, device_set: frozenset[str], pools: Mapping[str, int]) -> dict[str, int]:
         cuda = sorted((d for d in device_set if d.startswith("CUDA")), key=lambda d: int(d[4:]))
@@ -181,6 +195,9 @@ class EmulatedInventory:
     def mask_env(self, device_set: frozenset[str]) -> dict[str, str]:
         return _hide_all_gpus()
 
+    def process_usage(self, pid: int) -> dict[str, int]:
+        return {}  # emulated devices hold nothing outside what the probe measures
+
     def to_inventory(self, device_set: frozenset[str], pools: Mapping[str, int]) -> dict[str, int]:
         emulated = sorted(d for d in device_set if d != HOST)
         if not emulated:
@@ -190,6 +207,3 @@ class EmulatedInventory:
         share, rest = divmod(total, len(emulated))
         return {d: share + (rest if i == 0 else 0) for i, d in enumerate(emulated)}
 
-
-def names(devices: Iterable[Device]) -> list[str]:
-    return [d.name for d in devices]

@@ -371,10 +371,23 @@ class Scheduler:
             w = WorkerHandle("+".join(sorted(device_set)), device_set, self.inventory.mask_env(device_set),
                              self._on_worker_death)
             w.start()
+            self._refresh_overhead(w)
             with self._cond:
                 self._workers[device_set] = w
                 self._cond.notify_all()
             return w
+
+    def _refresh_overhead(self, worker: WorkerHandle) -> None:
+        """A worker's own cost on its GPUs: what the device reports for the process
+        (context, cuBLAS workspace, pools) minus the probed bytes of its models."""
+        usage = self.inventory.process_usage(worker.pid) if worker.pid else {}
+        if not usage:
+            return
+        with self._cond:
+            for device, used in usage.items():
+                models = sum(r.need.get(device, 0) for r in self._records.values()
+                             if r.worker is worker and r.state is State.LOADED)
+                worker.overhead[device] = max(0, used - models)
 
     def _load(self, rec: Record) -> None:
         try:
@@ -403,13 +416,17 @@ class Scheduler:
                 rec.loads += 1
                 self.counters["loads"] += 1
                 self._event("load", rec.name)
+                loaded = True
             else:
+                loaded = False
                 rec.state, rec.need, rec.worker = State.UNLOADED, {}, None
                 rec.reason = f"{reply.kind}: {reply.message}"
                 rec.error_epoch += 1
                 self.counters["load_failures"] += 1
                 self._event("load-failed", rec.name)
             self._cond.notify_all()
+        if loaded:
+            self._refresh_overhead(worker)
 
     def _unload(self, rec: Record) -> None:
         worker = rec.worker

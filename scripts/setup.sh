@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Install pyllmrouter into .venv on a fresh machine (Python 3.10+, a C++ compiler).
 #
-#   scripts/setup.sh          runtime: llama-cpp-python (pinned) + pyllmrouter
-#   scripts/setup.sh --test   the same, plus what the tests and benchmarks need
+#   scripts/setup.sh               runtime: llama-cpp-python (pinned) + pyllmrouter
+#   scripts/setup.sh --test        the same, plus what the tests and benchmarks need
+#   scripts/setup.sh --cuda 90     CUDA build for one GPU architecture (90: H100/H200),
+#                                  from the trimmed sdist (4 MB instead of 76 MB), plus
+#                                  nvidia-ml-py; combine with --test for the GPU suite
 #
 # llama-cpp-python is built once from its pinned sdist (downloaded through pip,
 # checked by sha256 against vendor/pin.json) and the wheel is cached under
@@ -12,8 +15,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+extras=()
+cuda=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --test) extras+=(test) ;;
+    --cuda) cuda="${2:?--cuda needs an architecture, e.g. 90}"; shift ;;
+    *) echo "usage: scripts/setup.sh [--test] [--cuda ARCH]" >&2; exit 2 ;;
+  esac
+  shift
+done
+if [ -n "$cuda" ]; then
+  extras+=(nvidia)
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=$cuda ${CMAKE_ARGS:-}"
+fi
 venv="${VENV:-.venv}"
 cache="${PYLLMROUTER_CACHE:-$HOME/.cache/pyllmrouter}"
 
@@ -27,21 +42,30 @@ command -v cmake >/dev/null || pip install "cmake>=3.21"
 command -v ninja >/dev/null || pip install ninja
 
 version=$("$py" -c 'import json; print(json.load(open("vendor/pin.json"))["version"])')
-if [ "$("$py" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null)" != "$version" ]; then
-  # GGML_RPC: rpc-server devices on loopback are the multi-device test bed
-  args="-DGGML_RPC=ON ${CMAKE_ARGS:-}"
-  key=$(printf '%s %s' "$version" "$args" | sha256sum | cut -c1-16)
+# GGML_RPC: rpc-server devices on loopback are the multi-device test bed
+args="-DGGML_RPC=ON ${CMAKE_ARGS:-}"
+key=$(printf '%s %s' "$version" "$args" | sha256sum | cut -c1-16)
+installed=$("$py" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
+if [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/null)" != "$key" ]; then
   wheels="$cache/wheels/$key"
   if ! ls "$wheels"/llama_cpp_python-"$version"-*.whl >/dev/null 2>&1; then
     sdist=$("$py" vendor/fetch.py sdist)
+    if [ -n "$cuda" ]; then
+      sdist="$cache/trimmed/$(basename "$sdist")"
+      "$py" vendor/fetch.py trimmed --out "$sdist"
+    fi
     echo "building llama-cpp-python $version ($args); this takes a few minutes"
     CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
       "$py" -m pip wheel -q --no-deps -w "$wheels" "$sdist"
   fi
-  pip install "$wheels"/llama_cpp_python-"$version"-*.whl
+  pip install --force-reinstall --no-deps "$wheels"/llama_cpp_python-"$version"-*.whl
+  pip install "$wheels"/llama_cpp_python-"$version"-*.whl  # its dependencies
+  echo "$key" > "$venv/.llama-cpp-build"
 fi
 
 # the staging header needs the sdist even when the wheel came from the cache
 "$py" vendor/fetch.py sdist >/dev/null
-pip install --no-build-isolation -e ".$extras"
+spec="."
+[ ${#extras[@]} -gt 0 ] && spec=".[$(IFS=,; echo "${extras[*]}")]"
+pip install --no-build-isolation -e "$spec"
 echo "pyllmrouter installed in $venv"

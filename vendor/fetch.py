@@ -9,6 +9,9 @@ the sdist is downloaded through pip into the cache directory and verified.
     fetch.py sdist                 print the path of the verified sdist
     fetch.py header --out DIR      extract the pinned headers into DIR (flat)
     fetch.py source --out DIR      extract the sdist's llama.cpp tree into DIR
+    fetch.py trimmed --out FILE    write the sdist without what a CUDA/CPU build of
+                                   llama-cpp-python never reads (docs, vocab files,
+                                   other GPU backends, tests, tools but mtmd...)
     fetch.py locate                check the installed llama-cpp-python against
                                    the pin; print "VERSION;SITE_PACKAGES;LIB_DIR"
 
@@ -98,6 +101,39 @@ def source(out: Path) -> None:
     stamp.write_text(PIN["sdist_sha256"])
 
 
+# Paths under vendor/llama.cpp that a llama-cpp-python build (CPU, CUDA, RPC) never reads.
+TRIM = (
+    "docs/", "models/", "media/", ".github/", "gguf-py/", "benches/", "tests/", "examples/", "pocs/",
+    "scripts/", "conversion/", "grammars/", "requirements/", "skills/", "app/", "ci/", "licenses/",
+    "ggml/src/ggml-cann/", "ggml/src/ggml-et/", "ggml/src/ggml-hexagon/", "ggml/src/ggml-metal/",
+    "ggml/src/ggml-musa/", "ggml/src/ggml-opencl/", "ggml/src/ggml-openvino/", "ggml/src/ggml-sycl/",
+    "ggml/src/ggml-virtgpu/", "ggml/src/ggml-vulkan/", "ggml/src/ggml-webgpu/", "ggml/src/ggml-zdnn/",
+    "ggml/src/ggml-zendnn/",
+)
+
+
+def trimmed(out: Path) -> None:
+    """The pinned sdist minus TRIM (and every tools/ folder but mtmd), as a .tar.gz."""
+    root = PIN["sdist"].removesuffix(".tar.gz") + "/"
+    llama = root + "vendor/llama.cpp/"
+
+    def keep(name: str) -> bool:
+        if not name.startswith(llama):
+            return not any(name.startswith(root + d) for d in ("docs/", "examples/", ".git/", "tests/"))
+        rel = name[len(llama):]
+        if rel.startswith("tools/") and not (rel == "tools/" or rel.startswith("tools/mtmd")):
+            return False
+        if rel.startswith("tools/mtmd/") and rel.endswith((".mp4", ".jpg", ".png", ".wav", ".mp3")):
+            return False
+        return not any(rel.startswith(t) for t in TRIM)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(sdist()) as src, tarfile.open(out, "w:gz") as dst:
+        for m in src.getmembers():
+            if keep(m.name) or m.name + "/" == llama:
+                dst.addfile(m, src.extractfile(m) if m.isfile() else None)
+
+
 def locate() -> str:
     """Version, site-packages and library directory of the installed llama-cpp-python."""
     try:
@@ -115,10 +151,10 @@ def locate() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["sdist", "header", "source", "locate"])
+    parser.add_argument("what", choices=["sdist", "header", "source", "trimmed", "locate"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.what in ("header", "source") and args.out is None:
+    if args.what in ("header", "source", "trimmed") and args.out is None:
         parser.error("--out is required")
     if args.what == "sdist":
         print(sdist())
@@ -126,6 +162,8 @@ def main() -> None:
         headers(args.out)
     elif args.what == "source":
         source(args.out)
+    elif args.what == "trimmed":
+        trimmed(args.out)
     else:
         print(locate())
 

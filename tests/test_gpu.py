@@ -1,0 +1,179 @@
+"""GPU truth, on a machine with an NVIDIA GPU and a CUDA build of llama-cpp-python.
+
+    scripts/setup.sh --test --cuda 90 && .venv/bin/python -m pytest -m gpu -s
+
+Skipped everywhere else.  Each check runs in its own process so that this
+test process never holds a CUDA context that would blur the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+def _cuda_ready() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False
+    try:
+        import importlib.util
+
+        lib = Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib"
+    except (ImportError, AttributeError):
+        return False
+    return any(lib.glob("libggml-cuda.so*"))
+
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not _cuda_ready(), reason="needs an NVIDIA GPU and a CUDA build of llama-cpp-python")]
+
+
+def compute_apps() -> dict[int, int]:
+    """pid -> MiB used, for every process holding a CUDA context."""
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    apps: dict[int, int] = {}
+    for line in filter(None, out.splitlines()):
+        pid, used = (x.strip() for x in line.split(","))
+        apps[int(pid)] = apps.get(int(pid), 0) + int(used)
+    return apps
+
+
+def run_py(code: str, env: dict | None = None, timeout: int = 300) -> dict:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_router_holds_no_context_and_one_worker_holds_one(tiny):
+    out = run_py(f"""
+        import json, os, subprocess
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.config import ModelConfig
+        from pyllmrouter.router import Router
+        def apps():
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                                 capture_output=True, text=True).stdout
+            return [int(x) for x in out.split()]
+        if __name__ == "__main__":
+            models = [ModelConfig(n, ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512 * (i + 1)), devices=("CUDA0",))
+                      for i, n in enumerate("abc")]
+            with Router(models, margin=0) as r:
+                seen = []
+                for n in "abc":
+                    r.complete(n, "hello", max_tokens=4)
+                    seen.append(apps())
+                workers = [w["pid"] for w in r.status()["workers"]]
+                print(json.dumps({{"me": os.getpid(), "seen": seen, "workers": workers}}))
+    """)
+    for apps in out["seen"]:
+        assert out["me"] not in apps  # the router process never holds a context
+        assert [p for p in apps if p in out["workers"]] == out["workers"]  # one context: the worker's
+    assert len(out["workers"]) == 1
+
+
+def test_three_models_cost_one_context_not_three(tiny):
+    one = run_py(f"""
+        import json
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.loader import load
+        from pyllmrouter.probe import probe
+        import subprocess, os
+        llms = [load(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512 * (i + 1))) for i in range(3)]
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout
+        used = sum(int(l.split(",")[1]) for l in out.splitlines() if int(l.split(",")[0]) == os.getpid())
+        print(json.dumps({{"used_mib": used}}))
+    """)
+    separate = [run_py(f"""
+        import json, os, subprocess
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.loader import load
+        llm = load(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx={512 * (i + 1)}))
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True).stdout
+        used = sum(int(l.split(",")[1]) for l in out.splitlines() if int(l.split(",")[0]) == os.getpid())
+        print(json.dumps({{"used_mib": used}}))
+    """)["used_mib"] for i in range(3)]
+    print(f"\nthree models in one process: {one['used_mib']} MiB; in three processes: {separate} MiB")
+    # three processes pay three contexts; one process pays one: at least one whole process is saved
+    assert sum(separate) - one["used_mib"] >= min(separate)
+
+
+@pytest.mark.parametrize("ngl", [-1, 1])
+@pytest.mark.parametrize("fa", ["on", "off"])
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
+def test_probe_equals_allocation_on_cuda_and_host(tiny, model, ngl, fa):
+    out = run_py(f"""
+        import json
+        from pyllmrouter import ModelSpec, probe
+        from pyllmrouter.loader import load
+        from pyllmrouter.probe import live_breakdown
+        spec = ModelSpec({str(tiny[model])!r}, n_ctx=1024, n_gpu_layers={ngl}, flash_attn={fa!r}, use_mmap=False)
+        est = probe(spec, use_cache=False)
+        live = live_breakdown(load(spec))
+        row = lambda b: [b.buffer_type, b.model, b.context, b.compute]
+        print(json.dumps({{"probe": sorted(row(b) for b in est.buffers if b.buffer_type != "output"),
+                          "live": sorted(row(b) for b in live)}}))
+    """, env={"CUDA_VISIBLE_DEVICES": "0"})
+    assert out["probe"] == out["live"]
+    assert any(r[0].startswith("CUDA0") for r in out["probe"])
+
+
+def test_residual_is_measured_and_admission_counts_it(tiny):
+    out = run_py(f"""
+        import json, os
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.config import ModelConfig
+        from pyllmrouter.devices import SystemInventory
+        from pyllmrouter.router import Router
+        if __name__ == "__main__":
+            inv = SystemInventory()
+            with Router([ModelConfig("a", ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=4096), devices=("CUDA0",))],
+                        inventory=inv, margin=0) as r:
+                r.complete("a", "hello", max_tokens=8)
+                st = r.status()
+                w = st["workers"][0]
+                print(json.dumps({{"process": inv.process_usage(w["pid"]).get("CUDA0", 0),
+                                  "held": st["devices"]["CUDA0"]["held"],
+                                  "need": st["models"]["a"]["requirement"]["CUDA0"].get("CUDA0", 0),
+                                  "overhead": w["overhead"].get("CUDA0", 0)}}))
+    """)
+    print(f"\nworker process on CUDA0: {out['process']} B; model probe: {out['need']} B; "
+          f"residual (context, cuBLAS, pools): {out['process'] - out['need']} B")
+    assert out["overhead"] > 0
+    assert out["held"] >= out["process"]  # the router counts everything the worker holds
+
+
+def test_margin_stays_free_after_loads(shape7b):
+    out = run_py(f"""
+        import json
+        from pyllmrouter import ModelSpec, probe
+        from pyllmrouter.config import ModelConfig
+        from pyllmrouter.devices import SystemInventory
+        from pyllmrouter.router import Router
+        if __name__ == "__main__":
+            inv = SystemInventory()
+            need = probe(ModelSpec({str(shape7b)!r}, n_ctx=4096)).total
+            free = inv.free()["CUDA0"]
+            margin = max(0, free - int(need * 1.6))  # room for one 7B, not two
+            models = [ModelConfig(n, ModelSpec({str(shape7b)!r}, n_ctx=c), devices=("CUDA0",))
+                      for n, c in (("x", 4096), ("y", 4097))]
+            lows = []
+            with Router(models, inventory=inv, margin=margin) as r:
+                for n in ("x", "y", "x"):
+                    r.complete(n, "hi", max_tokens=1)
+                    lows.append(inv.free()["CUDA0"])
+                events = [(e[1], e[2]) for e in r.scheduler.events]
+            print(json.dumps({{"margin": margin, "lows": lows, "events": events}}))
+    """, timeout=600)
+    assert all(low >= out["margin"] for low in out["lows"]), out
+    assert ("evict", "x") in [tuple(e) for e in out["events"]]
