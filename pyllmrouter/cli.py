@@ -29,8 +29,9 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                    help="context size (0 = the model's training context; default 4096)")
     p.add_argument("-b", "--batch-size", dest="n_batch", type=int, default=2048)
     p.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=int, default=512)
-    p.add_argument("-np", "--parallel", dest="n_seq_max", type=int, default=1, help="parallel sequences")
-    p.add_argument("--kv-unified", action="store_true", help="one KV buffer shared by all sequences")
+    p.add_argument("-np", "--parallel", dest="n_seq_max", type=int, default=4, help="parallel sequences (default 4)")
+    p.add_argument("--kv-unified", "-kvu", action=argparse.BooleanOptionalAction, default=True,
+                   help="one KV buffer shared by all sequences (default on)")
     p.add_argument("-ngl", "--n-gpu-layers", "--ngl", dest="n_gpu_layers", type=int, default=-1,
                    help="layers on the GPU (-1 = all)")
     p.add_argument("-sm", "--split-mode", dest="split_mode", default="layer", choices=["none", "layer", "row"])

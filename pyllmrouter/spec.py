@@ -6,7 +6,8 @@ spec into the llama.cpp parameter structs; the probe and the loader both use
 that one conversion, so the bytes probed are the bytes loaded.
 
 Defaults follow llama-server rather than llama_cpp.Llama: all layers on the
-GPU, flash attention ``auto``, n_batch 2048, n_ubatch 512, n_ctx 4096.
+GPU, flash attention ``auto``, n_batch 2048, n_ubatch 512, n_ctx 4096, four
+parallel sequences sharing a unified KV cache.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ class ModelSpec:
     n_ctx: int = 4096  # 0: the model's training context
     n_batch: int = 2048
     n_ubatch: int = 512
-    n_seq_max: int = 1  # parallel sequences (llama-server --parallel)
-    kv_unified: bool = False
+    n_seq_max: int = 4  # parallel sequences (llama-server --parallel); 1 for embedding models
+    kv_unified: bool = True  # one KV buffer of n_ctx cells shared by the sequences (llama-server's default)
     n_gpu_layers: int = -1  # -1: every layer
     split_mode: str = "layer"
     main_gpu: int = 0

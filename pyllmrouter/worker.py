@@ -6,7 +6,9 @@
                                ├─ Cancel ─────▶ cancelled set (checked per token)
                                ├─ Probe ──────▶ probe thread ─▶ Result | Failed
                                └─ Shutdown / EOF (router gone) ──▶ exit
-    model thread (one per model): requests in arrival order ─▶ Chunk* Result | Failed
+    model thread (one per model): parallel > 1: a continuous-batching loop (batching.py);
+                                parallel 1 / embeddings: requests in arrival order
+                                ─▶ Chunk* Result | Failed
 
 The device mask is applied to the environment before llama_cpp is imported,
 so this process can only ever see (and create contexts on) its own devices.
@@ -35,8 +37,60 @@ def _rss() -> int:
     return 0
 
 
+def serve_serial(llm: Any, msg: Run, send: Callable[[Any], None], cancelled: set[int]) -> None:
+    """One request through llama_cpp's own methods: Chunk* then Result, or Failed."""
+    try:
+        _serial(llm, msg, send, cancelled)
+    except Exception as e:  # noqa: BLE001 - any failure goes back to the caller
+        send(Failed(msg.req_id, type(e).__name__, str(e)))
+    finally:
+        cancelled.discard(msg.req_id)
+
+
+def _serial(llm: Any, msg: Run, send: Callable[[Any], None], cancelled: set[int]) -> None:
+    if msg.req_id in cancelled:
+        send(Failed(msg.req_id, "Cancelled", "request cancelled before it started"))
+        return
+    kwargs = dict(msg.kwargs)
+    if msg.method == "embed":
+        send(Result(msg.req_id, llm.create_embedding(**kwargs)))
+        return
+    import llama_cpp  # noqa: PLC0415 - already imported by the loader
+    import numpy as np  # noqa: PLC0415
+
+    rid, eos = msg.req_id, llm.token_eos()
+    bias = {int(k): float(v) for k, v in (kwargs.pop("logit_bias", None) or {}).items()}
+
+    def bias_and_cancel(_ids, scores):
+        # logit_bias is applied here: llama_cpp drops both its own bias and any
+        # logits_processor when given the two together (list.extend returns None)
+        for token, b in bias.items():
+            if 0 <= token < scores.shape[-1]:
+                scores[token] += b
+        if rid in cancelled:  # a cancelled request can only end its sequence
+            scores = np.full_like(scores, -np.inf)
+            scores[eos] = 0.0
+        return scores
+
+    kwargs["logits_processor"] = llama_cpp.LogitsProcessorList(
+        list(kwargs.get("logits_processor") or []) + [bias_and_cancel])
+    fn = {"chat": llm.create_chat_completion, "complete": llm.create_completion}.get(msg.method)
+    if fn is None:
+        raise ValueError(f"unknown method {msg.method!r}")
+    if not msg.stream:
+        send(Result(rid, fn(**kwargs)))
+        return
+    n = 0
+    for chunk in fn(stream=True, **kwargs):
+        if rid in cancelled:
+            break
+        send(Chunk(rid, chunk))
+        n += 1
+    send(Result(rid, {"chunks": n, "cancelled": rid in cancelled}))
+
+
 class _Hosted:
-    """One loaded model and the thread that serves its requests in order."""
+    """One loaded model served one request at a time, in arrival order."""
 
     def __init__(self, name: str, llm: Any, send: Callable[[Any], None], cancelled: set[int]):
         self.name = name
@@ -47,6 +101,9 @@ class _Hosted:
         self.thread = threading.Thread(target=self._serve, name=f"model-{name}", daemon=True)
         self.thread.start()
 
+    def put(self, msg: Any) -> None:
+        self.queue.put(msg)
+
     def _serve(self) -> None:
         while True:
             msg = self.queue.get()
@@ -55,53 +112,7 @@ class _Hosted:
                 self.llm = None
                 self.send(Unloaded(msg.req_id, self.name))
                 return
-            try:
-                self._run(msg)
-            except Exception as e:  # noqa: BLE001 - any failure goes back to the caller
-                self.send(Failed(msg.req_id, type(e).__name__, str(e)))
-            finally:
-                self.cancelled.discard(msg.req_id)
-
-    def _run(self, msg: Run) -> None:
-        if msg.req_id in self.cancelled:
-            self.send(Failed(msg.req_id, "Cancelled", "request cancelled before it started"))
-            return
-        kwargs = dict(msg.kwargs)
-        if msg.method == "embed":
-            self.send(Result(msg.req_id, self.llm.create_embedding(**kwargs)))
-            return
-        import llama_cpp  # noqa: PLC0415 - already imported by the loader
-        import numpy as np  # noqa: PLC0415
-
-        rid, eos = msg.req_id, self.llm.token_eos()
-        bias = {int(k): float(v) for k, v in (kwargs.pop("logit_bias", None) or {}).items()}
-
-        def bias_and_cancel(_ids, scores):
-            # logit_bias is applied here: llama_cpp drops both its own bias and any
-            # logits_processor when given the two together (list.extend returns None)
-            for token, b in bias.items():
-                if 0 <= token < scores.shape[-1]:
-                    scores[token] += b
-            if rid in self.cancelled:  # a cancelled request can only end its sequence
-                scores = np.full_like(scores, -np.inf)
-                scores[eos] = 0.0
-            return scores
-
-        kwargs["logits_processor"] = llama_cpp.LogitsProcessorList(
-            list(kwargs.get("logits_processor") or []) + [bias_and_cancel])
-        fn = {"chat": self.llm.create_chat_completion, "complete": self.llm.create_completion}.get(msg.method)
-        if fn is None:
-            raise ValueError(f"unknown method {msg.method!r}")
-        if not msg.stream:
-            self.send(Result(rid, fn(**kwargs)))
-            return
-        n = 0
-        for chunk in fn(stream=True, **kwargs):
-            if rid in self.cancelled:
-                break
-            self.send(Chunk(rid, chunk))
-            n += 1
-        self.send(Result(rid, {"chunks": n, "cancelled": rid in self.cancelled}))
+            serve_serial(self.llm, msg, self.send, self.cancelled)
 
 
 class _Worker:
@@ -125,7 +136,13 @@ class _Worker:
             t0 = time.perf_counter()
             llm = load(msg.spec, **msg.llama_kwargs)
             pools = {d.device: d.total for d in aggregate(live_breakdown(llm))}
-            self.models[msg.name] = _Hosted(msg.name, llm, self.send, self.cancelled)
+            if msg.spec.n_seq_max > 1 and not msg.spec.embedding:
+                from .batching import BatchEngine  # noqa: PLC0415
+
+                serial = lambda llm_, run: serve_serial(llm_, run, self.send, self.cancelled)  # noqa: E731
+                self.models[msg.name] = BatchEngine(msg.name, llm, self.send, self.cancelled, serial)
+            else:
+                self.models[msg.name] = _Hosted(msg.name, llm, self.send, self.cancelled)
             self.send(Loaded(msg.req_id, msg.name, pools, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001
             self.send(Failed(msg.req_id, type(e).__name__, str(e)))
@@ -157,13 +174,13 @@ class _Worker:
                 if hosted is None:
                     self.send(Unloaded(msg.req_id, msg.name))
                 else:
-                    hosted.queue.put(msg)
+                    hosted.put(msg)
             elif isinstance(msg, Run):
                 hosted = self.models.get(msg.name)
                 if hosted is None:
                     self.send(Failed(msg.req_id, "ModelNotLoaded", f"model {msg.name!r} is not loaded here"))
                 else:
-                    hosted.queue.put(msg)
+                    hosted.put(msg)
 
 
 def worker_main(conn, env: dict[str, str]) -> None:

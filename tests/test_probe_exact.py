@@ -9,9 +9,10 @@ from pyllmrouter.loader import load
 from pyllmrouter.probe import aggregate, live_breakdown
 
 GRID = [
-    dict(n_ctx=n_ctx, n_seq_max=seqs, type_k=kv, type_v=kv, flash_attn=fa)
-    for n_ctx, seqs, (kv, fa) in itertools.product(
-        (256, 1024), (1, 3), (("f16", "off"), ("f16", "on"), ("q8_0", "on"), ("f16", "auto"))
+    dict(n_ctx=n_ctx, n_seq_max=seqs, kv_unified=unified, type_k=kv, type_v=kv, flash_attn=fa)
+    for n_ctx, (seqs, unified), (kv, fa) in itertools.product(
+        (256, 1024), ((1, False), (3, False), (4, True)),
+        (("f16", "off"), ("f16", "on"), ("q8_0", "on"), ("f16", "auto"))
     )
 ]
 
@@ -58,7 +59,7 @@ def test_mmap_moves_weights_to_a_mapped_buffer_of_the_same_size(tiny):
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
 def test_kv_bytes_grow_linearly_with_context(tiny, model):
-    kv = [probe(ModelSpec(tiny[model], n_ctx=n)).devices[0].kv for n in (256, 512, 1024, 2048)]
+    kv = [probe(ModelSpec(tiny[model], n_ctx=n, n_seq_max=1)).devices[0].kv for n in (256, 512, 1024, 2048)]
     assert kv[0] > 0
     assert kv == [kv[0] * k for k in (1, 2, 4, 8)]
 
@@ -71,7 +72,7 @@ def test_quantized_cache_is_smaller(tiny):
 
 
 def test_output_buffer_is_counted_in_host_memory(tiny):
-    one = probe(ModelSpec(tiny["tiny-llama"], n_ctx=512))
+    one = probe(ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1))
     four = probe(ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=4))
     n_vocab = one.facts.n_vocab
     assert one.devices[-1].output == n_vocab * 4

@@ -48,7 +48,8 @@ def server(tiny, tmp_path_factory, _module_cache):
     broken = tmp_path_factory.mktemp("bad") / "broken.gguf"
     data = tiny["tiny-llama"].read_bytes()
     broken.write_bytes(data[: len(data) // 3])
-    a, b = ModelSpec(tiny["tiny-llama"], n_ctx=512), ModelSpec(tiny["tiny-moe"], n_ctx=512)
+    # a serves one request at a time through llama_cpp's streaming (slow enough to stay busy)
+    a, b = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1), ModelSpec(tiny["tiny-moe"], n_ctx=512)
     gpu0 = max(probe(a).total, probe(b).total) + 1
     models = [
         ModelConfig("a", a, aliases=("alpha",), devices=("GPU0",)),

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Build llama.cpp's own programs (default: llama-server) from the pinned
+# llama-cpp-python sdist's llama.cpp source, into the cache directory; prints
+# the bin directory. Used by the benchmarks that compare against llama-server
+# and by the rpc-server test bed. Nothing of llama.cpp is committed.
+#
+#   scripts/build_llama_tools.sh [TARGET ...]      e.g. llama-server rpc-server
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py="${PYTHON:-.venv/bin/python}"
+cache="${PYLLMROUTER_CACHE:-$HOME/.cache/pyllmrouter}"
+src="$cache/llama.cpp-src"
+build="$cache/llama.cpp-build"
+"$py" vendor/fetch.py source --out "$src"
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(llama-server)
+cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_RPC=ON ${CMAKE_ARGS:-} >&2
+cmake --build "$build" --target "${targets[@]}" -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" >&2
+echo "$build/bin"
