@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 __all__ = ["BatchEngine", "needs_serial"]
 
+REUSE_MIN = 16  # shortest cached prefix worth reusing (tokens)
 SERIAL_KEYS = ("tools", "functions", "tool_choice", "function_call", "logprobs", "top_logprobs", "mirostat_mode",
                "logits_processor", "grammar", "suffix", "echo")
 _DEFAULTS = {"chat": dict(temperature=0.2, top_p=0.95, top_k=40, min_p=0.05, repeat_penalty=1.0),
@@ -180,6 +181,10 @@ class BatchEngine:
 
         slot = max(free, key=common)
         keep = min(common(slot), len(req.prompt) - 1)  # the last prompt token is decoded again for logits
+        if keep < min(REUSE_MIN, len(req.prompt) // 2):
+            # too short to be worth it, and KV computed in another batch can differ in the
+            # last bits, which can flip a MoE router: a fresh prompt is computed fresh
+            keep = 0
         self.lc.llama_memory_seq_rm(self.mem, slot.seq, keep, -1)
         slot.cache = slot.cache[:keep]
         slot.pending = req.prompt[keep:]
@@ -187,18 +192,41 @@ class BatchEngine:
         req.cached = keep
 
     def _step(self) -> None:
-        lc, b = self.lc, self.batch
-        busy = [s for s in self.slots if s.req]
-        prefill = [s for s in busy if s.pending]
-        budget = self.n_batch - (len(busy) - len(prefill))
-        chunk = max(1, budget // max(1, len(prefill)))
-        n = 0
-        for s in busy:
+        """One llama_decode for every busy slot; a full KV cache ends the longest sequence."""
+        while True:
+            busy = [s for s in self.slots if s.req]
+            if not busy:
+                return
+            plan = self._plan(busy)
+            rc = self.lc.llama_decode(self.ctx, self.batch)
+            if rc == 0:
+                break
+            for s, _take, _last in plan:  # undo whatever part of the batch was stored
+                self.lc.llama_memory_seq_rm(self.mem, s.seq, len(s.cache), -1)
+            if rc != 1 or len(busy) == 1:
+                raise RuntimeError(f"llama_decode failed ({rc}) with {len(busy)} sequences: the context is full; "
+                                   "lower max_tokens or raise --ctx-size")
+            longest = max(busy, key=lambda s: len(s.cache))
+            self._finish(longest, "length")  # the shared KV cache is full: it has had the most
+            self._release(longest, clear=True)
+        for s, take, last_prompt in plan:
             if s.pending:
-                take, s.pending = s.pending[:chunk], s.pending[chunk:]
-                last_prompt = not s.pending
-            else:
-                take, last_prompt = [s.next_token], True
+                s.pending = s.pending[len(take):]
+            s.cache.extend(take)
+        for s, _take, last_prompt in plan:
+            if last_prompt and s.req is not None:
+                tok = self.lc.llama_sampler_sample(s.req.sampler, self.ctx, s.logits_at)
+                self._emit(s, tok)
+
+    def _plan(self, busy: list[_Slot]) -> list[tuple[_Slot, list[int], bool]]:
+        """Fill the batch: a prompt chunk per prefilling slot, the next token per generating one."""
+        b = self.batch
+        prefill = [s for s in busy if s.pending]
+        chunk = max(1, (self.n_batch - (len(busy) - len(prefill))) // max(1, len(prefill)))
+        plan, n = [], 0
+        for s in busy:
+            take = s.pending[:chunk] if s.pending else [s.next_token]
+            last_prompt = len(take) == len(s.pending) if s.pending else True
             for j, tok in enumerate(take):
                 b.token[n] = tok
                 b.pos[n] = len(s.cache) + j
@@ -206,17 +234,10 @@ class BatchEngine:
                 b.seq_id[n][0] = s.seq
                 b.logits[n] = 1 if (last_prompt and j == len(take) - 1) else 0
                 n += 1
-            s.logits_at = n - 1 if last_prompt else -1
-            s.cache.extend(take)
+            s.logits_at = n - 1
+            plan.append((s, take, last_prompt))
         b.n_tokens = n
-        rc = lc.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode failed ({rc}): the KV cache is full for {len(busy)} sequences; "
-                               "lower max_tokens or raise --ctx-size")
-        for s in busy:
-            if s.logits_at >= 0:
-                tok = lc.llama_sampler_sample(s.req.sampler, self.ctx, s.logits_at)
-                self._emit(s, tok)
+        return plan
 
     # -- tokens to text --------------------------------------------------------
 

@@ -1,0 +1,158 @@
+"""Continuous batching in the worker: many sequences of one model at once."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from pyllmrouter import ModelSpec
+from pyllmrouter.config import ModelConfig
+from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.router import Router
+
+NO_EOS = {"2": -100, "4": -100}  # the tiny models' end-of-generation tokens
+PROMPTS = ["hello world", "the model", "router memory", "fast token", "a GPU", "of the", "it is", "you and"]
+
+
+@pytest.fixture(scope="module")
+def _module_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(_module_cache, monkeypatch):
+    monkeypatch.setenv("PYLLMROUTER_CACHE", str(_module_cache))
+
+
+@pytest.fixture(scope="module")
+def router(tiny, _module_cache):
+    import os
+
+    os.environ["PYLLMROUTER_CACHE"] = str(_module_cache)
+    models = [ModelConfig("p", ModelSpec(tiny["tiny-llama"], n_ctx=2048, n_seq_max=4)),
+              ModelConfig("moe", ModelSpec(tiny["tiny-moe"], n_ctx=2048, n_seq_max=4)),
+              ModelConfig("short", ModelSpec(tiny["tiny-llama"], n_ctx=256, n_seq_max=4))]
+    with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
+        yield r
+
+
+def alone(router, model, prompt, **kw):
+    return router.complete(model, prompt, temperature=0, logit_bias=NO_EOS, **kw)
+
+
+def concurrently(fn, args_list):
+    out, errors = {}, []
+
+    def go(i, args):
+        try:
+            out[i] = fn(*args)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    return [out[i] for i in range(len(args_list))]
+
+
+@pytest.mark.parametrize("model", ["p", "moe"])
+def test_same_tokens_alone_and_in_a_batch(router, model):
+    solo = [alone(router, model, p, max_tokens=24)["choices"][0]["text"] for p in PROMPTS]
+    batched = concurrently(lambda p: alone(router, model, p, max_tokens=24)["choices"][0]["text"],
+                           [(p,) for p in PROMPTS])
+    assert batched == solo
+    assert len(set(solo)) > 1  # different prompts, different continuations
+
+
+def test_concurrent_streams_are_independent(router):
+    def stream(p):
+        chunks = list(router.complete("p", p, temperature=0, logit_bias=NO_EOS, max_tokens=20, stream=True))
+        return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
+
+    expected = [alone(router, "p", p, max_tokens=20)["choices"][0]["text"] for p in PROMPTS[:6]]
+    got = concurrently(stream, [(p,) for p in PROMPTS[:6]])
+    assert [g[0] for g in got] == expected
+    assert {g[1] for g in got} == {"length"}
+
+
+def test_stop_strings_and_max_tokens_per_sequence(router):
+    full = alone(router, "p", "hello world", max_tokens=30)["choices"][0]["text"]
+    stop = full[8:11]
+    assert stop and stop in full
+    limited, stopped = concurrently(lambda kw: alone(router, "p", "hello world", **kw),
+                                    [({"max_tokens": 3},), ({"max_tokens": 30, "stop": [stop]},)])
+    assert limited["usage"]["completion_tokens"] == 3 and limited["choices"][0]["finish_reason"] == "length"
+    assert stopped["choices"][0]["text"] == full[: full.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+def test_cancelling_a_stream_frees_its_slot(router):
+    streams = [router.complete("p", p, logit_bias=NO_EOS, max_tokens=1500, stream=True) for p in PROMPTS[:4]]
+    for s in streams:
+        next(s)
+    streams[0].close()  # a client goes away
+    t0 = time.monotonic()
+    fifth = alone(router, "p", "it is", max_tokens=4)  # needs the freed slot: all four were busy
+    waited = time.monotonic() - t0
+    assert fifth["usage"]["completion_tokens"] == 4
+    for s in streams[1:]:
+        s.close()
+    assert waited < 5
+
+
+def test_prefix_of_a_conversation_is_reused(router):
+    turn1 = [{"role": "user", "content": "hello world " * 20}]
+    first = router.chat("p", turn1, max_tokens=8, temperature=0)
+    turn2 = turn1 + [first["choices"][0]["message"], {"role": "user", "content": "and the model"}]
+    second = router.chat("p", turn2, max_tokens=8, temperature=0)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= first["usage"]["prompt_tokens"] - 1
+
+
+def test_chat_through_the_batch_uses_the_model_template(router):
+    out = router.chat("p", [{"role": "user", "content": "hi"}], max_tokens=5, temperature=0)
+    assert out["object"] == "chat.completion" and out["choices"][0]["message"]["role"] == "assistant"
+    # ChatML markers + "user\nhi": more tokens than the bare text
+    assert out["usage"]["prompt_tokens"] > 5
+
+
+def test_requests_the_batch_cannot_serve_take_the_serial_path(router):
+    from pyllmrouter.errors import RequestFailed
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    busy = router.complete("p", "hello", logit_bias=NO_EOS, max_tokens=200, stream=True)
+    next(busy)
+    out = router.chat("p", [{"role": "user", "content": "hi"}], tools=tools, max_tokens=3, temperature=0)
+    assert out["object"] == "chat.completion"  # llama_cpp's own chat handler served it, after the batch
+    assert sum(1 for _ in busy) > 0
+    with pytest.raises(RequestFailed, match="logprobs"):  # what llama_cpp refuses, it refuses clearly
+        router.complete("p", "hello", max_tokens=3, logprobs=2)
+    again = alone(router, "p", "hello world", max_tokens=8)  # and the batch still works after it
+    assert again["usage"]["completion_tokens"] == 8
+
+
+def test_json_mode_constrains_the_output(router):
+    out = router.chat("p", [{"role": "user", "content": "json"}], max_tokens=6, temperature=0.8, seed=1,
+                      response_format={"type": "json_object"})
+    text = out["choices"][0]["message"]["content"].lstrip()
+    assert text.startswith(("{", "[", '"')) or text[:1].isdigit() or text[:1] in "-tfn"
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(router):
+    from pyllmrouter.errors import RequestFailed
+
+    with pytest.raises(RequestFailed, match="exceed context window"):
+        router.complete("p", "hello " * 3000, max_tokens=2)
+
+
+def test_a_full_shared_kv_cache_ends_the_longest_sequence_not_all(router):
+    # four sequences of up to 150 tokens cannot share 256 cells: some end early, none fails
+    outs = concurrently(lambda p: alone(router, "short", p, max_tokens=150), [(p,) for p in PROMPTS[:4]])
+    lengths = sorted(o["usage"]["completion_tokens"] for o in outs)
+    assert all(o["choices"][0]["finish_reason"] == "length" for o in outs)
+    assert lengths[0] < 150 and sum(o["usage"]["total_tokens"] for o in outs) > 256
