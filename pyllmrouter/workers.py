@@ -40,6 +40,12 @@ class Pending:
         except queue.Empty:
             raise TimeoutError(f"no reply from worker {self.worker.name} within {timeout} s") from None
 
+    def get_nowait(self) -> Any | None:
+        try:
+            return self._replies.get_nowait()
+        except queue.Empty:
+            return None
+
     def cancel(self) -> None:
         self.worker.send(Cancel(self.req_id))
 

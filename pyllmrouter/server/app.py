@@ -241,19 +241,19 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
 async def _sse(stream: Stream, model: str, on_end):
     """Server-sent events from a router stream; a client that leaves cancels generation."""
-    sentinel = object()
     try:
         while True:
             try:
-                chunk = await asyncio.to_thread(next, stream, sentinel)
+                chunks = await asyncio.to_thread(stream.next_batch)
             except RouterError as e:
                 err = from_router_error(e)
                 yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type}})}\n\n"
                 return
-            if chunk is sentinel:
+            if not chunks:
                 break
-            chunk["model"] = model
-            yield f"data: {json.dumps(chunk)}\n\n"
+            for chunk in chunks:
+                chunk["model"] = model
+            yield "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
         yield "data: [DONE]\n\n"
         on_end()
     finally:

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Concurrent streaming clients: pyllmrouter serve vs llama-server, side by side.
+
+    scripts/build_llama_tools.sh llama-server    # once: llama.cpp of the pinned sdist
+    python bench/concurrency_bench.py [--clients 1,4,8,16] [--tokens 64] [--out FILE]
+
+Both servers load the same generated model file with the same parallel slots,
+context, batch sizes and threads, and are measured alternately at each
+concurrency level.  Every request streams a fixed number of tokens (end of
+sequence biased away) at temperature 0.  Reports aggregate generated tokens/s
+and p50/p99 time to first token; writes JSON (default
+bench/results/concurrency_bench.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from pyllmrouter import tinymodels
+from pyllmrouter.probe import cache_dir
+from pyllmrouter.tables import render
+
+SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048, n_ctx_train=4096)
+PROMPT = "hello world the model is a fast router of memory and tokens " * 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(base: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server {proc.args[0]} exited with {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{base} did not come up")
+
+
+def one_request(client: httpx.Client, model: str, tokens: int) -> tuple[float, int]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "logit_bias": {"2": -100, "4": -100}}
+    t0 = time.perf_counter()
+    ttft, n = None, 0
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text = json.loads(line[6:])["choices"][0].get("text")
+            if text:
+                n += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    return (ttft if ttft is not None else time.perf_counter() - t0), n
+
+
+def run_level(base: str, model: str, clients: int, per_client: int, tokens: int) -> dict:
+    ttfts: list[float] = []
+    counts: list[int] = []
+    lock = threading.Lock()
+
+    def client_loop() -> None:
+        with httpx.Client(base_url=base, timeout=600) as c:
+            for _ in range(per_client):
+                t, n = one_request(c, model, tokens)
+                with lock:
+                    ttfts.append(t)
+                    counts.append(n)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttfts.sort()
+    return {"clients": clients, "requests": len(ttfts), "tokens": sum(counts), "seconds": wall,
+            "tok_s": sum(counts) / wall, "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1e3,
+            "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] * 1e3}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--parallel", type=int, default=8)
+    ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--llama-server", default=str(cache_dir() / "llama.cpp-build" / "bin" / "llama-server"))
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "concurrency_bench.json")
+    args = ap.parse_args()
+    if not Path(args.llama_server).exists():
+        raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
+    levels = [int(x) for x in args.clients.split(",")]
+    results: dict[str, list[dict]] = {"pyllmrouter": [], "llama-server": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = tinymodels.write_llama(Path(tmp) / "bench-llama.gguf", SHAPE)
+        preset = Path(tmp) / "bench.ini"
+        preset.write_text(f"[m]\nmodel = {model}\nc = {args.ctx}\nnp = {args.parallel}\n"
+                          f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\n")
+        ours_port, theirs_port = free_port(), free_port()
+        env = dict(os.environ, PYLLMROUTER_CACHE=str(Path(tmp) / "cache"))
+        ours = subprocess.Popen([sys.executable, "-m", "pyllmrouter.cli", "serve", "--models-preset", str(preset),
+                                 "--emulate-devices", "GPU0=1TiB", "--port", str(ours_port)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        theirs = subprocess.Popen([args.llama_server, "-m", str(model), "-c", str(args.ctx), "-np", str(args.parallel),
+                                   "-t", str(args.threads), "-tb", str(args.threads), "--port", str(theirs_port),
+                                   "--host", "127.0.0.1", "-a", "m", "--no-webui"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            bases = {"pyllmrouter": f"http://127.0.0.1:{ours_port}", "llama-server": f"http://127.0.0.1:{theirs_port}"}
+            wait_up(bases["pyllmrouter"], ours)
+            wait_up(bases["llama-server"], theirs)
+            for name, base in bases.items():  # warm both
+                with httpx.Client(base_url=base, timeout=600) as c:
+                    one_request(c, "m", 8)
+            for clients in levels:
+                order = ["pyllmrouter", "llama-server"] if clients % 2 else ["llama-server", "pyllmrouter"]
+                for name in order:
+                    results[name].append(run_level(bases[name], "m", clients, args.requests_per_client, args.tokens))
+        finally:
+            for p in (ours, theirs):
+                p.terminate()
+                p.wait(30)
+    rows = []
+    for ours_r, theirs_r in zip(results["pyllmrouter"], results["llama-server"]):
+        rows.append([ours_r["clients"], f"{ours_r['tok_s']:.1f}", f"{theirs_r['tok_s']:.1f}",
+                     f"{ours_r['tok_s'] / theirs_r['tok_s']:.2f}", f"{ours_r['ttft_p50_ms']:.0f}",
+                     f"{theirs_r['ttft_p50_ms']:.0f}", f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}",
+                     f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
+    print(render(["clients", "ours tok/s", "llama-server tok/s", "ratio", "ours TTFT p50 ms",
+                  "llama-server TTFT p50 ms", "TTFT ratio", "ours TTFT p99 ms", "llama-server TTFT p99 ms"], rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bench": "concurrency", "parallel": args.parallel, "tokens": args.tokens,
+                                    "threads": args.threads, "results": results}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
