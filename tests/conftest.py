@@ -25,7 +25,22 @@ def shape7b(tmp_path_factory):
 USER_CACHE = os.environ.get("PYLLMROUTER_CACHE")
 
 
+@pytest.fixture(scope="module")
+def module_cache(tmp_path_factory):
+    """One probe cache for a whole module (set for module-scoped fixtures too)."""
+    mp = pytest.MonkeyPatch()
+    path = tmp_path_factory.mktemp("cache")
+    mp.setenv("PYLLMROUTER_CACHE", str(path))
+    yield path
+    mp.undo()
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path, monkeypatch):
-    """Every test probes into its own cache directory."""
-    monkeypatch.setenv("PYLLMROUTER_CACHE", str(tmp_path / "cache"))
+def _isolated_cache(request, tmp_path, monkeypatch):
+    """Every test probes into its own cache directory, unless its module sets
+    SHARE_PROBE_CACHE = True (router tests: re-probing every test costs seconds)."""
+    if getattr(request.module, "SHARE_PROBE_CACHE", False):
+        path = request.getfixturevalue("module_cache")
+    else:
+        path = tmp_path / "cache"
+    monkeypatch.setenv("PYLLMROUTER_CACHE", str(path))

@@ -16,21 +16,11 @@ NO_EOS = {"2": -100, "4": -100}  # the tiny models' end-of-generation tokens
 PROMPTS = ["hello world", "the model", "router memory", "fast token", "a GPU", "of the", "it is", "you and"]
 
 
-@pytest.fixture(scope="module")
-def _module_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(_module_cache, monkeypatch):
-    monkeypatch.setenv("PYLLMROUTER_CACHE", str(_module_cache))
+SHARE_PROBE_CACHE = True
 
 
 @pytest.fixture(scope="module")
-def router(tiny, _module_cache):
-    import os
-
-    os.environ["PYLLMROUTER_CACHE"] = str(_module_cache)
+def router(tiny, module_cache):
     models = [ModelConfig("p", ModelSpec(tiny["tiny-llama"], n_ctx=2048, n_seq_max=4)),
               ModelConfig("moe", ModelSpec(tiny["tiny-moe"], n_ctx=2048, n_seq_max=4)),
               ModelConfig("short", ModelSpec(tiny["tiny-llama"], n_ctx=256, n_seq_max=4))]

@@ -21,15 +21,7 @@ from pyllmrouter.router import Router
 HI = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def _module_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(_module_cache, monkeypatch):
-    """Probes are cached per module here: every router test would re-probe otherwise."""
-    monkeypatch.setenv("PYLLMROUTER_CACHE", str(_module_cache))
+SHARE_PROBE_CACHE = True
 
 
 @pytest.fixture(scope="module")
@@ -156,12 +148,17 @@ def test_fifo_order_between_waiting_loads(specs, need):
             except Exception as e:  # noqa: BLE001
                 done.append(repr(e))
 
+        def queued(n):
+            deadline = time.monotonic() + 30
+            while r.status()["queue"] < n and time.monotonic() < deadline:
+                time.sleep(0.01)
+
         tb = threading.Thread(target=go, args=("b",))
         tb.start()
-        time.sleep(0.3)
+        queued(1)
         tc = threading.Thread(target=go, args=("c",))
         tc.start()
-        time.sleep(0.3)
+        queued(2)
         list(busy)
         tb.join(60)
         tc.join(60)

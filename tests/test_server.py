@@ -32,19 +32,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def _module_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(autouse=True)
-def _isolated_cache(_module_cache, monkeypatch):
-    monkeypatch.setenv("PYLLMROUTER_CACHE", str(_module_cache))
+SHARE_PROBE_CACHE = True
 
 
 @pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory, _module_cache):
-    os.environ["PYLLMROUTER_CACHE"] = str(_module_cache)
+def server(tiny, tmp_path_factory, module_cache):
     broken = tmp_path_factory.mktemp("bad") / "broken.gguf"
     data = tiny["tiny-llama"].read_bytes()
     broken.write_bytes(data[: len(data) // 3])
