@@ -1,20 +1,36 @@
-"""pyllmrouter: exact per-device memory for local GGUF models.
+"""pyllmrouter: local GGUF models routed by exact per-device memory.
 
-Importing this package loads no llama.cpp backend; the probe and loader import
-``llama_cpp`` (then ``_native``) on first use.
+Importing this package loads no llama.cpp backend: the router process stays
+free of any GPU context; workers, probes and the CLI import ``llama_cpp``
+(then ``_native``) when they need it.
 """
 
+from .config import ModelConfig, RouterOptions
+from .errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterError, UnknownModel,
+                     WorkerDied)
 from .probe import BufferUse, DeviceUse, MemoryEstimate, ModelFacts, ProbeError, probe
+from .router import Router
 from .spec import ModelSpec, SpecError
 
 __all__ = [
     "BufferUse",
     "DeviceUse",
+    "LoadFailed",
     "MemoryEstimate",
+    "ModelConfig",
     "ModelFacts",
     "ModelSpec",
+    "NeverFits",
+    "NotLoaded",
     "ProbeError",
+    "QueueTimeout",
+    "RequestFailed",
+    "Router",
+    "RouterError",
+    "RouterOptions",
     "SpecError",
+    "UnknownModel",
+    "WorkerDied",
     "probe",
 ]
 
