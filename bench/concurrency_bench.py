@@ -78,10 +78,17 @@ def run_level(base: str, model: str, clients: int, per_client: int, tokens: int)
     counts: list[int] = []
     lock = threading.Lock()
 
+    errors: list[str] = []
+
     def client_loop() -> None:
         with httpx.Client(base_url=base, timeout=600) as c:
             for _ in range(per_client):
-                t, n = one_request(c, model, tokens)
+                try:
+                    t, n = one_request(c, model, tokens)
+                except httpx.HTTPError as e:
+                    with lock:
+                        errors.append(f"{type(e).__name__}: {e}")
+                    continue
                 with lock:
                     ttfts.append(t)
                     counts.append(n)
@@ -94,7 +101,7 @@ def run_level(base: str, model: str, clients: int, per_client: int, tokens: int)
         t.join()
     wall = time.perf_counter() - t0
     ttfts.sort()
-    return {"clients": clients, "requests": len(ttfts), "tokens": sum(counts), "seconds": wall,
+    return {"clients": clients, "requests": len(ttfts), "errors": errors, "tokens": sum(counts), "seconds": wall,
             "tok_s": sum(counts) / wall, "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1e3,
             "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] * 1e3}
 
@@ -107,6 +114,9 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
+                    help="one KV buffer for all slots in both servers (default: a KV buffer per slot, "
+                         "llama-server's layout for an explicit -np)")
     ap.add_argument("--llama-server", default=str(cache_dir() / "llama.cpp-build" / "bin" / "llama-server"))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "concurrency_bench.json")
     args = ap.parse_args()
@@ -118,6 +128,7 @@ def main() -> None:
         model = tinymodels.write_llama(Path(tmp) / "bench-llama.gguf", SHAPE)
         preset = Path(tmp) / "bench.ini"
         preset.write_text(f"[m]\nmodel = {model}\nc = {args.ctx}\nnp = {args.parallel}\n"
+                          f"kv-unified = {str(args.kv_unified).lower()}\n"
                           f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\n")
         ours_port, theirs_port = free_port(), free_port()
         env = dict(os.environ, PYLLMROUTER_CACHE=str(Path(tmp) / "cache"))
@@ -126,7 +137,8 @@ def main() -> None:
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         theirs = subprocess.Popen([args.llama_server, "-m", str(model), "-c", str(args.ctx), "-np", str(args.parallel),
                                    "-t", str(args.threads), "-tb", str(args.threads), "--port", str(theirs_port),
-                                   "--host", "127.0.0.1", "-a", "m", "--no-webui"],
+                                   "--host", "127.0.0.1", "-a", "m", "--no-webui"]
+                                  + (["-kvu"] if args.kv_unified else []),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             bases = {"pyllmrouter": f"http://127.0.0.1:{ours_port}", "llama-server": f"http://127.0.0.1:{theirs_port}"}
@@ -143,6 +155,10 @@ def main() -> None:
             for p in (ours, theirs):
                 p.terminate()
                 p.wait(30)
+    for name, rs in results.items():
+        for r in rs:
+            if r["errors"]:
+                print(f"{name}, {r['clients']} clients: {len(r['errors'])} failed requests: {r['errors'][0]}")
     rows = []
     for ours_r, theirs_r in zip(results["pyllmrouter"], results["llama-server"]):
         rows.append([ours_r["clients"], f"{ours_r['tok_s']:.1f}", f"{theirs_r['tok_s']:.1f}",
@@ -153,6 +169,7 @@ def main() -> None:
                   "llama-server TTFT p50 ms", "TTFT ratio", "ours TTFT p99 ms", "llama-server TTFT p99 ms"], rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "concurrency", "parallel": args.parallel, "tokens": args.tokens,
+                                    "kv_unified": args.kv_unified,
                                     "threads": args.threads, "results": results}, indent=2))
     print(f"\nwrote {args.out}")
 

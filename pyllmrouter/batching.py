@@ -80,7 +80,9 @@ class BatchEngine:
                  serial: Callable[[Any, Any], None]):
         import llama_cpp.llama_cpp as lc  # noqa: PLC0415 - worker process only
 
-        self.lc, self.llm, self.name, self.send, self.cancelled, self.serial = lc, llm, name, send, cancelled, serial
+        self.lc, self.llm, self.name, self.cancelled, self.serial = lc, llm, name, cancelled, serial
+        self._send = send
+        self._outbox: list[Any] = []  # replies of this loop iteration, sent as one Batch
         self.ctx = llm._ctx.ctx  # noqa: SLF001
         self.vocab = lc.llama_model_get_vocab(llm._model.model)  # noqa: SLF001
         self.mem = lc.llama_get_memory(self.ctx)
@@ -97,6 +99,16 @@ class BatchEngine:
 
     def put(self, msg: Any) -> None:
         self.inbox.put(msg)
+
+    def send(self, msg: Any) -> None:
+        self._outbox.append(msg)
+
+    def _flush(self) -> None:
+        from .protocol import Batch  # noqa: PLC0415
+
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            self._send(out[0] if len(out) == 1 else Batch(out))
 
     # -- the loop --------------------------------------------------------------
 
@@ -129,7 +141,9 @@ class BatchEngine:
                 self.lc.llama_batch_free(self.batch)
                 self.llm.close()
                 self.send(Unloaded(unload.req_id, self.name))
+                self._flush()
                 return
+            self._flush()
 
     def _admit(self) -> None:
         from .protocol import Failed  # noqa: PLC0415
@@ -158,6 +172,7 @@ class BatchEngine:
             self._assign(req, free)
 
     def _serial(self, msg: Any) -> None:
+        self._flush()
         # llama_cpp's own methods track the KV of sequence 0 themselves: start them clean
         for s in self.slots:
             s.cache.clear()

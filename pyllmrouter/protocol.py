@@ -17,7 +17,7 @@ from .spec import ModelSpec
 
 __all__ = [
     "LoadModel", "UnloadModel", "Run", "Cancel", "Probe", "Shutdown",
-    "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "FINAL",
+    "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "Batch", "FINAL",
 ]
 
 
@@ -101,6 +101,13 @@ class Failed:
     req_id: int
     kind: str  # exception class name
     message: str
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Several replies in one pipe message (a decode step's chunks): one pickle, one write."""
+
+    messages: list[Any]
 
 
 FINAL = (Loaded, Unloaded, Result, Failed)
