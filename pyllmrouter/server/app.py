@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 import json
 import time
 from contextlib import asynccontextmanager
@@ -63,13 +64,17 @@ def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
 
 
 def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
-               close_router: bool = True) -> FastAPI:
+               close_router: bool = True, max_threads: int = 1024) -> FastAPI:
     metrics = Metrics(router.status)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
     configs = {c.name: c for c in router.models()}
 
     @asynccontextmanager
     async def lifespan(_app):
+        # every open stream waits for its next chunks in a thread: the default pool
+        # (cpu count + 4) would make the fifth concurrent stream wait for a thread
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="router-call"))
         yield
         if close_router:  # after uvicorn has drained requests in flight
             await asyncio.to_thread(router.close)
