@@ -75,7 +75,7 @@ def _model_params(spec: ModelSpec, keep: list[Any]):
         handles = [nat.device_handle(name) for name in spec.devices] + [None]
         devs = (ctypes.c_void_p * len(handles))(*handles)
         keep.append(devs)
-        mp.devices = ctypes.cast(devs, type(mp.devices))
+        mp.devices = ctypes.addressof(devs)  # llama_cpp declares the field as a plain void pointer
     pairs = _overrides(spec)
     if pairs:
         arr = (lc.llama_model_tensor_buft_override * (len(pairs) + 1))()
@@ -85,7 +85,7 @@ def _model_params(spec: ModelSpec, keep: list[Any]):
             arr[i].pattern = ctypes.cast(raw, ctypes.c_char_p)
             arr[i].buft = nat.buffer_type_handle(buft)
         keep.append(arr)
-        mp.tensor_buft_overrides = arr
+        mp.tensor_buft_overrides = ctypes.addressof(arr)
     return mp
 
 
