@@ -130,6 +130,10 @@ PYBIND11_MODULE(_native, m) {
           py::arg("name"), "Address of the ggml device with this name (for llama_model_params.devices).");
     m.def("buffer_type_handle", [](const std::string & name) { return reinterpret_cast<std::uintptr_t>(buffer_type_handle(name)); },
           py::arg("name"), "Address of the ggml buffer type with this name (for tensor overrides).");
+    m.def("add_rpc_servers", [](const std::vector<std::string> & endpoints) {
+              py::gil_scoped_release release;
+              return add_rpc_servers(endpoints);
+          }, py::arg("endpoints"), "Attach rpc-servers (host:port) as devices; returns the device names added.");
     m.def("max_devices", &llama_max_devices);
     m.def("max_parallel_sequences", &llama_max_parallel_sequences);
 }

@@ -280,6 +280,32 @@ void * buffer_type_handle(const std::string & name) {
     throw probe_error("unknown buffer type '" + name + "' (buffer types here: " + known + ")");
 }
 
+std::vector<std::string> add_rpc_servers(const std::vector<std::string> & endpoints) {
+    backend_init_once();
+    ggml_backend_reg_t rpc = ggml_backend_reg_by_name("RPC");
+    if (!rpc) {
+        throw probe_error("this llama.cpp build has no RPC backend (build llama-cpp-python with -DGGML_RPC=ON)");
+    }
+    using add_server_t = ggml_backend_reg_t (*)(const char *);
+    auto add_server = reinterpret_cast<add_server_t>(ggml_backend_reg_get_proc_address(rpc, "ggml_backend_rpc_add_server"));
+    if (!add_server) {
+        throw probe_error("the RPC backend has no ggml_backend_rpc_add_server");
+    }
+    std::vector<std::string> names;
+    for (const auto & endpoint : endpoints) {
+        const size_t before = ggml_backend_dev_count();
+        ggml_backend_reg_t reg = add_server(endpoint.c_str());
+        if (!reg) {
+            throw probe_error("cannot attach rpc-server " + endpoint);
+        }
+        ggml_backend_register(reg);
+        for (size_t i = before; i < ggml_backend_dev_count(); ++i) {
+            names.emplace_back(ggml_backend_dev_name(ggml_backend_dev_get(i)));
+        }
+    }
+    return names;
+}
+
 std::map<std::string, MetaValue> gguf_metadata(const std::string & path) {
     std::lock_guard<std::mutex> lock(probe_mutex());
     LogCapture capture;

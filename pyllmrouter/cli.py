@@ -48,6 +48,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                    help="experts of the first N layers in host memory")
     p.add_argument("-nkvo", "--no-kv-offload", dest="offload_kqv", action="store_false")
     p.add_argument("--no-mmap", dest="use_mmap", action="store_false")
+    p.add_argument("--rpc", default=None, help="comma-separated rpc-servers (host:port) to attach as devices")
 
 
 def spec_from_args(a: argparse.Namespace) -> ModelSpec:
@@ -82,6 +83,7 @@ def _free_by_pool(devices: list[dict]) -> dict[str, int]:
 
 
 def cmd_devices(a: argparse.Namespace) -> int:
+    _attach_rpc(a)
     devs = _devices()
     if a.json:
         print(json.dumps(devs, indent=2))
@@ -91,7 +93,15 @@ def cmd_devices(a: argparse.Namespace) -> int:
     return 0
 
 
+def _attach_rpc(a: argparse.Namespace) -> None:
+    if getattr(a, "rpc", None):
+        from ._llama import native  # noqa: PLC0415
+
+        native().add_rpc_servers([e.strip() for e in a.rpc.split(",") if e.strip()])
+
+
 def cmd_probe(a: argparse.Namespace) -> int:
+    _attach_rpc(a)
     spec = spec_from_args(a)
     t0 = time.perf_counter()
     est = probe(spec, use_cache=not a.no_cache)
@@ -125,7 +135,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if not shape.exists():
         tinymodels.write_shape(shape, tinymodels.SHAPE_7B)
     print("Devices llama.cpp sees here:\n")
-    cmd_devices(argparse.Namespace(json=False))
+    cmd_devices(argparse.Namespace(json=False, rpc=None))
     specs = [ModelSpec(str(paths["tiny-llama"])), ModelSpec(str(paths["tiny-moe"]), n_seq_max=4),
              ModelSpec(str(paths["tiny-bert"]), embedding=True, n_ctx=512),
              ModelSpec(str(shape), n_ctx=8192), ModelSpec(str(shape), n_ctx=32768, type_k="q8_0", type_v="q8_0")]
@@ -160,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("devices", help="list ggml devices with free/total memory")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--rpc", default=None, help="comma-separated rpc-servers (host:port) to attach as devices")
     p.set_defaults(func=cmd_devices)
     p = sub.add_parser("probe", help="exact memory a model needs, per device")
     add_spec_arguments(p)

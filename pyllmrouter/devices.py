@@ -24,6 +24,8 @@ __all__ = [
     "Inventory",
     "SystemInventory",
     "EmulatedInventory",
+    "RpcInventory",
+    "RPC_ENV",
     "parse_size",
     "parse_budgets",
     "HOST",
@@ -31,8 +33,11 @@ __all__ = [
 ]
 
 HOST = "CPU"
-# every variable that hides devices from a ggml backend
-MASK_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GGML_VK_VISIBLE_DEVICES")
+# the rpc-servers a worker attaches as its devices ("host:port,...")
+RPC_ENV = "PYLLMROUTER_RPC_SERVERS"
+# every variable that decides which devices a ggml process sees
+MASK_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GGML_VK_VISIBLE_DEVICES",
+             RPC_ENV)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
 
@@ -92,8 +97,8 @@ def _meminfo() -> tuple[int, int]:
 
 def _hide_all_gpus() -> dict[str, str]:
     # "-1" is an invalid ordinal: CUDA then sees no device (an empty string is
-    # read as "unset" by some runtimes)
-    return {v: "-1" for v in MASK_VARS}
+    # read as "unset" by some runtimes); no rpc-server is attached
+    return {**{v: "-1" for v in MASK_VARS if v != RPC_ENV}, RPC_ENV: ""}
 
 
 class _NVML:
@@ -207,3 +212,60 @@ class EmulatedInventory:
         share, rest = divmod(total, len(emulated))
         return {d: share + (rest if i == 0 else 0) for i, d in enumerate(emulated)}
 
+
+class RpcInventory:
+    """ggml rpc-servers as devices: ``RPC0``, ``RPC1``... in the order given.
+
+    ``RpcInventory({"127.0.0.1:50052": 8 << 30, ...})``.  A worker's mask is
+    the set of endpoints it attaches (``PYLLMROUTER_RPC_SERVERS``), so inside it
+    its own first server is ``RPC0`` whatever its inventory name.  An
+    rpc-server backed by a CPU reports the memory of its whole host, so each
+    device's size is given here (the budget it may use).
+    """
+
+    def __init__(self, servers: Mapping[str, int], host: int | None = None):
+        self._endpoints = list(servers)
+        self._sizes = {f"RPC{i}": size for i, size in enumerate(servers.values())}
+        self._host = host
+
+    @classmethod
+    def parse(cls, text: str) -> "RpcInventory":
+        """'127.0.0.1:50052=8GiB,127.0.0.1:50053=8GiB[,CPU=16GiB]'."""
+        servers, host = {}, None
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            endpoint, sep, size = part.rpartition("=")
+            if not sep or not endpoint:
+                raise ValueError(f"not an rpc device: {part!r} (expected HOST:PORT=SIZE)")
+            if endpoint == HOST:
+                host = parse_size(size)
+            else:
+                servers[endpoint] = parse_size(size)
+        return cls(servers, host)
+
+    def endpoint(self, name: str) -> str:
+        return self._endpoints[int(name[3:])]
+
+    def devices(self) -> list[Device]:
+        host = self._host if self._host is not None else _meminfo()[0]
+        return [Device(HOST, "cpu", host)] + [Device(n, "rpc", s, i) for i, (n, s) in enumerate(self._sizes.items())]
+
+    def free(self) -> dict[str, int]:
+        available = _meminfo()[1]
+        return {HOST: available if self._host is None else min(self._host, available), **self._sizes}
+
+    def _attached(self, device_set: frozenset[str]) -> list[str]:
+        return sorted((d for d in device_set if d.startswith("RPC")), key=lambda d: int(d[3:]))
+
+    def mask_env(self, device_set: frozenset[str]) -> dict[str, str]:
+        return {**_hide_all_gpus(), RPC_ENV: ",".join(self.endpoint(d) for d in self._attached(device_set))}
+
+    def to_inventory(self, device_set: frozenset[str], pools: Mapping[str, int]) -> dict[str, int]:
+        attached = self._attached(device_set)
+        out: dict[str, int] = {}
+        for pool, n in pools.items():
+            name = attached[int(pool[3:])] if pool.startswith("RPC") and pool[3:].isdigit() else pool
+            out[name] = out.get(name, 0) + n
+        return out
+
+    def process_usage(self, pid: int) -> dict[str, int]:
+        return {}

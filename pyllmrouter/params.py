@@ -27,6 +27,12 @@ __all__ = ["LlamaParams", "build", "EXPERT_TENSORS"]
 EXPERT_TENSORS = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
 
 
+class _BuftOverride(ctypes.Structure):
+    """struct llama_model_tensor_buft_override (llama_cpp has no binding for it)."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
 @dataclass
 class LlamaParams:
     """Resolved structs for one spec, plus what keeps their pointers valid."""
@@ -78,7 +84,7 @@ def _model_params(spec: ModelSpec, keep: list[Any]):
         mp.devices = ctypes.addressof(devs)  # llama_cpp declares the field as a plain void pointer
     pairs = _overrides(spec)
     if pairs:
-        arr = (lc.llama_model_tensor_buft_override * (len(pairs) + 1))()
+        arr = (_BuftOverride * (len(pairs) + 1))()  # zeroed: the last entry ends the list
         for i, (pattern, buft) in enumerate(pairs):
             raw = ctypes.create_string_buffer(pattern.encode())
             keep.append(raw)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ._llama import forward_log, native
+from .devices import MASK_VARS
 from .spec import ModelSpec
 
 __all__ = [
@@ -219,9 +220,7 @@ def _installation() -> tuple[str, tuple[str, ...]]:
 
 def _environment(env: Mapping[str, str]) -> dict[str, Any]:
     """What decides which devices llama.cpp sees, readable without loading it."""
-    masks = {k: env.get(k) for k in (
-        "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GGML_VK_VISIBLE_DEVICES",
-    )}
+    masks = {k: env.get(k) for k in MASK_VARS}
     version, gpus = _installation()
     return {"llama_cpp": version, "masks": masks, "gpus": gpus}
 

@@ -335,12 +335,18 @@ class Scheduler:
                 rec.reason = f"cannot measure memory: {error}"
             self._cond.notify_all()
 
-    def _worker_spec(self, spec: ModelSpec) -> ModelSpec:
-        # the mask decides the devices a worker sees; ggml names inside differ
-        return spec.replace(devices=None)
+    def _worker_spec(self, spec: ModelSpec, device_set: frozenset[str]) -> ModelSpec:
+        """The spec a worker gets: the mask decides its devices (ggml names inside
+        differ), and a split over several devices is explicit, because llama.cpp's
+        default split follows free memory, which changes between probe and load."""
+        spec = spec.replace(devices=None)
+        n = len([d for d in device_set if d != HOST])
+        if n > 1 and spec.tensor_split is None:
+            spec = spec.replace(tensor_split=(1.0,) * n)
+        return spec
 
     def _probe_masked(self, spec: ModelSpec, device_set: frozenset[str]) -> MemoryEstimate:
-        spec = self._worker_spec(spec)
+        spec = self._worker_spec(spec, device_set)
         env = self.inventory.mask_env(device_set)
         hit = cached_estimate(spec, env)
         if hit is not None:
@@ -402,8 +408,8 @@ class Scheduler:
                     self._cond.notify_all()
                     return
             cfg = rec.config
-            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, self._worker_spec(cfg.spec),
-                                                        dict(cfg.llama_kwargs)))
+            spec = self._worker_spec(cfg.spec, rec.device_set)
+            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, dict(cfg.llama_kwargs)))
             reply = pending.get(self.options.load_timeout)
         except Exception as e:  # noqa: BLE001
             reply = Failed(0, type(e).__name__, str(e))

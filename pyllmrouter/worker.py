@@ -187,7 +187,11 @@ def worker_main(conn, env: dict[str, str]) -> None:
     """Process entry point (multiprocessing, spawn)."""
     os.environ.update(env)  # before anything imports llama_cpp
     from ._llama import native  # noqa: PLC0415 - imports llama_cpp under the mask
+    from .devices import RPC_ENV  # noqa: PLC0415
 
+    rpc = [e for e in os.environ.get(RPC_ENV, "").split(",") if e]
+    if rpc:
+        native().add_rpc_servers(rpc)  # this worker's devices: its rpc-servers, as RPC0, RPC1...
     native().devices()  # initialise the backends now, so the overhead below is real
     worker = _Worker(conn)
     worker.send(Ready(os.getpid(), {"CPU": _rss()}))

@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py="${PYTHON:-.venv/bin/python}"
+export PATH="$(dirname "$py"):$PATH"  # cmake/ninja installed into the virtual environment, if any
 cache="${PYLLMROUTER_CACHE:-$HOME/.cache/pyllmrouter}"
 src="$cache/llama.cpp-src"
 build="$cache/llama.cpp-build"
@@ -17,5 +18,6 @@ targets=("$@")
 cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_RPC=ON ${CMAKE_ARGS:-} >&2
-cmake --build "$build" --target "${targets[@]}" -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" >&2
+cmake --build "$build" --target "${targets[@]}" -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" >&2 \
+  || { echo "building ${targets[*]} failed" >&2; exit 1; }
 echo "$build/bin"
