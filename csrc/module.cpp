@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "ggml-backend.h"
 #include "llama.h"
 #include "probe.h"
 
@@ -130,10 +131,23 @@ PYBIND11_MODULE(_native, m) {
           py::arg("name"), "Address of the ggml device with this name (for llama_model_params.devices).");
     m.def("buffer_type_handle", [](const std::string & name) { return reinterpret_cast<std::uintptr_t>(buffer_type_handle(name)); },
           py::arg("name"), "Address of the ggml buffer type with this name (for tensor overrides).");
+    m.def("tensor_sizes", [](const std::string & path) {
+              py::gil_scoped_release release;
+              return tensor_sizes(path);
+          }, py::arg("path"), "(name, bytes) of every tensor, read from the GGUF header.");
     m.def("add_rpc_servers", [](const std::vector<std::string> & endpoints) {
               py::gil_scoped_release release;
               return add_rpc_servers(endpoints);
           }, py::arg("endpoints"), "Attach rpc-servers (host:port) as devices; returns the device names added.");
+    m.def("buffer_type_name", [](std::uintptr_t buft) {
+              if (buft == 0) throw py::value_error("null buffer type");
+              return std::string(ggml_backend_buft_name(reinterpret_cast<ggml_backend_buffer_type_t>(buft)));
+          }, py::arg("buft"), "Name of a ggml buffer type (its address).");
+    m.def("device_buffer_type", [](const std::string & name) {
+              auto * dev = static_cast<ggml_backend_dev_t>(device_handle(name));
+              return std::string(ggml_backend_buft_name(ggml_backend_dev_buffer_type(dev)));
+          }, py::arg("name"), "Name of a device's own buffer type (for tensor overrides).");
     m.def("max_devices", &llama_max_devices);
+    m.def("max_tensor_buft_overrides", &llama_max_tensor_buft_overrides);
     m.def("max_parallel_sequences", &llama_max_parallel_sequences);
 }

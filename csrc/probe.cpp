@@ -280,6 +280,22 @@ void * buffer_type_handle(const std::string & name) {
     throw probe_error("unknown buffer type '" + name + "' (buffer types here: " + known + ")");
 }
 
+std::vector<std::pair<std::string, std::uint64_t>> tensor_sizes(const std::string & path) {
+    std::lock_guard<std::mutex> lock(probe_mutex());
+    LogCapture capture;
+    gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/nullptr};
+    gguf_context * g = gguf_init_from_file(path.c_str(), params);
+    if (!g) {
+        throw probe_error(path + ": not a readable GGUF file: " + capture.reason());
+    }
+    std::vector<std::pair<std::string, std::uint64_t>> out;
+    for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
+        out.emplace_back(gguf_get_tensor_name(g, i), gguf_get_tensor_size(g, i));
+    }
+    gguf_free(g);
+    return out;
+}
+
 std::vector<std::string> add_rpc_servers(const std::vector<std::string> & endpoints) {
     backend_init_once();
     ggml_backend_reg_t rpc = ggml_backend_reg_by_name("RPC");

@@ -90,6 +90,9 @@ void * buffer_type_handle(const std::string & name);
 
 std::map<std::string, MetaValue> gguf_metadata(const std::string & path);
 
+// (name, bytes) of every tensor in a GGUF file, from its header alone.
+std::vector<std::pair<std::string, std::uint64_t>> tensor_sizes(const std::string & path);
+
 // Attach ggml rpc-servers ("host:port") as devices of this process; returns the
 // names of the devices added, in order. Throws if the RPC backend is missing.
 std::vector<std::string> add_rpc_servers(const std::vector<std::string> & endpoints);

@@ -125,6 +125,40 @@ def cmd_probe(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fit(a: argparse.Namespace) -> int:
+    """Plan how a model fits the given budgets, per device; verified by a probe."""
+    from .devices import parse_budgets  # noqa: PLC0415
+    from .fit import FitError, fit_here  # noqa: PLC0415
+
+    _attach_rpc(a)
+    spec = spec_from_args(a)
+    devs = _devices()
+    margin = a.margin * MiB
+    budgets = parse_budgets(a.budget) if a.budget else {}
+    free = _free_by_pool(devs)
+    names = [d.strip() for d in a.fit_devices.split(",")] if a.fit_devices else None
+    pools = (names or [d["name"] for d in devs if d["type"] != "cpu"]) + [HOST]
+    grants = {p: budgets.get(p, free.get(p, 0)) - margin for p in pools}
+    t0 = time.perf_counter()
+    try:
+        plan = fit_here(spec, grants, names)
+    except FitError as e:
+        print(f"pyllmrouter: cannot fit {spec.path}: {e}", file=sys.stderr)
+        return 3
+    seconds = time.perf_counter() - t0
+    if a.json:
+        print(json.dumps({**plan.to_dict(), "seconds": seconds}, indent=2))
+        return 0
+    s = plan.spec
+    print(f"{spec.path}: n_gpu_layers={s.n_gpu_layers} tensor_split={s.tensor_split} "
+          f"experts of the first {plan.experts_on_host} layers in host memory ({plan.probes} probes, "
+          f"{seconds * 1000:.0f} ms)")
+    rows = [[p, plan.layers.get(p, "-") if p != HOST else "-", mib(plan.per_device.get(p, 0)), mib(grants[p]),
+             mib(grants[p] - plan.per_device.get(p, 0))] for p in pools]
+    print(render(["device", "layers", "bytes MiB", "grant MiB", "left MiB"], rows))
+    return 0
+
+
 def cmd_demo(a: argparse.Namespace) -> int:
     """Offline tour: devices, exact estimates for generated models, then the router serving them."""
     from . import tinymodels  # noqa: PLC0415
@@ -178,6 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-cache", action="store_true", help="probe again even if cached")
     p.set_defaults(func=cmd_probe)
+    p = sub.add_parser("fit", help="fit a model into per-device budgets (layers, tensor split, MoE experts)")
+    add_spec_arguments(p)
+    p.add_argument("--fit-devices", default=None, help="devices to fit onto, fastest first (default: all)")
+    p.add_argument("--budget", default=None, help="per-device budgets, e.g. RPC0=2GiB,RPC1=4GiB,CPU=16GiB")
+    p.add_argument("--margin", type=int, default=1024, help="MiB kept free per device (default 1024)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_fit)
     p = sub.add_parser("demo", help="offline tour on generated models")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("serve", help="OpenAI and llama-server router compatible HTTP server")

@@ -84,6 +84,10 @@ class Inventory(Protocol):
     def process_usage(self, pid: int) -> dict[str, int]:
         """Device bytes a process holds (its GPU context included), where known."""
 
+    def to_local(self, device_set: frozenset[str]) -> dict[str, str]:
+        """Inventory name -> the name a worker masked to ``device_set`` sees (only the
+        devices llama.cpp really offloads to: none for emulated devices)."""
+
 
 def _meminfo() -> tuple[int, int]:
     """(total, available) system memory in bytes."""
@@ -156,6 +160,10 @@ class SystemInventory:
     def process_usage(self, pid: int) -> dict[str, int]:
         return self._nvml.process_usage(pid) if self._nvml else {}
 
+    def to_local(self, device_set: frozenset[str]) -> dict[str, str]:
+        cuda = sorted((d for d in device_set if d.startswith("CUDA")), key=lambda d: int(d[4:]))
+        return {d: f"CUDA{i}" for i, d in enumerate(cuda)}
+
     def to_inventory(self, device_set: frozenset[str], pools: Mapping[str, int]) -> dict[str, int]:
         cuda = sorted((d for d in device_set if d.startswith("CUDA")), key=lambda d: int(d[4:]))
         out: dict[str, int] = {}
@@ -202,6 +210,9 @@ class EmulatedInventory:
 
     def process_usage(self, pid: int) -> dict[str, int]:
         return {}  # emulated devices hold nothing outside what the probe measures
+
+    def to_local(self, device_set: frozenset[str]) -> dict[str, str]:
+        return {}  # run by the CPU backend: there is no device to move layers off
 
     def to_inventory(self, device_set: frozenset[str], pools: Mapping[str, int]) -> dict[str, int]:
         emulated = sorted(d for d in device_set if d != HOST)
@@ -269,3 +280,6 @@ class RpcInventory:
 
     def process_usage(self, pid: int) -> dict[str, int]:
         return {}
+
+    def to_local(self, device_set: frozenset[str]) -> dict[str, str]:
+        return {d: f"RPC{i}" for i, d in enumerate(self._attached(device_set))}

@@ -99,6 +99,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(("mmap",), None, "spec.use_mmap", _bool),
     Option(("no-mmap",), None, "spec.use_mmap", lambda v: not _bool(v)),
     Option(("swa-full",), "LLAMA_ARG_SWA_FULL", "spec.swa_full", _bool),
+    Option(("fit",), "LLAMA_ARG_FIT", "spec.fit", _bool),
     Option(("threads", "t"), "LLAMA_ARG_THREADS", "spec.n_threads", int),
     Option(("threads-batch", "tb"), None, "spec.n_threads_batch", int),
     Option(("device", "dev", "devices"), "LLAMA_ARG_DEVICE", "config.devices", _names),
@@ -115,7 +116,7 @@ IGNORED = frozenset("""
     version jinja temp temperature top-k top-p min-p n-predict n cache-ram cache-reuse cont-batching
     context-shift threads-http log-verbosity log-colors log-prefix log-timestamps repeat-penalty
     presence-penalty frequency-penalty reasoning reasoning-budget reasoning-format mmproj mmproj-auto
-    no-mmproj chat-template-kwargs cache-prompt slots metrics props timeout webui ui fit fit-target
+    no-mmproj chat-template-kwargs cache-prompt slots metrics props timeout webui ui fit-target
 """.split())
 
 _BY_NAME = {n: o for o in OPTIONS for n in o.names} | {o.env: o for o in OPTIONS if o.env}

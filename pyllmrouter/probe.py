@@ -108,7 +108,7 @@ class ModelFacts:
 
 
 def aggregate(buffers: Iterable[BufferUse]) -> tuple[DeviceUse, ...]:
-    """Fold buffer rows into one row per pool; devices in first-seen order, host last."""
+    """Fold buffer rows into one row per pool: devices by name (CUDA2 before CUDA10), host last."""
     sums: dict[str, list[int]] = {}
     for b in buffers:
         s = sums.setdefault(b.pool, [0, 0, 0, 0])
@@ -116,7 +116,11 @@ def aggregate(buffers: Iterable[BufferUse]) -> tuple[DeviceUse, ...]:
         s[1] += b.context
         s[2] += b.compute
         s[3] += b.output
-    order = [d for d in sums if d != HOST] + ([HOST] if HOST in sums else [])
+    def key(name: str) -> tuple:
+        stem = name.rstrip("0123456789")
+        return stem, int(name[len(stem):] or -1)
+
+    order = sorted((d for d in sums if d != HOST), key=key) + ([HOST] if HOST in sums else [])
     return tuple(DeviceUse(d, *sums[d]) for d in order)
 
 

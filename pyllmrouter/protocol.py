@@ -16,7 +16,7 @@ from typing import Any
 from .spec import ModelSpec
 
 __all__ = [
-    "LoadModel", "UnloadModel", "Run", "Cancel", "Probe", "Shutdown",
+    "LoadModel", "UnloadModel", "Run", "Cancel", "Probe", "Fit", "Shutdown",
     "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "Batch", "FINAL",
 ]
 
@@ -55,6 +55,13 @@ class Cancel:
 class Probe:
     req_id: int
     spec: ModelSpec
+
+
+@dataclass(frozen=True)
+class Fit:
+    req_id: int
+    spec: ModelSpec
+    grants: dict[str, int]  # worker-local device names (and "CPU") -> bytes
 
 
 @dataclass(frozen=True)

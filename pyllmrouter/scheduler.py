@@ -37,7 +37,7 @@ from .config import ModelConfig, RouterOptions
 from .devices import HOST, Inventory
 from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel
 from .probe import MemoryEstimate, ProbeError, cached_estimate
-from .protocol import Failed, LoadModel, Loaded, Probe, Result, UnloadModel
+from .protocol import Failed, Fit, LoadModel, Loaded, Probe, Result, UnloadModel
 from .spec import ModelSpec
 from .state import State, check_transition, evictable, holds_memory
 from .workers import WorkerHandle
@@ -58,6 +58,7 @@ class Record:
     worker: WorkerHandle | None = None
     reason: str | None = None  # why it is UNLOADED (failed load, dead worker)
     requirements: dict[frozenset[str], dict[str, int]] | None = None
+    fitted: dict[frozenset[str], ModelSpec] = field(default_factory=dict)  # worker specs made to fit
     probing: bool = False
     error_epoch: int = 0  # bumped by each failure: tickets older than it give up
     drain: tuple[float, int] | None = None  # (deadline, seq of the ticket that waits)
@@ -316,11 +317,16 @@ class Scheduler:
 
     def _probe_requirements(self, rec: Record) -> None:
         reqs: dict[frozenset[str], dict[str, int]] = {}
+        fitted: dict[frozenset[str], ModelSpec] = {}
         error = None
         try:
             for ds in self._candidates(rec):
-                est = self._probe_masked(rec.config.spec, ds)
-                need = self.inventory.to_inventory(ds, est.per_device())
+                spec = self._worker_spec(rec.config.spec, ds)
+                need = self.inventory.to_inventory(ds, self._probe_masked(spec, ds).per_device())
+                local = self.inventory.to_local(ds)
+                if spec.fit and local and any(need.get(d, 0) > self._capacity(d) for d in local):
+                    spec, need = self._fit_masked(spec, ds, local)
+                    fitted[ds] = spec
                 if self.options.max_models:
                     need[placement.COUNT] = 1
                 reqs[ds] = need
@@ -329,11 +335,28 @@ class Scheduler:
         with self._cond:
             rec.probing = False
             if error is None:
-                rec.requirements = reqs
+                rec.requirements, rec.fitted = reqs, fitted
             else:
                 rec.error_epoch += 1
                 rec.reason = f"cannot measure memory: {error}"
             self._cond.notify_all()
+
+    def _fit_masked(self, spec: ModelSpec, ds: frozenset[str], local: dict[str, str]) -> tuple[ModelSpec, dict]:
+        """Fit ``spec`` into the devices' capacities (layers, MoE experts to the host)."""
+        from .fit import FitError  # noqa: PLC0415
+
+        grants = {local[d]: self._capacity(d) for d in local}
+        grants[HOST] = self._capacity(HOST)
+        reply = self._in_masked_worker(ds, lambda rid: Fit(rid, spec, grants))
+        if isinstance(reply, Failed):
+            raise FitError(reply.message)
+        fitted = ModelSpec.from_dict(reply.value["spec"])
+        self._event_free("fit", spec.path)
+        return fitted, self.inventory.to_inventory(ds, reply.value["per_device"])
+
+    def _event_free(self, what: str, detail: str) -> None:
+        with self._cond:
+            self.events.append((time.monotonic(), what, detail, ""))
 
     def _worker_spec(self, spec: ModelSpec, device_set: frozenset[str]) -> ModelSpec:
         """The spec a worker gets: the mask decides its devices (ggml names inside
@@ -346,25 +369,29 @@ class Scheduler:
         return spec
 
     def _probe_masked(self, spec: ModelSpec, device_set: frozenset[str]) -> MemoryEstimate:
-        spec = self._worker_spec(spec, device_set)
-        env = self.inventory.mask_env(device_set)
-        hit = cached_estimate(spec, env)
+        """``spec`` (a worker spec) probed as a worker masked to ``device_set`` sees it."""
+        hit = cached_estimate(spec, self.inventory.mask_env(device_set))
         if hit is not None:
             return hit
+        reply = self._in_masked_worker(device_set, lambda rid: Probe(rid, spec))
+        if isinstance(reply, Failed):
+            raise ProbeError(spec.path, reply.message.removeprefix(spec.path + ": "))
+        return MemoryEstimate.from_dict(reply.value)
+
+    def _in_masked_worker(self, device_set: frozenset[str], make) -> Any:
+        """One call in the worker of ``device_set``, or in a short-lived one masked the same way."""
         with self._cond:
             worker = self._workers.get(device_set)
         temporary = worker is None or not worker.alive
         if temporary:
-            worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set, env, lambda w: None)
+            worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set,
+                                  self.inventory.mask_env(device_set), lambda w: None)
             worker.start()
         try:
-            reply = worker.call(lambda rid: Probe(rid, spec)).get(self.options.load_timeout)
+            return worker.call(make).get(self.options.load_timeout)
         finally:
             if temporary:
                 worker.stop()
-        if isinstance(reply, Failed):
-            raise ProbeError(spec.path, reply.message.removeprefix(spec.path + ": "))
-        return MemoryEstimate.from_dict(reply.value)
 
     def _ensure_worker(self, device_set: frozenset[str]) -> WorkerHandle:
         with self._cond:
@@ -408,7 +435,7 @@ class Scheduler:
                     self._cond.notify_all()
                     return
             cfg = rec.config
-            spec = self._worker_spec(cfg.spec, rec.device_set)
+            spec = rec.fitted.get(rec.device_set) or self._worker_spec(cfg.spec, rec.device_set)
             pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, dict(cfg.llama_kwargs)))
             reply = pending.get(self.options.load_timeout)
         except Exception as e:  # noqa: BLE001

@@ -60,6 +60,7 @@ class ModelSpec:
     n_cpu_moe: int = 0  # keep the experts of the first N layers in host memory
     cpu_moe: bool = False  # keep every expert tensor in host memory
     tensor_overrides: tuple[tuple[str, str], ...] = ()  # (regex, buffer type) pairs
+    fit: bool = True  # the router may move layers / MoE experts to the host to fit a device (llama-server --fit)
     use_mmap: bool = True
     n_threads: int | None = None
     n_threads_batch: int | None = None

@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from .protocol import Cancel, Chunk, Failed, LoadModel, Loaded, Probe, Ready, Result, Run, Shutdown, Unloaded, \
-    UnloadModel
+from .protocol import Cancel, Chunk, Failed, Fit, LoadModel, Loaded, Probe, Ready, Result, Run, Shutdown, \
+    Unloaded, UnloadModel
 
 __all__ = ["worker_main"]
 
@@ -147,11 +147,15 @@ class _Worker:
         except Exception as e:  # noqa: BLE001
             self.send(Failed(msg.req_id, type(e).__name__, str(e)))
 
-    def _probe(self, msg: Probe) -> None:
+    def _probe(self, msg: Probe | Fit) -> None:
+        from .fit import fit_here  # noqa: PLC0415
         from .probe import probe  # noqa: PLC0415
 
         try:
-            self.send(Result(msg.req_id, probe(msg.spec).to_dict()))
+            if isinstance(msg, Fit):
+                self.send(Result(msg.req_id, fit_here(msg.spec, msg.grants).to_dict()))
+            else:
+                self.send(Result(msg.req_id, probe(msg.spec).to_dict()))
         except Exception as e:  # noqa: BLE001
             self.send(Failed(msg.req_id, type(e).__name__, str(e)))
 
@@ -167,7 +171,7 @@ class _Worker:
                 self.cancelled.add(msg.req_id)
             elif isinstance(msg, LoadModel):
                 threading.Thread(target=self._load, args=(msg,), daemon=True).start()
-            elif isinstance(msg, Probe):
+            elif isinstance(msg, (Probe, Fit)):
                 threading.Thread(target=self._probe, args=(msg,), daemon=True).start()
             elif isinstance(msg, UnloadModel):
                 hosted = self.models.pop(msg.name, None)

@@ -9,66 +9,22 @@ stay attached for the life of a process.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
+from conftest import RPC_SERVER
+
 from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.devices import RpcInventory
-from pyllmrouter.probe import cache_dir
 
 SHARE_PROBE_CACHE = True
 
 
-def _server_binary():
-    import os
-
-    base = os.environ.get("PYLLMROUTER_CACHE")
-    os.environ.pop("PYLLMROUTER_CACHE", None)
-    try:
-        return cache_dir() / "llama.cpp-build" / "bin" / "ggml-rpc-server"
-    finally:
-        if base is not None:
-            os.environ["PYLLMROUTER_CACHE"] = base
-
-
-RPC_SERVER = _server_binary()
 pytestmark = pytest.mark.skipif(not RPC_SERVER.exists(),
                                 reason="rpc-server not built: scripts/build_llama_tools.sh ggml-rpc-server")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def rpc_servers():
-    procs, endpoints = [], []
-    for _ in range(3):
-        port = free_port()
-        procs.append(subprocess.Popen([str(RPC_SERVER), "-H", "127.0.0.1", "-p", str(port)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        endpoints.append(f"127.0.0.1:{port}")
-    for ep in endpoints:
-        host, port = ep.split(":")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"rpc-server {ep} did not start"
-                time.sleep(0.05)
-    yield endpoints
-    for p in procs:
-        p.terminate()
-        p.wait(10)
 
 
 def run_py(code: str) -> dict:

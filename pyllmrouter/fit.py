@@ -1,0 +1,272 @@
+"""Fit a model into per-device grants: layers per device, MoE experts in host memory.
+
+    fit(spec, devices, grants, probe)            devices fastest first (ggml names as
+        │                                        the probing process sees them)
+        ├─ probe the spec as given: fits? ──▶ done (one probe)
+        ├─ costs measured once: per-layer weights and expert weights from the GGUF
+        │  header, KV per layer and compute per device from that first probe
+        ├─ plan: the output and the last layers on the last device, earlier blocks on
+        │  earlier devices, each filled to its grant; for MoE, the experts of the
+        │  first k layers in host memory, k as small as fits
+        └─ verify with one probe; a device still over its grant gives up one layer
+           (MoE: one more layer of experts to the host) and is probed again
+
+llama.cpp places ``n_gpu_layers`` offloaded units (the last layers, then the
+output as one more unit) over the devices in proportion to ``tensor_split``;
+with integer proportions each device gets exactly its count, so the plan is
+expressed as ``n_gpu_layers = sum(counts)`` and ``tensor_split = counts``.
+``probe`` returns bytes per pool ({"RPC0": ..., "CPU": ...}); the pool "CPU"
+is host memory and its grant is ``grants.get("CPU")`` (no limit if absent).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from .spec import ModelSpec
+
+__all__ = ["FitError", "FitPlan", "fit", "fit_here"]
+
+HOST = "CPU"
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+_EXPERTS = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
+
+
+class FitError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class FitPlan:
+    spec: ModelSpec  # what to load: probed as is
+    per_device: dict[str, int]  # probed bytes per pool of that spec
+    layers: dict[str, int]  # offloaded units per device (the output counts as one)
+    experts_on_host: int  # MoE: layers whose experts stay in host memory
+    probes: int
+    grants: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"spec": self.spec.to_dict(), "per_device": self.per_device, "layers": self.layers,
+                "experts_on_host": self.experts_on_host, "probes": self.probes, "grants": self.grants}
+
+
+def _over(per_device: Mapping[str, int], grants: Mapping[str, int]) -> dict[str, int]:
+    return {d: n - grants[d] for d, n in per_device.items() if d in grants and n > grants[d]}
+
+
+@dataclass
+class _Costs:
+    n_layer: int
+    dense: list[int]  # per layer: weights that are not experts, plus KV
+    experts: list[int]  # per layer: expert weights
+    output: int  # the output unit: output.weight and norm
+    compute: dict[str, int]
+
+
+def _costs(tensors: Sequence[tuple[str, int]], n_layer: int, first: Mapping[str, Mapping[str, int]],
+           devices: Sequence[str]) -> _Costs:
+    dense, experts = [0] * n_layer, [0] * n_layer
+    output = 0
+    for name, size in tensors:
+        m = _LAYER.match(name)
+        if m and int(m.group(1)) < n_layer:
+            (experts if _EXPERTS.search(name) else dense)[int(m.group(1))] += size
+        elif name.startswith("output"):
+            output += size
+    kv = sum(v.get("kv", 0) for v in first.values())
+    for i in range(n_layer):
+        dense[i] += kv // max(1, n_layer)
+    worst = max((first.get(d, {}).get("compute", 0) for d in devices), default=0)
+    compute = {d: first.get(d, {}).get("compute", 0) or worst for d in devices}
+    return _Costs(n_layer, dense, experts, output, compute)
+
+
+def _fill(c: _Costs, devices: Sequence[str], room: Mapping[str, int], k: int) -> dict[str, int]:
+    """Units per device, filling from the last device (output, last layers) backwards."""
+    units = [c.dense[i] + (c.experts[i] if i >= k else 0) for i in range(c.n_layer)] + [c.output]
+    counts = {d: 0 for d in devices}
+    u = len(units) - 1
+    for d in reversed(devices):
+        free = room[d] - c.compute[d]
+        while u >= 0 and units[u] <= free:
+            free -= units[u]
+            counts[d] += 1
+            u -= 1
+        if u >= 0 and counts[d] == 0:
+            continue  # this device cannot take the next unit: earlier devices may
+    return counts
+
+
+def _spec_for(spec: ModelSpec, counts: Mapping[str, int], devices: Sequence[str], k: int, moe: bool) -> ModelSpec:
+    total = sum(counts.values())
+    split = tuple(float(counts[d]) for d in devices)
+    changes = dict(n_gpu_layers=total, tensor_split=split if total else None)
+    if moe:
+        changes.update(n_cpu_moe=k, cpu_moe=False)
+    return spec.replace(**changes)
+
+
+def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
+        probe: Callable[[ModelSpec], Mapping[str, Mapping[str, int]]],
+        tensors: Sequence[tuple[str, int]], n_layer: int, max_probes: int = 12,
+        buffer_types: Mapping[str, str] | None = None) -> FitPlan:
+    """The spec that fits ``grants`` with the most bytes on ``devices``.
+
+    ``probe(spec)`` returns {pool: {"weights", "kv", "compute", "output", "total"}}.
+    With ``buffer_types`` (device -> its buffer type name), what room a device has
+    left after whole layers is filled with single tensors of host-resident layers.
+    """
+    grants = dict(grants)
+    moe = any(_EXPERTS.search(n) for n, _ in tensors)
+    first = probe(spec)
+    probes = 1
+    totals = {d: v["total"] for d, v in first.items()}
+    if not _over(totals, grants):
+        return FitPlan(spec, totals, {}, spec.n_cpu_moe, probes, grants)
+    c = _costs(tensors, n_layer, first, devices)
+    room = {d: grants.get(d, 0) for d in devices}
+    k = n_layer if moe else 0
+    counts = _fill(c, devices, room, k)
+    if moe and sum(counts.values()) == n_layer + 1:
+        lo, hi = 0, n_layer  # smallest k whose plan still offloads every unit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if sum(_fill(c, devices, room, mid).values()) == n_layer + 1:
+                hi = mid
+            else:
+                lo = mid + 1
+        k = lo
+        counts = _fill(c, devices, room, k)
+    while True:
+        candidate = _spec_for(spec, counts, devices, k, moe)
+        measured = probe(candidate)
+        probes += 1
+        totals = {d: v["total"] for d, v in measured.items()}
+        over = _over(totals, grants)
+        if not over:
+            plan = FitPlan(candidate, totals, {d: n for d, n in counts.items() if n}, k if moe else 0, probes,
+                           grants)
+            plan = _grow(plan, c, counts, devices, grants, probe, spec, k, moe, max_probes)
+            return _top_up(plan, devices, grants, probe, tensors, n_layer, buffer_types, max_probes)
+        if HOST in over and not any(d in over for d in devices):
+            raise FitError(f"needs {totals[HOST]} bytes of host memory with {sum(counts.values())} of "
+                           f"{n_layer + 1} layers on {', '.join(devices)}, more than the {grants[HOST]} granted")
+        if probes >= max_probes:
+            raise FitError(f"no fit within {max_probes} probes: still over on {', '.join(sorted(over))}")
+        if moe and k < n_layer and any(d in over for d in devices):
+            k += 1  # one more layer's experts to the host
+            continue
+        shrink = [d for d in devices if d in over and counts[d] > 0]
+        if not shrink:
+            raise FitError(f"cannot fit: {', '.join(f'{d} over by {n} bytes' for d, n in over.items())}")
+        for d in shrink:
+            counts[d] -= 1
+
+
+def _grow(plan: FitPlan, c: _Costs, counts: dict[str, int], devices: Sequence[str], grants: Mapping[str, int],
+          probe, spec: ModelSpec, k: int, moe: bool, max_probes: int) -> FitPlan:
+    """The plan was estimated from the first probe's compute buffers; where the measured
+    room still holds a whole layer, add it (one probe for all devices; what overflows goes back)."""
+    units = [c.dense[i] + (c.experts[i] if i >= k else 0) for i in range(c.n_layer)] + [c.output]
+    grown = dict(counts)
+    next_unit = len(units) - 1 - sum(grown.values())
+    for d in reversed(devices):
+        room = grants.get(d, 0) - plan.per_device.get(d, 0)
+        while next_unit >= 0 and units[next_unit] <= room:
+            room -= units[next_unit]
+            grown[d] += 1
+            next_unit -= 1
+    probes = plan.probes
+    while grown != counts and probes < max_probes:
+        candidate = _spec_for(spec, grown, devices, k, moe)
+        measured = probe(candidate)
+        probes += 1
+        totals = {d: v["total"] for d, v in measured.items()}
+        over = _over(totals, grants)
+        if not over:
+            counts.update(grown)
+            return FitPlan(candidate, totals, {d: n for d, n in grown.items() if n}, plan.experts_on_host, probes,
+                           dict(grants))
+        for d in over:
+            if d in grown and grown[d] > counts[d]:
+                grown[d] -= 1
+        if not any(d in grown for d in over):
+            break
+    return FitPlan(plan.spec, plan.per_device, plan.layers, plan.experts_on_host, probes, dict(grants))
+
+
+def _host_tensors(plan: FitPlan, tensors: Sequence[tuple[str, int]], n_layer: int) -> list[tuple[int, str, int]]:
+    """(layer, name, bytes) of the layer tensors that the plan leaves in host memory,
+    nearest the offloaded layers first."""
+    s = plan.spec
+    first_offloaded = max(0, n_layer + 1 - max(0, s.n_gpu_layers if s.n_gpu_layers >= 0 else n_layer + 1))
+    out = []
+    for name, size in tensors:
+        m = _LAYER.match(name)
+        if not m:
+            continue
+        i = int(m.group(1))
+        on_host = i < first_offloaded or (_EXPERTS.search(name) and i < s.n_cpu_moe)
+        if on_host and size > 0:
+            out.append((i, name, size))
+    return sorted(out, key=lambda t: (-t[0], -t[2]))
+
+
+def _top_up(plan: FitPlan, devices: Sequence[str], grants: Mapping[str, int], probe, tensors, n_layer: int,
+            buffer_types: Mapping[str, str] | None, max_probes: int) -> FitPlan:
+    """Room left on a device after whole layers takes single tensors from the host."""
+    if not buffer_types:
+        return plan
+    room = {d: grants[d] - plan.per_device.get(d, 0) for d in devices if d in grants}
+    extra: list[tuple[str, str, str, int]] = []  # (pattern, buffer type, device, bytes)
+    for _layer, name, size in _host_tensors(plan, tensors, n_layer):
+        d = max(room, key=room.get) if room else None
+        if d is None or room[d] < size:
+            continue
+        room[d] -= size
+        extra.append(("^" + re.escape(name) + "$", buffer_types[d], d, size))
+    probes = plan.probes
+    while extra and probes < max_probes:
+        overrides = tuple((p, b) for p, b, _d, _n in extra) + tuple(plan.spec.tensor_overrides)
+        candidate = plan.spec.replace(tensor_overrides=overrides)
+        measured = probe(candidate)
+        probes += 1
+        totals = {d: v["total"] for d, v in measured.items()}
+        over = _over(totals, grants)
+        if not over:
+            return FitPlan(candidate, totals, plan.layers, plan.experts_on_host, probes, dict(grants))
+        for d, excess in over.items():  # compute buffers grew: give back at least the excess
+            while excess > 0 and any(e[2] == d for e in extra):
+                i = max(i for i, e in enumerate(extra) if e[2] == d)
+                excess -= extra.pop(i)[3]
+        if HOST in over:
+            break
+    return FitPlan(plan.spec, plan.per_device, plan.layers, plan.experts_on_host, probes, dict(grants))
+
+
+def fit_here(spec: ModelSpec, grants: Mapping[str, int], devices: Sequence[str] | None = None) -> FitPlan:
+    """``fit`` with probes in this process, over the devices it sees (fastest first:
+    as ggml lists them, or as given)."""
+    from ._llama import native  # noqa: PLC0415
+    from .probe import ProbeError, probe  # noqa: PLC0415
+
+    nat = native()
+    devs = list(devices) if devices else [d["name"] for d in nat.devices() if d["type"] != "cpu"]
+    if not devs:
+        raise FitError("no device to fit onto: this process sees only the host")
+    unknown = [d for d in grants if d != HOST and d not in devs]
+    if unknown:
+        raise FitError(f"grants name devices this process does not see: {', '.join(unknown)}")
+    meta = nat.metadata(spec.path)
+    n_layer = meta.get(f"{meta.get('general.architecture')}.block_count")
+    if not isinstance(n_layer, int):
+        raise ProbeError(spec.path, "no <arch>.block_count in the GGUF header")
+
+    def run(s: ModelSpec) -> dict[str, dict[str, int]]:
+        return {d.device: {"weights": d.weights, "kv": d.kv, "compute": d.compute, "output": d.output,
+                           "total": d.total} for d in probe(s).devices}
+
+    return fit(spec, devs, {d: g for d, g in grants.items()}, run, nat.tensor_sizes(spec.path), n_layer,
+               buffer_types={d: nat.device_buffer_type(d) for d in devs})

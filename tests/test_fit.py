@@ -1,0 +1,100 @@
+"""Fit into per-device grants, on rpc-server devices: plan, load, generate, probe == live."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import RPC_SERVER
+
+from pyllmrouter import ModelConfig, ModelSpec, Router
+from pyllmrouter.devices import RpcInventory
+
+SHARE_PROBE_CACHE = True
+pytestmark = pytest.mark.skipif(not RPC_SERVER.exists(),
+                                reason="rpc-server not built: scripts/build_llama_tools.sh ggml-rpc-server")
+
+
+def run_py(code: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+FIT_AND_LOAD = """
+    import json
+    from pyllmrouter._llama import native
+    from pyllmrouter import ModelSpec, probe
+    from pyllmrouter.fit import fit_here, FitError
+    from pyllmrouter.loader import load
+    from pyllmrouter.probe import aggregate, live_breakdown
+    native().add_rpc_servers({endpoints!r})
+    spec = ModelSpec({path!r}, n_ctx=1024, use_mmap=False)
+    full = probe(spec).per_device()
+    out = []
+    for share in {shares!r}:
+        # a grant of the fixed costs (compute) plus a share of what the layers need
+        grants = {{d: int(full[d] * share) for d in ("RPC0", "RPC1")}}
+        grants["CPU"] = 1 << 40
+        plan = fit_here(spec, grants)
+        llm = load(plan.spec)
+        live = {{d.device: (d.weights, d.kv, d.compute) for d in aggregate(live_breakdown(llm))}}
+        est = {{d.device: (d.weights, d.kv, d.compute) for d in probe(plan.spec).devices}}
+        text = llm("hello", max_tokens=4)["choices"][0]["text"]
+        llm.close()
+        out.append({{"grants": grants, "per_device": plan.per_device, "layers": plan.layers,
+                    "experts_on_host": plan.experts_on_host, "probes": plan.probes, "live": live, "est": est,
+                    "ngl": plan.spec.n_gpu_layers}})
+    try:
+        fit_here(spec, {{"RPC0": 1, "RPC1": 1, "CPU": 1}})
+        out.append("fitted the impossible")
+    except FitError as e:
+        out.append(str(e))
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
+def test_fit_into_grants_of_several_sizes_loads_and_matches_the_probe(rpc_servers, tiny, model):
+    shares = [1.0, 0.8, 0.6]
+    out = run_py(FIT_AND_LOAD.format(endpoints=rpc_servers[:2], path=str(tiny[model]), shares=shares))
+    *plans, impossible = out
+    for share, plan in zip(shares, plans):
+        for d in ("RPC0", "RPC1"):
+            assert plan["per_device"].get(d, 0) <= plan["grants"][d], (share, plan)
+        for d, (w, kv, compute) in plan["live"].items():  # loaded exactly as probed
+            ew, ekv, ecompute = plan["est"][d]
+            assert (w, kv) == (ew, ekv) and compute <= ecompute, (d, plan)
+    full, smallest = plans[0], plans[-1]
+    assert full["probes"] == 1  # a spec that fits as given is probed once and left alone
+    assert smallest["probes"] >= 2
+    moved = (smallest["ngl"] < 3) or smallest["experts_on_host"] > 0
+    assert moved  # something went to host memory to fit
+    assert "host memory" in impossible or "cannot fit" in impossible or "no fit" in impossible
+
+
+def test_router_fits_a_model_bigger_than_its_device(rpc_servers, tiny):
+    full = run_py(f"""
+        import json
+        from pyllmrouter._llama import native
+        from pyllmrouter import ModelSpec, probe
+        native().add_rpc_servers({rpc_servers[:1]!r})
+        print(json.dumps(probe(ModelSpec({str(tiny["tiny-moe"])!r}, n_ctx=1024)).per_device()))
+    """)
+    capacity = int(full["RPC0"] * 0.75)
+    inv = RpcInventory({rpc_servers[0]: capacity})
+    models = [ModelConfig("m", ModelSpec(tiny["tiny-moe"], n_ctx=1024), devices=("RPC0",)),
+              ModelConfig("nofit", ModelSpec(tiny["tiny-moe"], n_ctx=1024, fit=False), devices=("RPC0",))]
+    with Router(models, inventory=inv, margin=0) as r:
+        assert r.complete("m", "hello", max_tokens=4)["choices"]
+        st = r.status()["models"]["m"]
+        assert 0 < st["requirement"]["RPC0"]["RPC0"] <= capacity < full["RPC0"]
+        assert st["live"]["RPC0"] <= capacity
+        r.scheduler.check_invariant()
+        from pyllmrouter import NeverFits
+
+        with pytest.raises(NeverFits, match="RPC0"):  # fit = false: the model as given
+            r.complete("nofit", "x")
