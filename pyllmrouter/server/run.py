@@ -10,7 +10,7 @@ import signal
 from typing import Any
 
 from ..config import MiB, RouterOptions
-from ..devices import EmulatedInventory, SystemInventory, parse_budgets
+from ..devices import EmulatedInventory, RpcInventory, SystemInventory, parse_budgets
 from ..presets import read_preset, scan_models_dir
 from ..router import Router
 
@@ -37,6 +37,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="per-device caps, e.g. CUDA0=20GiB,CPU=32GiB")
     p.add_argument("--emulate-devices", default=_env("PYLLMROUTER_EMULATE_DEVICES"),
                    help="virtual devices run by the CPU backend, e.g. GPU0=24GiB,GPU1=24GiB[,CPU=32GiB]")
+    p.add_argument("--rpc-devices", default=_env("PYLLMROUTER_RPC_DEVICES"),
+                   help="llama.cpp rpc-servers as devices RPC0, RPC1..., e.g. 10.0.0.2:50052=20GiB,10.0.0.3:50052=20GiB")
     p.add_argument("--models-autoload", dest="autoload", action=argparse.BooleanOptionalAction,
                    default=_env_bool("LLAMA_ARG_MODELS_AUTOLOAD", True))
     p.add_argument("--host", default=_env("LLAMA_ARG_HOST", "127.0.0.1"))
@@ -61,7 +63,14 @@ def router_from_args(a: argparse.Namespace) -> Router:
         models += [m for m in scan_models_dir(a.models_dir) if m.name not in taken]
     if not models:
         raise SystemExit("pyllmrouter serve: no models: give --models-preset and/or --models-dir")
-    inventory = EmulatedInventory.parse(a.emulate_devices) if a.emulate_devices else SystemInventory()
+    if a.emulate_devices and a.rpc_devices:
+        raise SystemExit("pyllmrouter serve: --emulate-devices and --rpc-devices exclude each other")
+    if a.rpc_devices:
+        inventory = RpcInventory.parse(a.rpc_devices)
+    elif a.emulate_devices:
+        inventory = EmulatedInventory.parse(a.emulate_devices)
+    else:
+        inventory = SystemInventory()
     options = RouterOptions(
         margin=a.models_memory_margin * MiB if a.models_memory_margin is not None else router_kw.get("margin",
                                                                                                       1024 * MiB),
