@@ -180,6 +180,18 @@ std::string device_type_name(enum ggml_backend_dev_type type) {
 }
 
 struct ModelFree { void operator()(llama_model * m) const { llama_model_free(m); } };
+struct GgufFree { void operator()(gguf_context * g) const { gguf_free(g); } };
+
+// The header of a GGUF file (no tensor data); the caller holds the probe mutex.
+std::unique_ptr<gguf_context, GgufFree> open_header(const std::string & path) {
+    LogCapture capture;
+    gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/nullptr};
+    std::unique_ptr<gguf_context, GgufFree> g(gguf_init_from_file(path.c_str(), params));
+    if (!g) {
+        throw probe_error(path + ": not a readable GGUF file: " + capture.reason());
+    }
+    return g;
+}
 struct ContextFree { void operator()(llama_context * c) const { llama_free(c); } };
 
 }  // namespace
@@ -282,17 +294,12 @@ void * buffer_type_handle(const std::string & name) {
 
 std::vector<std::pair<std::string, std::uint64_t>> tensor_sizes(const std::string & path) {
     std::lock_guard<std::mutex> lock(probe_mutex());
-    LogCapture capture;
-    gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/nullptr};
-    gguf_context * g = gguf_init_from_file(path.c_str(), params);
-    if (!g) {
-        throw probe_error(path + ": not a readable GGUF file: " + capture.reason());
-    }
+    auto header = open_header(path);
+    gguf_context * g = header.get();
     std::vector<std::pair<std::string, std::uint64_t>> out;
     for (int64_t i = 0; i < gguf_get_n_tensors(g); ++i) {
         out.emplace_back(gguf_get_tensor_name(g, i), gguf_get_tensor_size(g, i));
     }
-    gguf_free(g);
     return out;
 }
 
@@ -324,12 +331,8 @@ std::vector<std::string> add_rpc_servers(const std::vector<std::string> & endpoi
 
 std::map<std::string, MetaValue> gguf_metadata(const std::string & path) {
     std::lock_guard<std::mutex> lock(probe_mutex());
-    LogCapture capture;
-    gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/nullptr};
-    gguf_context * g = gguf_init_from_file(path.c_str(), params);
-    if (!g) {
-        throw probe_error(path + ": not a readable GGUF file: " + capture.reason());
-    }
+    auto header = open_header(path);
+    gguf_context * g = header.get();
     std::map<std::string, MetaValue> out;
     for (int64_t i = 0; i < gguf_get_n_kv(g); ++i) {
         const std::string key = gguf_get_key(g, i);
@@ -350,7 +353,6 @@ std::map<std::string, MetaValue> gguf_metadata(const std::string & path) {
             default: break;
         }
     }
-    gguf_free(g);
     return out;
 }
 

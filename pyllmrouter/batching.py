@@ -19,7 +19,6 @@ on the same context (``serial``), so it is served correctly, never approximately
 from __future__ import annotations
 
 import codecs
-import ctypes
 import queue
 import threading
 import time

@@ -14,7 +14,6 @@ to inventory names.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from typing import Mapping, Protocol

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Iterable, Iterator
 from .config import ModelConfig, RouterOptions
 from .devices import Inventory, SystemInventory
 from .errors import RequestFailed, RouterError, WorkerDied
-from .protocol import Chunk, Failed, Result, Run
+from .protocol import Chunk, Failed, Run
 from .scheduler import Record, Scheduler
 
 __all__ = ["Router"]

@@ -37,7 +37,7 @@ from .config import ModelConfig, RouterOptions
 from .devices import HOST, Inventory
 from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel
 from .probe import MemoryEstimate, ProbeError, cached_estimate
-from .protocol import Failed, Fit, LoadModel, Loaded, Probe, Result, UnloadModel
+from .protocol import Failed, Fit, LoadModel, Loaded, Probe, UnloadModel
 from .spec import ModelSpec
 from .state import State, check_transition, evictable, holds_memory
 from .workers import WorkerHandle

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -92,3 +95,12 @@ def rpc_servers():
     for p in procs:
         p.terminate()
         p.wait(10)
+
+
+def run_py(code: str, env: dict | None = None, timeout: int = 300) -> dict:
+    """Run ``code`` in a fresh interpreter (devices attached there stay there); the
+    last line it prints is JSON."""
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

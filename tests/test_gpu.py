@@ -8,15 +8,12 @@ test process never holds a CUDA context that would blur the figures.
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import run_py
 
 
 def _cuda_ready() -> bool:
@@ -46,11 +43,6 @@ def compute_apps() -> dict[int, int]:
     return apps
 
 
-def run_py(code: str, env: dict | None = None, timeout: int = 300) -> dict:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_router_holds_no_context_and_one_worker_holds_one(tiny):

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from conftest import RPC_SERVER
+from conftest import RPC_SERVER, run_py
 
 from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.devices import RpcInventory
@@ -27,10 +26,6 @@ pytestmark = pytest.mark.skipif(not RPC_SERVER.exists(),
                                 reason="rpc-server not built: scripts/build_llama_tools.sh ggml-rpc-server")
 
 
-def run_py(code: str) -> dict:
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("model, extra", [
