@@ -82,13 +82,13 @@ def test_two_device_incident_on_rpc_devices(rpc_servers, tiny):
     inv = RpcInventory({rpc_servers[0]: size, rpc_servers[1]: 1 << 30})
     models = [ModelConfig("a", a, devices=("RPC0",)), ModelConfig("b", b, devices=("RPC0",)),
               ModelConfig("c", a)]
-    with Router(models, inventory=inv, margin=0, queue_timeout=1.0) as r:
+    with Router(models, inventory=inv, margin=0) as r:
         busy = r.complete("a", "hello", max_tokens=8, stream=True)
         next(busy)
         from pyllmrouter import QueueTimeout
 
         with pytest.raises(QueueTimeout):
-            r.complete("b", "x", max_tokens=2)  # never co-loaded next to a busy a
+            r.complete("b", "x", max_tokens=2, timeout=1.0)  # never co-loaded next to a busy a
         list(busy)
         assert r.complete("b", "x", max_tokens=2)["choices"]
         st = r.status()

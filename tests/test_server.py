@@ -41,7 +41,7 @@ def server(tiny, tmp_path_factory, module_cache):
     data = tiny["tiny-llama"].read_bytes()
     broken.write_bytes(data[: len(data) // 3])
     # a serves one request at a time through llama_cpp's streaming (slow enough to stay busy)
-    a, b = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1), ModelSpec(tiny["tiny-moe"], n_ctx=512)
+    a, b = ModelSpec(tiny["tiny-llama"], n_ctx=2048, n_seq_max=1), ModelSpec(tiny["tiny-moe"], n_ctx=512)
     gpu0 = max(probe(a).total, probe(b).total) + 1
     models = [
         ModelConfig("a", a, aliases=("alpha",), devices=("GPU0",)),
@@ -51,7 +51,7 @@ def server(tiny, tmp_path_factory, module_cache):
         ModelConfig("huge", ModelSpec(tiny["tiny-llama"], n_ctx=1 << 20), devices=("GPU1",)),
     ]
     router = Router(models, inventory=EmulatedInventory({"GPU0": gpu0, "GPU1": 1 << 30}), margin=0,
-                    queue_timeout=1.5, turn=0.2)
+                    queue_timeout=4.0, turn=0.2)
     app = create_app(router, api_key=KEY, max_body=64 * 1024)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -117,7 +117,7 @@ def test_props_health_metrics(http, server):
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}  # no key needed
     assert http.get("/props").json()["role"] == "router"
     props = http.get("/props", params={"model": "a"}).json()
-    assert props["model"] == "a" and props["spec"]["n_ctx"] == 512
+    assert props["model"] == "a" and props["spec"]["n_ctx"] == 2048
     http.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
     text = http.get("/metrics").text
     assert "pyllmrouter_loads_total" in text and 'pyllmrouter_device_capacity_bytes{device="GPU0"}' in text
@@ -189,7 +189,7 @@ def test_autoload_off_per_request(http):
 
 def test_queue_timeout_is_503_with_retry_after(server, http, client):
     # a holds GPU0 with a request in flight; b (also GPU0) cannot be admitted in time
-    stream = client.completions.create(model="a", prompt="hello", max_tokens=400, stream=True,
+    stream = client.completions.create(model="a", prompt="hello", max_tokens=1800, stream=True,
                                        logit_bias={"2": -100, "4": -100})  # no end-of-sequence: stays busy
     chunks = iter(stream)  # kept: dropping it would close the connection
     next(chunks)
