@@ -85,21 +85,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     async def _api_error(_req, e: ApiError):
         return error_response(e)
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if api_key and request.url.path not in PUBLIC:
-            given = request.headers.get("x-api-key") or ""
-            auth = request.headers.get("authorization") or ""
-            if auth.lower().startswith("bearer "):
-                given = auth[7:].strip()
-            if not hmac.compare_digest(given.encode(), api_key.encode()):
-                return error_response(ApiError(401, "invalid or missing API key", "authentication_error",
-                                               "invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > max_body:
-            return error_response(ApiError(413, f"request body of {length} bytes exceeds the limit of {max_body}",
-                                           code="body_too_large"))
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key, max_body=max_body)
 
     async def body(request: Request) -> dict[str, Any]:
         raw = await request.body()
@@ -242,6 +228,33 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+class _Guard:
+    """API key and body-size checks as plain ASGI middleware (FastAPI's function
+    middleware would add a task and a memory stream to every streamed chunk)."""
+
+    def __init__(self, app, api_key: str | None, max_body: int):
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key and scope["path"] not in PUBLIC:
+            given = headers.get("x-api-key", "")
+            auth = headers.get("authorization", "")
+            if auth.lower().startswith("bearer "):
+                given = auth[7:].strip()
+            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
+                err = ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+                return await error_response(err)(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            err = ApiError(413, f"request body of {length} bytes exceeds the limit of {self.max_body}",
+                           code="body_too_large")
+            return await error_response(err)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 async def _sse(stream: Stream, model: str, on_end):
