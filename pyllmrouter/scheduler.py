@@ -336,6 +336,8 @@ class Scheduler:
             rec.probing = False
             if error is None:
                 rec.requirements, rec.fitted = reqs, fitted
+                for ds in fitted:
+                    self.events.append((time.monotonic(), "fit", rec.name, "+".join(sorted(ds))))
             else:
                 rec.error_epoch += 1
                 rec.reason = f"cannot measure memory: {error}"
@@ -351,12 +353,7 @@ class Scheduler:
         if isinstance(reply, Failed):
             raise FitError(reply.message)
         fitted = ModelSpec.from_dict(reply.value["spec"])
-        self._event_free("fit", spec.path)
         return fitted, self.inventory.to_inventory(ds, reply.value["per_device"])
-
-    def _event_free(self, what: str, detail: str) -> None:
-        with self._cond:
-            self.events.append((time.monotonic(), what, detail, ""))
 
     def _worker_spec(self, spec: ModelSpec, device_set: frozenset[str]) -> ModelSpec:
         """The spec a worker gets: the mask decides its devices (ggml names inside
