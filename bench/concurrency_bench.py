@@ -17,42 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
+from _load import percentile, run_clients
 
 from pyllmrouter import tinymodels
+from pyllmrouter.loopback import free_port, start_serve, wait_healthy
 from pyllmrouter.probe import cache_dir
 from pyllmrouter.tables import render
 
 SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048, n_ctx_train=4096)
 PROMPT = "hello world the model is a fast router of memory and tokens " * 3
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_up(base: str, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server {proc.args[0]} exited with {proc.returncode}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{base} did not come up")
 
 
 def one_request(client: httpx.Client, model: str, tokens: int) -> tuple[float, int]:
@@ -74,36 +53,15 @@ def one_request(client: httpx.Client, model: str, tokens: int) -> tuple[float, i
 
 
 def run_level(base: str, model: str, clients: int, per_client: int, tokens: int) -> dict:
-    ttfts: list[float] = []
-    counts: list[int] = []
-    lock = threading.Lock()
+    def make_call(_i: int):
+        client = httpx.Client(base_url=base, timeout=600)  # one connection per client, as a real one keeps
+        return lambda: one_request(client, model, tokens)
 
-    errors: list[str] = []
-
-    def client_loop() -> None:
-        with httpx.Client(base_url=base, timeout=600) as c:
-            for _ in range(per_client):
-                try:
-                    t, n = one_request(c, model, tokens)
-                except httpx.HTTPError as e:
-                    with lock:
-                        errors.append(f"{type(e).__name__}: {e}")
-                    continue
-                with lock:
-                    ttfts.append(t)
-                    counts.append(n)
-
-    threads = [threading.Thread(target=client_loop) for _ in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    ttfts.sort()
-    return {"clients": clients, "requests": len(ttfts), "errors": errors, "tokens": sum(counts), "seconds": wall,
-            "tok_s": sum(counts) / wall, "ttft_p50_ms": ttfts[len(ttfts) // 2] * 1e3,
-            "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] * 1e3}
+    run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError,))
+    ttfts, counts = [v[0] for v in run.values], [v[1] for v in run.values]
+    return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "tokens": sum(counts),
+            "seconds": run.wall, "tok_s": sum(counts) / run.wall, "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3,
+            "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3}
 
 
 def main() -> None:
@@ -130,20 +88,17 @@ def main() -> None:
         preset.write_text(f"[m]\nmodel = {model}\nc = {args.ctx}\nnp = {args.parallel}\n"
                           f"kv-unified = {str(args.kv_unified).lower()}\n"
                           f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\n")
-        ours_port, theirs_port = free_port(), free_port()
+        theirs_port = free_port()
         env = dict(os.environ, PYLLMROUTER_CACHE=str(Path(tmp) / "cache"))
-        ours = subprocess.Popen([sys.executable, "-m", "pyllmrouter.cli", "serve", "--models-preset", str(preset),
-                                 "--emulate-devices", "GPU0=1TiB", "--port", str(ours_port)],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"], env=env)
         theirs = subprocess.Popen([args.llama_server, "-m", str(model), "-c", str(args.ctx), "-np", str(args.parallel),
                                    "-t", str(args.threads), "-tb", str(args.threads), "--port", str(theirs_port),
                                    "--host", "127.0.0.1", "-a", "m", "--no-webui"]
                                   + (["-kvu"] if args.kv_unified else []),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            bases = {"pyllmrouter": f"http://127.0.0.1:{ours_port}", "llama-server": f"http://127.0.0.1:{theirs_port}"}
-            wait_up(bases["pyllmrouter"], ours)
-            wait_up(bases["llama-server"], theirs)
+            bases = {"pyllmrouter": ours_base, "llama-server": f"http://127.0.0.1:{theirs_port}"}
+            wait_healthy(bases["llama-server"], theirs)
             for name, base in bases.items():  # warm both
                 with httpx.Client(base_url=base, timeout=600) as c:
                     one_request(c, "m", 8)

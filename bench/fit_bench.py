@@ -20,20 +20,19 @@ import ctypes
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from pyllmrouter import ModelSpec, probe, tinymodels
 from pyllmrouter._llama import native
+from pyllmrouter.config import GiB
 from pyllmrouter.fit import fit_here
 from pyllmrouter.params import _BuftOverride, build
-from pyllmrouter.probe import cache_dir
+from pyllmrouter.loopback import RpcServers
 from pyllmrouter.tables import mib, render
 
-GiB = 1 << 30
+
 FIT_SYMBOL = ("_Z17common_fit_paramsPKcP18llama_model_paramsP20llama_context_paramsPfP32llama_model_tensor_"
               "buft_overridePmjPK22common_fit_extra_model14ggml_log_level")
 
@@ -78,20 +77,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fit_bench.json")
     args = ap.parse_args()
-    server = cache_dir() / "llama.cpp-build" / "bin" / "ggml-rpc-server"
-    if not server.exists():
-        raise SystemExit(f"{server} not found: run scripts/build_llama_tools.sh ggml-rpc-server first")
-    procs, endpoints = [], []
-    for _ in range(3):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs.append(subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        endpoints.append(f"127.0.0.1:{port}")
-    time.sleep(1.0)
     rows = []
-    try:
+    with RpcServers(3) as endpoints:
         with tempfile.TemporaryDirectory() as tmp:
             os.environ["PYLLMROUTER_CACHE"] = str(Path(tmp) / "cache")
             devices = native().add_rpc_servers(endpoints)
@@ -124,10 +111,6 @@ def main() -> None:
                                   "overrides": len(theirs_spec.tensor_overrides),
                                   "over": {d: b - grants[d] for d, b in theirs_b.items() if b > grants[d]}},
                 })
-    finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
     print(render(["case", "ours on devices MiB", "llama.cpp on devices MiB", "ours/theirs bytes", "ours ms",
                   "llama.cpp ms", "time ratio", "ours probes"],
                  [[r["case"], mib(sum(r["ours"]["bytes"].values())), mib(sum(r["llama.cpp"]["bytes"].values())),

@@ -15,48 +15,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import httpx
+from _load import percentile, run_clients
 
 from pyllmrouter import ModelSpec, tinymodels
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.loader import load
+from pyllmrouter.loopback import start_serve
 from pyllmrouter.router import Router
 from pyllmrouter.tables import render
 
 KW = dict(max_tokens=8, temperature=0.0)
 
 
-def run_clients(fn, clients: int, per_client: int) -> dict:
-    lat: list[float] = []
-    lock = threading.Lock()
-
-    def client(i: int) -> None:
-        call = fn(i)
-        for _ in range(per_client):
-            t0 = time.perf_counter()
-            call()
-            with lock:
-                lat.append(time.perf_counter() - t0)
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    lat.sort()
-    return {"p50_ms": lat[len(lat) // 2] * 1e3, "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3,
-            "req_s": len(lat) / wall}
+def measure(fn, clients: int, per_client: int) -> dict:
+    run = run_clients(fn, clients, per_client)
+    return {"p50_ms": percentile(run.seconds, 0.5) * 1e3, "p99_ms": percentile(run.seconds, 0.99) * 1e3,
+            "req_s": len(run.seconds) / run.wall}
 
 
 def main() -> None:
@@ -86,20 +66,8 @@ def main() -> None:
 
         preset = Path(tmp) / "p.ini"
         preset.write_text(f"[m]\nmodel = {path}\nc = 1024\n")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = subprocess.Popen([sys.executable, "-m", "pyllmrouter.cli", "serve", "--models-preset", str(preset),
-                                   "--emulate-devices", "GPU0=1TiB", "--port", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        base = f"http://127.0.0.1:{port}"
+        server, base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"])
         try:
-            while True:
-                try:
-                    if httpx.get(base + "/health").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.1)
             httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hello", **KW}, timeout=60)
 
             def http(_i):
@@ -109,7 +77,7 @@ def main() -> None:
             for clients in (1, 16):
                 per = max(1, args.requests // clients)
                 for name, fn in (("direct llama_cpp", direct), ("python API", api), ("HTTP", http)):
-                    rows.append({"path": name, "clients": clients, **run_clients(fn, clients, per)})
+                    rows.append({"path": name, "clients": clients, **measure(fn, clients, per)})
         finally:
             server.terminate()
             server.wait(30)

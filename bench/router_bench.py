@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from _load import percentile
+
 from pyllmrouter import ModelSpec, probe, tinymodels
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
@@ -33,11 +35,6 @@ from pyllmrouter.router import Router
 from pyllmrouter.tables import render
 
 SMALL = tinymodels.Shape("llama", n_embd=1024, n_layer=8, n_head=16, n_head_kv=4, n_ff=2816)
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def latencies(fn, n: int) -> list[float]:
@@ -86,9 +83,9 @@ def bench_size(name: str, spec: ModelSpec, n: int) -> dict:
     direct_rate, routed_rate = statistics.median(rates_direct), statistics.median(rates_routed)
     return {
         "model": name, "requests": n,
-        "direct_p50_ms": pct(direct, 0.5) * 1e3, "direct_p99_ms": pct(direct, 0.99) * 1e3,
-        "router_p50_ms": pct(routed, 0.5) * 1e3, "router_p99_ms": pct(routed, 0.99) * 1e3,
-        "added_p50_ms": (pct(routed, 0.5) - pct(direct, 0.5)) * 1e3,
+        "direct_p50_ms": percentile(direct, 0.5) * 1e3, "direct_p99_ms": percentile(direct, 0.99) * 1e3,
+        "router_p50_ms": percentile(routed, 0.5) * 1e3, "router_p99_ms": percentile(routed, 0.99) * 1e3,
+        "added_p50_ms": (percentile(routed, 0.5) - percentile(direct, 0.5)) * 1e3,
         "direct_stream_tok_s": direct_rate, "router_stream_tok_s": routed_rate,
         "stream_ratio": routed_rate / direct_rate,
         "direct_cold_ttft_s": direct_cold, "router_cold_ttft_s": router_cold,

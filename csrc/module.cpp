@@ -149,5 +149,4 @@ PYBIND11_MODULE(_native, m) {
           }, py::arg("name"), "Name of a device's own buffer type (for tensor overrides).");
     m.def("max_devices", &llama_max_devices);
     m.def("max_tensor_buft_overrides", &llama_max_tensor_buft_overrides);
-    m.def("max_parallel_sequences", &llama_max_parallel_sequences);
 }

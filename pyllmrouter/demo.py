@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -22,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from . import tinymodels
+from .loopback import start_serve
 from .probe import cache_dir, probe
 from .spec import ModelSpec
 from .tables import mib, render
@@ -29,15 +28,9 @@ from .tables import mib, render
 __all__ = ["run_demo"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Client:
-    def __init__(self, port: int):
-        self.base = f"http://127.0.0.1:{port}"
+    def __init__(self, base: str):
+        self.base = base
 
     def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
         data = None if body is None else json.dumps(body).encode()
@@ -48,18 +41,6 @@ class _Client:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
-
-    def wait_ready(self, proc: subprocess.Popen, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited with code {proc.returncode}")
-            try:
-                if self.call("GET", "/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.1)
-        raise SystemExit("server did not start")
 
 
 def _preset(directory: Path, paths: dict[str, Path]) -> Path:
@@ -98,16 +79,13 @@ def run_demo() -> int:
     # GPU0 holds the coder or the chat model, not both; GPU1 holds chat + embed
     gpu0 = max(sizes["chat"], sizes["coder"]) + min(sizes["chat"], sizes["coder"]) // 2
     gpu1 = sizes["chat"] + sizes["embed"] + sizes["embed"] // 2
-    port = _free_port()
     with tempfile.TemporaryDirectory() as tmp:
         preset = _preset(Path(tmp), paths)
-        cmd = [sys.executable, "-m", "pyllmrouter.cli", "serve", "--models-preset", str(preset),
-               "--emulate-devices", f"GPU0={gpu0},GPU1={gpu1}", "--port", str(port), "--turn", "0.5"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc, base = start_serve(["--models-preset", str(preset), "--emulate-devices", f"GPU0={gpu0},GPU1={gpu1}",
+                                  "--turn", "0.5"])
         try:
-            client = _Client(port)
-            client.wait_ready(proc)
-            print(f"pyllmrouter serve on 127.0.0.1:{port}, emulated GPU0 {mib(gpu0)} MiB, GPU1 {mib(gpu1)} MiB\n")
+            client = _Client(base)
+            print(f"pyllmrouter serve on {base}, emulated GPU0 {mib(gpu0)} MiB, GPU1 {mib(gpu1)} MiB\n")
             steps = _workload(client)
             status = client.call("GET", "/models")[1]
             devices = client.call("GET", "/devices")[1]

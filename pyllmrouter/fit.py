@@ -22,7 +22,7 @@ is host memory and its grant is ``grants.get("CPU")`` (no limit if absent).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 from .spec import ModelSpec
@@ -64,6 +64,11 @@ class _Costs:
     output: int  # the output unit: output.weight and norm
     compute: dict[str, int]
 
+    def units(self, k: int) -> list[int]:
+        """Bytes per offloadable unit (layers, then the output) with the experts of the
+        first ``k`` layers in host memory."""
+        return [self.dense[i] + (self.experts[i] if i >= k else 0) for i in range(self.n_layer)] + [self.output]
+
 
 def _costs(tensors: Sequence[tuple[str, int]], n_layer: int, first: Mapping[str, Mapping[str, int]],
            devices: Sequence[str]) -> _Costs:
@@ -85,7 +90,7 @@ def _costs(tensors: Sequence[tuple[str, int]], n_layer: int, first: Mapping[str,
 
 def _fill(c: _Costs, devices: Sequence[str], room: Mapping[str, int], k: int) -> dict[str, int]:
     """Units per device, filling from the last device (output, last layers) backwards."""
-    units = [c.dense[i] + (c.experts[i] if i >= k else 0) for i in range(c.n_layer)] + [c.output]
+    units = c.units(k)
     counts = {d: 0 for d in devices}
     u = len(units) - 1
     for d in reversed(devices):
@@ -94,8 +99,6 @@ def _fill(c: _Costs, devices: Sequence[str], room: Mapping[str, int], k: int) ->
             free -= units[u]
             counts[d] += 1
             u -= 1
-        if u >= 0 and counts[d] == 0:
-            continue  # this device cannot take the next unit: earlier devices may
     return counts
 
 
@@ -106,6 +109,27 @@ def _spec_for(spec: ModelSpec, counts: Mapping[str, int], devices: Sequence[str]
     if moe:
         changes.update(n_cpu_moe=k, cpu_moe=False)
     return spec.replace(**changes)
+
+
+class _Verifier:
+    """Probes a candidate spec against the grants, and counts the probes."""
+
+    def __init__(self, probe: Callable[[ModelSpec], Mapping[str, Mapping[str, int]]], grants: Mapping[str, int],
+                 max_probes: int):
+        self.probe, self.grants, self.max_probes, self.count = probe, dict(grants), max_probes, 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.count >= self.max_probes
+
+    def measure(self, spec: ModelSpec) -> Mapping[str, Mapping[str, int]]:
+        self.count += 1
+        return self.probe(spec)
+
+    def check(self, spec: ModelSpec) -> tuple[dict[str, int], dict[str, int]]:
+        """(bytes per pool, bytes over the grant per pool) of ``spec``."""
+        totals = {d: v["total"] for d, v in self.measure(spec).items()}
+        return totals, _over(totals, self.grants)
 
 
 def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
@@ -120,11 +144,11 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
     """
     grants = dict(grants)
     moe = any(_EXPERTS.search(n) for n, _ in tensors)
-    first = probe(spec)
-    probes = 1
-    totals = {d: v["total"] for d, v in first.items()}
+    v = _Verifier(probe, grants, max_probes)
+    first = v.measure(spec)
+    totals = {d: u["total"] for d, u in first.items()}
     if not _over(totals, grants):
-        return FitPlan(spec, totals, {}, spec.n_cpu_moe, probes, grants)
+        return FitPlan(spec, totals, {}, spec.n_cpu_moe, v.count, grants)
     c = _costs(tensors, n_layer, first, devices)
     room = {d: grants.get(d, 0) for d in devices}
     k = n_layer if moe else 0
@@ -141,19 +165,13 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
         counts = _fill(c, devices, room, k)
     while True:
         candidate = _spec_for(spec, counts, devices, k, moe)
-        measured = probe(candidate)
-        probes += 1
-        totals = {d: v["total"] for d, v in measured.items()}
-        over = _over(totals, grants)
+        totals, over = v.check(candidate)
         if not over:
-            plan = FitPlan(candidate, totals, {d: n for d, n in counts.items() if n}, k if moe else 0, probes,
-                           grants)
-            plan = _grow(plan, c, counts, devices, grants, probe, spec, k, moe, max_probes)
-            return _top_up(plan, devices, grants, probe, tensors, n_layer, buffer_types, max_probes)
+            break
         if HOST in over and not any(d in over for d in devices):
             raise FitError(f"needs {totals[HOST]} bytes of host memory with {sum(counts.values())} of "
                            f"{n_layer + 1} layers on {', '.join(devices)}, more than the {grants[HOST]} granted")
-        if probes >= max_probes:
+        if v.exhausted:
             raise FitError(f"no fit within {max_probes} probes: still over on {', '.join(sorted(over))}")
         if moe and k < n_layer and any(d in over for d in devices):
             k += 1  # one more layer's experts to the host
@@ -163,38 +181,38 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
             raise FitError(f"cannot fit: {', '.join(f'{d} over by {n} bytes' for d, n in over.items())}")
         for d in shrink:
             counts[d] -= 1
+    candidate, totals = _grow(v, c, counts, devices, spec, k, moe, candidate, totals)
+    plan = FitPlan(candidate, totals, {d: n for d, n in counts.items() if n}, k if moe else 0, v.count, grants)
+    plan = _top_up(v, plan, devices, tensors, n_layer, buffer_types)
+    return replace(plan, probes=v.count)
 
 
-def _grow(plan: FitPlan, c: _Costs, counts: dict[str, int], devices: Sequence[str], grants: Mapping[str, int],
-          probe, spec: ModelSpec, k: int, moe: bool, max_probes: int) -> FitPlan:
+def _grow(v: _Verifier, c: _Costs, counts: dict[str, int], devices: Sequence[str], spec: ModelSpec, k: int,
+          moe: bool, spec_now: ModelSpec, totals_now: dict[str, int]) -> tuple[ModelSpec, dict[str, int]]:
     """The plan was estimated from the first probe's compute buffers; where the measured
-    room still holds a whole layer, add it (one probe for all devices; what overflows goes back)."""
-    units = [c.dense[i] + (c.experts[i] if i >= k else 0) for i in range(c.n_layer)] + [c.output]
+    room still holds a whole layer, add it (one probe for all devices; what overflows goes
+    back). Updates ``counts`` to what was kept."""
+    units = c.units(k)
     grown = dict(counts)
     next_unit = len(units) - 1 - sum(grown.values())
     for d in reversed(devices):
-        room = grants.get(d, 0) - plan.per_device.get(d, 0)
+        room = v.grants.get(d, 0) - totals_now.get(d, 0)
         while next_unit >= 0 and units[next_unit] <= room:
             room -= units[next_unit]
             grown[d] += 1
             next_unit -= 1
-    probes = plan.probes
-    while grown != counts and probes < max_probes:
+    while grown != counts and not v.exhausted:
         candidate = _spec_for(spec, grown, devices, k, moe)
-        measured = probe(candidate)
-        probes += 1
-        totals = {d: v["total"] for d, v in measured.items()}
-        over = _over(totals, grants)
+        totals, over = v.check(candidate)
         if not over:
             counts.update(grown)
-            return FitPlan(candidate, totals, {d: n for d, n in grown.items() if n}, plan.experts_on_host, probes,
-                           dict(grants))
-        for d in over:
-            if d in grown and grown[d] > counts[d]:
-                grown[d] -= 1
-        if not any(d in grown for d in over):
-            break
-    return FitPlan(plan.spec, plan.per_device, plan.layers, plan.experts_on_host, probes, dict(grants))
+            return candidate, totals
+        back = [d for d in over if grown.get(d, 0) > counts.get(d, 0)]
+        if not back:
+            break  # over where nothing was added (compute buffers elsewhere grew): keep the verified plan
+        for d in back:
+            grown[d] -= 1
+    return spec_now, totals_now
 
 
 def _host_tensors(plan: FitPlan, tensors: Sequence[tuple[str, int]], n_layer: int) -> list[tuple[int, str, int]]:
@@ -214,12 +232,12 @@ def _host_tensors(plan: FitPlan, tensors: Sequence[tuple[str, int]], n_layer: in
     return sorted(out, key=lambda t: (-t[0], -t[2]))
 
 
-def _top_up(plan: FitPlan, devices: Sequence[str], grants: Mapping[str, int], probe, tensors, n_layer: int,
-            buffer_types: Mapping[str, str] | None, max_probes: int) -> FitPlan:
+def _top_up(v: _Verifier, plan: FitPlan, devices: Sequence[str], tensors, n_layer: int,
+            buffer_types: Mapping[str, str] | None) -> FitPlan:
     """Room left on a device after whole layers takes single tensors from the host."""
     if not buffer_types:
         return plan
-    room = {d: grants[d] - plan.per_device.get(d, 0) for d in devices if d in grants}
+    room = {d: v.grants[d] - plan.per_device.get(d, 0) for d in devices if d in v.grants}
     extra: list[tuple[str, str, str, int]] = []  # (pattern, buffer type, device, bytes)
     for _layer, name, size in _host_tensors(plan, tensors, n_layer):
         d = max(room, key=room.get) if room else None
@@ -227,23 +245,19 @@ def _top_up(plan: FitPlan, devices: Sequence[str], grants: Mapping[str, int], pr
             continue
         room[d] -= size
         extra.append(("^" + re.escape(name) + "$", buffer_types[d], d, size))
-    probes = plan.probes
-    while extra and probes < max_probes:
+    while extra and not v.exhausted:
         overrides = tuple((p, b) for p, b, _d, _n in extra) + tuple(plan.spec.tensor_overrides)
         candidate = plan.spec.replace(tensor_overrides=overrides)
-        measured = probe(candidate)
-        probes += 1
-        totals = {d: v["total"] for d, v in measured.items()}
-        over = _over(totals, grants)
+        totals, over = v.check(candidate)
         if not over:
-            return FitPlan(candidate, totals, plan.layers, plan.experts_on_host, probes, dict(grants))
+            return replace(plan, spec=candidate, per_device=totals)
+        if HOST in over:
+            break
         for d, excess in over.items():  # compute buffers grew: give back at least the excess
             while excess > 0 and any(e[2] == d for e in extra):
                 i = max(i for i, e in enumerate(extra) if e[2] == d)
                 excess -= extra.pop(i)[3]
-        if HOST in over:
-            break
-    return FitPlan(plan.spec, plan.per_device, plan.layers, plan.experts_on_host, probes, dict(grants))
+    return plan
 
 
 def fit_here(spec: ModelSpec, grants: Mapping[str, int], devices: Sequence[str] | None = None) -> FitPlan:

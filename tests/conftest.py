@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from pyllmrouter import tinymodels
-from pyllmrouter.probe import cache_dir
+from pyllmrouter.loopback import RpcServers, rpc_server_binary
 
 
 @pytest.fixture(scope="session")
@@ -53,48 +51,14 @@ def _isolated_cache(request, tmp_path, monkeypatch):
     monkeypatch.setenv("PYLLMROUTER_CACHE", str(path))
 
 
-def _rpc_server_binary():
-    """llama.cpp's rpc-server, built into the user's cache by scripts/build_llama_tools.sh."""
-    base = os.environ.pop("PYLLMROUTER_CACHE", None)
-    try:
-        return cache_dir() / "llama.cpp-build" / "bin" / "ggml-rpc-server"
-    finally:
-        if base is not None:
-            os.environ["PYLLMROUTER_CACHE"] = base
-
-
-RPC_SERVER = _rpc_server_binary()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+RPC_SERVER = rpc_server_binary()
 
 
 @pytest.fixture(scope="module")
 def rpc_servers():
     """Three rpc-servers on loopback (three CPU-backed ggml devices); stopped after the module."""
-    procs, endpoints = [], []
-    for _ in range(3):
-        port = _free_port()
-        procs.append(subprocess.Popen([str(RPC_SERVER), "-H", "127.0.0.1", "-p", str(port)],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        endpoints.append(f"127.0.0.1:{port}")
-    for ep in endpoints:
-        host, port = ep.split(":")
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"rpc-server {ep} did not start"
-                time.sleep(0.05)
-    yield endpoints
-    for p in procs:
-        p.terminate()
-        p.wait(10)
+    with RpcServers(3, RPC_SERVER) as endpoints:
+        yield endpoints
 
 
 def run_py(code: str, env: dict | None = None, timeout: int = 300) -> dict:

@@ -129,8 +129,10 @@ def test_requests_the_batch_cannot_serve_take_the_serial_path(router):
 def test_json_mode_constrains_the_output(router):
     out = router.chat("p", [{"role": "user", "content": "json"}], max_tokens=6, temperature=0.8, seed=1,
                       response_format={"type": "json_object"})
-    text = out["choices"][0]["message"]["content"].lstrip()
-    assert text.startswith(("{", "[", '"')) or text[:1].isdigit() or text[:1] in "-tfn"
+    text = out["choices"][0]["message"]["content"]
+    # llama_cpp's JSON grammar: root ::= object, so the first character can only be "{"
+    assert text.startswith("{"), text
+    assert out["usage"]["completion_tokens"] >= 1
 
 
 def test_prompt_longer_than_the_context_is_a_clear_error(router):

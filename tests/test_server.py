@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,17 +18,12 @@ import uvicorn
 from pyllmrouter import ModelSpec, probe
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.loopback import free_port, wait_healthy
 from pyllmrouter.router import Router
 from pyllmrouter.server import create_app
 
 KEY = "s3cret"
 HI = [{"role": "user", "content": "hi"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SHARE_PROBE_CACHE = True
@@ -231,17 +225,10 @@ def test_serve_cli_drains_on_sigterm_and_leaves_no_process(tiny, tmp_path):
     env = dict(os.environ, LLAMA_API_KEY="k", LLAMA_ARG_MODELS_MAX="1", LLAMA_ARG_PORT=str(port))
     proc = subprocess.Popen([sys.executable, "-m", "pyllmrouter.cli", "serve", "--models-preset", str(preset),
                              "--emulate-devices", "GPU0=1GiB", "--models-memory-margin", "0"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"  # the port comes from LLAMA_ARG_PORT
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                assert time.monotonic() < deadline and proc.poll() is None
-                time.sleep(0.1)
+        wait_healthy(base, proc)
         h = {"X-Api-Key": "k"}
         assert httpx.get(base + "/props", headers=h).json()["max_models"] == 1  # from LLAMA_ARG_MODELS_MAX
         lines = []

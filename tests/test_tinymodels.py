@@ -29,7 +29,7 @@ def test_bert_embeds(tiny):
     assert a != b
 
 
-def test_writers_take_milliseconds_and_are_seeded(tmp_path):
+def test_writers_are_seeded(tmp_path):
     a = tinymodels.write_llama(tmp_path / "a.gguf", seed=3)
     b = tinymodels.write_llama(tmp_path / "b.gguf", seed=3)
     c = tinymodels.write_llama(tmp_path / "c.gguf", seed=4)
