@@ -2,14 +2,15 @@
 """Concurrent streaming clients: pyllmrouter serve vs llama-server, side by side.
 
     scripts/build_llama_tools.sh llama-server    # once: llama.cpp of the pinned sdist
-    python bench/concurrency_bench.py [--clients 1,4,8,16] [--tokens 64] [--out FILE]
+    python bench/concurrency_bench.py [--clients 1,4,8,16] [--tokens 64] [--rounds 3] [--out FILE]
 
 Both servers load the same generated model file with the same parallel slots,
 context, batch sizes and threads, and are measured alternately at each
-concurrency level.  Every request streams a fixed number of tokens (end of
-sequence biased away) at temperature 0.  Reports aggregate generated tokens/s
-and p50/p99 time to first token; writes JSON (default
-bench/results/concurrency_bench.json).
+concurrency level, in several rounds (the order flips each time).  Every request
+streams a fixed number of tokens (end of sequence biased away) at temperature 0.
+Reports aggregate generated tokens/s (all rounds' tokens over all rounds'
+seconds, and the range of the per-round ratios) and p50/p99 time to first token
+over all rounds' requests; writes JSON (default bench/results/concurrency_bench.json).
 """
 
 from __future__ import annotations
@@ -34,33 +35,61 @@ SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4,
 PROMPT = "hello world the model is a fast router of memory and tokens " * 3
 
 
-def one_request(client: httpx.Client, model: str, tokens: int) -> tuple[float, int]:
+def one_request(client: httpx.Client, model: str, tokens: int, retries: list[int] | None = None) -> tuple[float, int]:
+    """(time to first token, tokens generated).  Tokens are the usage both servers put
+    on the finish chunk: text chunks are no count, the servers split invalid UTF-8
+    differently.  A connection the server closed before answering is retried at once
+    (llama-server's HTTP library drops idle keep-alive connections), as the openai
+    client does; each retry is counted in ``retries``."""
     body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
             "logit_bias": {"2": -100, "4": -100}}
-    t0 = time.perf_counter()
-    ttft, n = None, 0
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            text = json.loads(line[6:])["choices"][0].get("text")
-            if text:
-                n += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-    return (ttft if ttft is not None else time.perf_counter() - t0), n
+    for attempt in range(3):
+        t0 = time.perf_counter()
+        ttft, n, usage = None, 0, None
+        try:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    usage = chunk.get("usage") or usage
+                    if chunk["choices"] and chunk["choices"][0].get("text"):
+                        n += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+        except httpx.RemoteProtocolError:
+            if n or attempt == 2:
+                raise
+            if retries is not None:
+                retries.append(1)
+            continue
+        if usage is None:
+            raise RuntimeError("the stream ended without usage")
+        return (ttft if ttft is not None else time.perf_counter() - t0), usage["completion_tokens"]
+    raise AssertionError("unreachable")
 
 
 def run_level(base: str, model: str, clients: int, per_client: int, tokens: int) -> dict:
+    retries: list[int] = []
+
     def make_call(_i: int):
         client = httpx.Client(base_url=base, timeout=600)  # one connection per client, as a real one keeps
-        return lambda: one_request(client, model, tokens)
+        return lambda: one_request(client, model, tokens, retries)
 
-    run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError,))
+    run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError, RuntimeError))
     ttfts, counts = [v[0] for v in run.values], [v[1] for v in run.values]
-    return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "tokens": sum(counts),
-            "seconds": run.wall, "tok_s": sum(counts) / run.wall, "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3,
+    return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "retries": len(retries),
+            "tokens": sum(counts),
+            "seconds": run.wall, "tok_s": sum(counts) / run.wall, "ttft_s": ttfts}
+
+
+def summary(rounds: list[dict]) -> dict:
+    """One concurrency level over its rounds."""
+    ttfts = [t for r in rounds for t in r["ttft_s"]]
+    return {"clients": rounds[0]["clients"], "tok_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
+            "round_tok_s": [r["tok_s"] for r in rounds], "retries": sum(r["retries"] for r in rounds),
+            "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3,
             "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3}
 
 
@@ -68,7 +97,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--requests-per-client", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -81,7 +111,8 @@ def main() -> None:
     if not Path(args.llama_server).exists():
         raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
     levels = [int(x) for x in args.clients.split(",")]
-    results: dict[str, list[dict]] = {"pyllmrouter": [], "llama-server": []}
+    runs: dict[str, dict[int, list[dict]]] = {"pyllmrouter": {c: [] for c in levels},
+                                              "llama-server": {c: [] for c in levels}}
     with tempfile.TemporaryDirectory() as tmp:
         model = tinymodels.write_llama(Path(tmp) / "bench-llama.gguf", SHAPE)
         preset = Path(tmp) / "bench.ini"
@@ -102,30 +133,38 @@ def main() -> None:
             for name, base in bases.items():  # warm both
                 with httpx.Client(base_url=base, timeout=600) as c:
                     one_request(c, "m", 8)
-            for clients in levels:
-                order = ["pyllmrouter", "llama-server"] if clients % 2 else ["llama-server", "pyllmrouter"]
-                for name in order:
-                    results[name].append(run_level(bases[name], "m", clients, args.requests_per_client, args.tokens))
+            for rnd in range(args.rounds):
+                for clients in levels:
+                    order = ["pyllmrouter", "llama-server"] if (clients + rnd) % 2 else ["llama-server", "pyllmrouter"]
+                    for name in order:
+                        runs[name][clients].append(run_level(bases[name], "m", clients, args.requests_per_client,
+                                                             args.tokens))
         finally:
             for p in (ours, theirs):
                 p.terminate()
                 p.wait(30)
-    for name, rs in results.items():
-        for r in rs:
-            if r["errors"]:
-                print(f"{name}, {r['clients']} clients: {len(r['errors'])} failed requests: {r['errors'][0]}")
+    for name, by_level in runs.items():
+        for clients, rs in by_level.items():
+            errors = [e for r in rs for e in r["errors"]]
+            if errors:
+                print(f"{name}, {clients} clients: {len(errors)} failed requests: {errors[0]}")
+    results = {name: [summary(rs) for rs in by_level.values()] for name, by_level in runs.items()}
     rows = []
     for ours_r, theirs_r in zip(results["pyllmrouter"], results["llama-server"]):
+        per_round = [a / b for a, b in zip(ours_r["round_tok_s"], theirs_r["round_tok_s"])]
         rows.append([ours_r["clients"], f"{ours_r['tok_s']:.1f}", f"{theirs_r['tok_s']:.1f}",
-                     f"{ours_r['tok_s'] / theirs_r['tok_s']:.2f}", f"{ours_r['ttft_p50_ms']:.0f}",
-                     f"{theirs_r['ttft_p50_ms']:.0f}", f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}",
+                     f"{ours_r['tok_s'] / theirs_r['tok_s']:.2f}", f"{min(per_round):.2f}-{max(per_round):.2f}",
+                     f"{ours_r['ttft_p50_ms']:.0f}", f"{theirs_r['ttft_p50_ms']:.0f}",
+                     f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}",
                      f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
-    print(render(["clients", "ours tok/s", "llama-server tok/s", "ratio", "ours TTFT p50 ms",
+    print(render(["clients", "ours tok/s", "llama-server tok/s", "ratio", "per round", "ours TTFT p50 ms",
                   "llama-server TTFT p50 ms", "TTFT ratio", "ours TTFT p99 ms", "llama-server TTFT p99 ms"], rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "concurrency", "parallel": args.parallel, "tokens": args.tokens,
                                     "kv_unified": args.kv_unified,
-                                    "threads": args.threads, "results": results}, indent=2))
+                                    "threads": args.threads, "rounds": args.rounds,
+                                    "requests_per_client": args.requests_per_client, "results": results,
+                                    "runs": runs}, indent=2))
     print(f"\nwrote {args.out}")
 
 

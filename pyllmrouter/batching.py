@@ -93,6 +93,7 @@ class BatchEngine:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: list[Any] = []
         self.formatter = _chat_formatter(llm)
+        self._pieces: dict[int, tuple[bool, bytes]] = {}  # token -> (end of generation?, its bytes)
         self.thread = threading.Thread(target=self._loop, name=f"batch-{name}", daemon=True)
         self.thread.start()
 
@@ -260,12 +261,13 @@ class BatchEngine:
         if req.req_id in self.cancelled:
             self._finish(s, "stop")
             return
-        if self.lc.llama_vocab_is_eog(self.vocab, tok):
+        eog, raw = self._piece(tok)
+        if eog:
             self._finish(s, "stop")
             return
         req.generated += 1
         s.next_token = tok
-        piece = req.decoder.decode(self.llm.detokenize([tok], prev_tokens=s.cache[-8:]))
+        piece = req.decoder.decode(raw)
         text = req.held + piece
         for stop in req.stop:
             i = text.find(stop)
@@ -280,6 +282,15 @@ class BatchEngine:
         if req.generated >= req.max_tokens or len(s.cache) + 1 >= self.n_ctx_seq:
             self._finish(s, "length", decoded=True)
 
+    def _piece(self, tok: int) -> tuple[bool, bytes]:
+        """Whether ``tok`` ends generation, and its bytes (llama_cpp's detokenize of one
+        token), looked up once per token id."""
+        piece = self._pieces.get(tok)
+        if piece is None:
+            piece = self._pieces[tok] = (bool(self.lc.llama_vocab_is_eog(self.vocab, tok)),
+                                         self.llm.detokenize([tok]))
+        return piece
+
     def _out(self, req: _Request, text: str) -> None:
         if not text:
             return
@@ -287,7 +298,7 @@ class BatchEngine:
         if req.stream:
             self._chunk(req, text, None)
 
-    def _chunk(self, req: _Request, text: str | None, finish: str | None) -> None:
+    def _chunk(self, req: _Request, text: str | None, finish: str | None, usage: dict | None = None) -> None:
         from .protocol import Chunk  # noqa: PLC0415
 
         if req.method == "chat":
@@ -297,7 +308,10 @@ class BatchEngine:
         else:
             choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish}
             obj = {"id": "cmpl-" + req.ident, "object": "text_completion"}
-        self.send(Chunk(req.req_id, {**obj, "created": req.created, "model": self.name, "choices": [choice]}))
+        obj = {**obj, "created": req.created, "model": self.name, "choices": [choice]}
+        if usage is not None:
+            obj["usage"] = usage  # on the last chunk, as llama-server sends it
+        self.send(Chunk(req.req_id, obj))
 
     def _finish(self, s: _Slot, reason: str, decoded: bool = False) -> None:
         from .protocol import Result  # noqa: PLC0415
@@ -310,7 +324,7 @@ class BatchEngine:
                  "total_tokens": len(req.prompt) + req.generated,
                  "prompt_tokens_details": {"cached_tokens": req.cached}}
         if req.stream:
-            self._chunk(req, None, reason)
+            self._chunk(req, None, reason, usage)
             self.send(Result(req.req_id, {"chunks": True, "usage": usage, "cancelled": req.req_id in self.cancelled}))
         else:
             content = "".join(req.text)

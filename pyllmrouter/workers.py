@@ -2,6 +2,7 @@
 
     Router ──call(msg)──▶ WorkerHandle ──pipe──▶ worker process (masked)
            ◀─Pending.get()── reader thread ◀─pipe── replies, routed by req_id
+    coroutine ◀─wait_async()─┘ (woken by call_soon_threadsafe, once per loop and message)
 
 A dead worker (crash, kill -9) closes the pipe: the reader thread fails every
 pending call with WorkerDied (nobody waits forever) and tells the router, which
@@ -10,11 +11,12 @@ marks the worker's models unloaded.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import multiprocessing as mp
-import queue
 import threading
 import time
+from collections import deque
 from typing import Any, Callable
 
 from .errors import WorkerDied
@@ -24,30 +26,76 @@ from .worker import worker_main
 __all__ = ["WorkerHandle", "Pending"]
 
 class Pending:
-    """Replies to one call, in order; the last one is final (Result, Failed, ...)."""
+    """Replies to one call, in order; the last one is final (Result, Failed, ...).
+
+    A thread blocks in ``get``/``wait``; a coroutine awaits ``wait_async``, which
+    the reader thread wakes with one ``call_soon_threadsafe`` per event loop and
+    pipe message (no thread hop per chunk).
+    """
 
     def __init__(self, req_id: int, worker: "WorkerHandle"):
         self.req_id = req_id
         self.worker = worker
-        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies: deque = deque()
+        self._cond = threading.Condition(threading.Lock())
+        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
 
-    def put(self, msg: Any) -> None:
-        self._replies.put(msg)
+    def put(self, msg: Any) -> tuple[asyncio.AbstractEventLoop, asyncio.Future] | None:
+        """Add a reply; returns the coroutine waiter to wake, if one is waiting."""
+        with self._cond:
+            self._replies.append(msg)
+            self._cond.notify()
+            waiter, self._waiter = self._waiter, None
+        return waiter
 
     def get(self, timeout: float | None = None) -> Any:
-        try:
-            return self._replies.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"no reply from worker {self.worker.name} within {timeout} s") from None
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._replies, timeout):
+                raise TimeoutError(f"no reply from worker {self.worker.name} within {timeout} s")
+            return self._replies.popleft()
 
     def get_nowait(self) -> Any | None:
         try:
-            return self._replies.get_nowait()
-        except queue.Empty:
+            return self._replies.popleft()
+        except IndexError:
             return None
+
+    def wait(self) -> None:
+        """Block until a reply is here (without taking it)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._replies)
+
+    async def wait_async(self) -> None:
+        """Wait in the running event loop until a reply is here (without taking it)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cond:
+            if self._replies:
+                return
+            self._waiter = (loop, fut)
+        try:
+            await fut
+        finally:
+            with self._cond:
+                if self._waiter is not None and self._waiter[1] is fut:
+                    self._waiter = None
 
     def cancel(self) -> None:
         self.worker.send(Cancel(self.req_id))
+
+
+def _wake_all(waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]]) -> None:
+    for loop, futures in waiters.items():
+        try:
+            loop.call_soon_threadsafe(_wake, futures)
+        except RuntimeError:
+            pass  # that loop is closed: nobody is waiting any more
+
+
+def _wake(futures: list[asyncio.Future]) -> None:
+    for fut in futures:
+        if not fut.done():
+            fut.set_result(None)
 
 
 class WorkerHandle:
@@ -121,13 +169,15 @@ class WorkerHandle:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
+            waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
             for m in msg.messages if isinstance(msg, Batch) else (msg,):
                 with self._lock:
                     pending = self._pending.get(m.req_id)
                     if isinstance(m, FINAL):
                         self._pending.pop(m.req_id, None)
-                if pending is not None:
-                    pending.put(m)
+                if pending is not None and (w := pending.put(m)) is not None:
+                    waiters.setdefault(w[0], []).append(w[1])
+            _wake_all(waiters)
         self._died()
 
     def _died(self) -> None:
@@ -135,8 +185,12 @@ class WorkerHandle:
             was_alive, self.alive = self.alive, False
             orphans, self._pending = list(self._pending.values()), {}
         code = self._exitcode()
+        waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
         for p in orphans:
-            p.put(Failed(p.req_id, "WorkerDied", f"worker {self.name} (pid {self.pid}) exited with code {code}"))
+            w = p.put(Failed(p.req_id, "WorkerDied", f"worker {self.name} (pid {self.pid}) exited with code {code}"))
+            if w is not None:
+                waiters.setdefault(w[0], []).append(w[1])
+        _wake_all(waiters)
         if was_alive:
             self.on_death(self)
 

@@ -86,6 +86,20 @@ def test_openai_streaming(client):
     assert len(pieces) >= 2
 
 
+def test_streamed_usage_matches_the_unstreamed_request(client):
+    kw = dict(model="b", prompt="the usage of", max_tokens=7, temperature=0)  # b: the batched path
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    last, finish = chunks[-1], chunks[-2]
+    assert last.choices == [] and last.usage is not None  # OpenAI's usage chunk
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert finish.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text
+    plain = list(client.completions.create(**kw, stream=True))  # no usage chunk unless asked for
+    assert plain[-1].choices and plain[-1].choices[0].finish_reason
+
+
 def test_model_lists(client, http):
     ids = {m.id for m in client.models.list()}
     assert ids == {"a", "b", "e", "broken", "huge"}

@@ -1,7 +1,8 @@
 """The HTTP server: OpenAI endpoints, llama-server's router API, and our own.
 
     client ──HTTP──▶ middleware (API key, body limit) ──▶ route ──▶ Router (threads)
-                                                           └─ SSE: chunks pulled in a thread;
+                                                           └─ SSE: chunks awaited in the event loop
+                                                              (woken by the worker reader thread);
                                                               a client that leaves cancels
 
 | endpoint                          | what                                              |
@@ -129,6 +130,10 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         if isinstance(params.get("logit_bias"), dict):
             params["logit_bias"] = {int(k): float(v) for k, v in params["logit_bias"].items()}
         stream = bool(data.get("stream")) and method != "embed"
+        options = data.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+        include_usage = stream and bool(options.get("include_usage"))
         fn = {"chat": router.chat, "complete": router.complete, "embed": router.embed}[method]
         first = params.pop({"chat": "messages", "complete": "prompt", "embed": "input"}[method])
         kw = dict(params, autoload=autoload_param(request))
@@ -146,8 +151,9 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         if not stream:
             result["model"] = model
             return JSONResponse(result)
-        return StreamingResponse(_sse(result, model, lambda: metrics.latency.labels(model, endpoint, "200").observe(
-            time.perf_counter() - t0)), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_sse(result, model, include_usage, lambda: metrics.latency.labels(
+            model, endpoint, "200").observe(time.perf_counter() - t0)), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health():
@@ -257,12 +263,17 @@ class _Guard:
         return await self.app(scope, receive, send)
 
 
-async def _sse(stream: Stream, model: str, on_end):
-    """Server-sent events from a router stream; a client that leaves cancels generation."""
+async def _sse(stream: Stream, model: str, include_usage: bool, on_end):
+    """Server-sent events from a router stream; a client that leaves cancels generation.
+
+    With ``stream_options.include_usage`` a last chunk with no choices carries the
+    token counts (OpenAI's form); the finish chunk carries them too (llama-server's).
+    """
+    last = None
     try:
         while True:
             try:
-                chunks = await asyncio.to_thread(stream.next_batch)
+                chunks = await stream.anext_batch()
             except RouterError as e:
                 err = from_router_error(e)
                 yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type}})}\n\n"
@@ -271,7 +282,12 @@ async def _sse(stream: Stream, model: str, on_end):
                 break
             for chunk in chunks:
                 chunk["model"] = model
+            last = chunks[-1]
             yield "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
+        if include_usage and last is not None:
+            usage = {"id": last.get("id"), "object": last.get("object"), "created": last.get("created"),
+                     "model": model, "choices": [], "usage": stream.usage}
+            yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
         on_end()
     finally:
