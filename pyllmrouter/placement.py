@@ -10,6 +10,8 @@ router asks; this module answers.
                                     devices, until the model fits (None: cannot)
     choose(candidates, avail, res)  the device set: one that fits without evicting
                                     (most headroom first), else the fewest evictions
+    grant(devices, avail, res)      what a model may be given per device: available
+                                    now plus what the evictable residents hold there
 
 A limit on the number of loaded models is one more "device" whose capacity is
 that number and on which every model needs 1, so the same eviction rule serves.
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["Resident", "Plan", "NeverFits", "shortfall", "never_fits", "pick_victims", "choose", "COUNT"]
+__all__ = ["Resident", "Plan", "NeverFits", "shortfall", "never_fits", "pick_victims", "choose", "grant", "COUNT"]
 
 COUNT = "#models"  # the pseudo-device of --models-max
 
@@ -54,6 +56,17 @@ class NeverFits:
         return (f"needs {self.need} bytes ({self.need / 2**20:.1f} MiB) on {self.device}, "
                 f"which can hold at most {self.capacity} bytes ({self.capacity / 2**20:.1f} MiB) "
                 f"for models even when empty")
+
+
+def grant(devices: Iterable[str], available: Mapping[str, int], residents: Iterable[Resident]) -> dict[str, int]:
+    """Per device: what is available now plus what the evictable residents hold there."""
+    out = {d: available.get(d, 0) for d in devices}
+    for r in residents:
+        if r.evictable:
+            for d, n in r.need.items():
+                if d in out:
+                    out[d] += n
+    return out
 
 
 def shortfall(need: Mapping[str, int], available: Mapping[str, int]) -> dict[str, int]:

@@ -36,8 +36,9 @@ from . import placement
 from .config import ModelConfig, RouterOptions
 from .devices import HOST, Inventory
 from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel
-from .probe import MemoryEstimate, ProbeError, cached_estimate
-from .protocol import Failed, Fit, LoadModel, Loaded, Probe, UnloadModel
+from .fits import Fits, Fitted, mib
+from .measure import Measurer, worker_spec
+from .protocol import Failed, LoadModel, Loaded, UnloadModel
 from .spec import ModelSpec
 from .state import State, check_transition, evictable, holds_memory
 from .workers import WorkerHandle
@@ -58,7 +59,10 @@ class Record:
     worker: WorkerHandle | None = None
     reason: str | None = None  # why it is UNLOADED (failed load, dead worker)
     requirements: dict[frozenset[str], dict[str, int]] | None = None
-    fitted: dict[frozenset[str], ModelSpec] = field(default_factory=dict)  # worker specs made to fit
+    fits: Fits = field(default_factory=Fits)  # specs fitted into grants, per device set
+    fitting: bool = False
+    fit: Fitted | None = None  # the fit being loaded or loaded (None: the spec as given)
+    load_spec: ModelSpec | None = None  # the worker spec chosen at admission
     probing: bool = False
     error_epoch: int = 0  # bumped by each failure: tickets older than it give up
     drain: tuple[float, int] | None = None  # (deadline, seq of the ticket that waits)
@@ -107,6 +111,7 @@ class Scheduler:
         self.events: list[tuple[float, str, str, str]] = []  # (time, event, model, devices), the last 1000
         self.counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0}
         self.on_wait: Any = None  # called as on_wait(model, seconds) for every lease (metrics)
+        self._measure = Measurer(inventory, options.load_timeout, self._running_worker)
 
     # -- lookup --------------------------------------------------------------
 
@@ -155,16 +160,18 @@ class Scheduler:
         gpus = [n for n, d in self._devices.items() if d.kind != "cpu"]
         return [frozenset({g}) for g in gpus] or [frozenset({HOST})]
 
-    def _residents(self, ticket: _Ticket, ignore_busy: bool = False) -> list[placement.Resident]:
-        """Models holding memory; evictable only if idle and no earlier request waits for them."""
+    def _residents(self, ticket: _Ticket, ignore_busy: bool = False, leaving: bool = False) -> list[placement.Resident]:
+        """Models holding memory; evictable only if idle and no earlier request waits for them
+        (``ignore_busy``: if not persistent; ``leaving``: models already unloading count too)."""
         # an earlier request that may take a lease keeps its model (one blocked by a drain does not)
         awaited = {t.name for t in self._queue
                    if t.seq < ticket.seq and self._may_lease(self._records[t.name], t)}
         return [
             placement.Resident(
                 r.name, r.need, r.last_used,
-                evictable(r.state, 0, r.config.persistent) if ignore_busy
-                else evictable(r.state, r.leases, r.config.persistent) and r.name not in awaited,
+                (leaving and r.state is State.UNLOADING)
+                or (evictable(r.state, 0, r.config.persistent) if ignore_busy
+                    else evictable(r.state, r.leases, r.config.persistent) and r.name not in awaited),
             )
             for r in self._records.values() if holds_memory(r.state)
         ]
@@ -257,19 +264,14 @@ class Scheduler:
                 rec.probing = True
                 self._spawn(self._probe_requirements, rec)
             return "measuring its memory"
-        for ds in self._candidates(rec):
-            capacity = {d: self._capacity(d) for d in rec.requirements[ds] if d != placement.COUNT}
-            if self.options.max_models:
-                capacity[placement.COUNT] = self.options.max_models
-            worst = placement.never_fits(rec.requirements[ds], capacity)
-            if worst is None:
-                break
-        else:
-            rec.error_epoch += 1
-            rec.reason = str(worst)
-            raise NeverFits(rec.name, worst.device, worst.need, worst.capacity, str(worst))
         available = self._available()
-        candidates = [(ds, rec.requirements[ds]) for ds in self._candidates(rec)]
+        candidates, specs, why, never = self._needs(rec, ticket, available)
+        if not candidates:
+            if why is None:
+                rec.error_epoch += 1
+                rec.reason = never[-1]
+                raise NeverFits(rec.name, *never)
+            return why
         plan = placement.choose(candidates, available, self._residents(ticket))
         if plan is None:
             self._drain_for(candidates, available, ticket)
@@ -280,8 +282,59 @@ class Scheduler:
             return "evicting idle models"
         check_transition(rec.state, State.LOADING)
         rec.state, rec.device_set, rec.need, rec.reason = State.LOADING, plan.device_set, dict(plan.need), None
+        rec.load_spec, rec.fit = specs[plan.device_set]
         self._spawn(self._load, rec)
         return "loading"
+
+    def _needs(self, rec: Record, ticket: _Ticket, available: dict[str, int]):
+        """Per candidate device set, the bytes to place and the spec to load: the spec as
+        given if it fits the model's grant there (or fitting is off), else the spec
+        fitted into that grant.  Returns (candidates, {set: (spec, fit)}, why not yet,
+        never-fits arguments)."""
+        candidates, specs, why, never = [], {}, None, None
+        grantable = self._residents(ticket, ignore_busy=True, leaving=True)
+        for ds in self._candidates(rec):
+            full, spec = rec.requirements[ds], worker_spec(rec.config.spec, ds)
+            local = self.inventory.to_local(ds)
+            bytes_ = {d: n for d, n in full.items() if d != placement.COUNT}
+            capacity = {d: self._capacity(d) for d in bytes_}
+            worst = placement.never_fits(full, {**capacity, placement.COUNT: self.options.max_models})
+            if worst is not None and worst.device == placement.COUNT or not (spec.fit and local):
+                if worst is not None:
+                    never = never or (worst.device, worst.need, worst.capacity, str(worst))
+                    continue
+                candidates.append((ds, full))
+                specs[ds] = (spec, None)
+                continue
+            grant = placement.grant([*local, HOST], available, grantable)
+            if not placement.shortfall(bytes_, grant):
+                candidates.append((ds, full))
+                specs[ds] = (spec, None)
+                continue
+            fitted = rec.fits.lookup(ds, grant)
+            if fitted is not None and not fitted.ok:  # nothing fits now: with nothing else held?
+                most = {d: self._capacity(d) for d in grant}
+                if grant != most:
+                    fitted, grant = rec.fits.lookup(ds, most), most
+                    if fitted is not None and fitted.ok:
+                        why = why or "waiting for memory that models which cannot be evicted hold"
+                        continue
+            if fitted is None:
+                if not rec.fitting:
+                    rec.fitting = True
+                    self._spawn(self._fit, rec, ds, spec, grant)
+                why = why or "fitting into its grant"
+                continue
+            if not fitted.ok:
+                never = never or (HOST, sum(bytes_.values()), sum(grant.values()),
+                                  f"no fit into {mib(grant)}: {fitted.error}")
+                continue
+            need = dict(fitted.need)
+            if self.options.max_models:
+                need[placement.COUNT] = 1
+            candidates.append((ds, need))
+            specs[ds] = (fitted.spec, fitted)
+        return candidates, specs, why, never
 
     def _drain_for(self, candidates, available, ticket: _Ticket) -> None:
         """Busy models stand in the way: let them take new requests for one turn only."""
@@ -317,78 +370,44 @@ class Scheduler:
 
     def _probe_requirements(self, rec: Record) -> None:
         reqs: dict[frozenset[str], dict[str, int]] = {}
-        fitted: dict[frozenset[str], ModelSpec] = {}
         error = None
         try:
             for ds in self._candidates(rec):
-                spec = self._worker_spec(rec.config.spec, ds)
-                need = self.inventory.to_inventory(ds, self._probe_masked(spec, ds).per_device())
-                local = self.inventory.to_local(ds)
-                if spec.fit and local and any(need.get(d, 0) > self._capacity(d) for d in local):
-                    spec, need = self._fit_masked(spec, ds, local)
-                    fitted[ds] = spec
+                reqs[ds] = self._measure.requirement(worker_spec(rec.config.spec, ds), ds)
                 if self.options.max_models:
-                    need[placement.COUNT] = 1
-                reqs[ds] = need
+                    reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
             error = e
         with self._cond:
             rec.probing = False
             if error is None:
-                rec.requirements, rec.fitted = reqs, fitted
-                for ds in fitted:
-                    self.events.append((time.monotonic(), "fit", rec.name, "+".join(sorted(ds))))
+                rec.requirements = reqs
             else:
                 rec.error_epoch += 1
                 rec.reason = f"cannot measure memory: {error}"
             self._cond.notify_all()
 
-    def _fit_masked(self, spec: ModelSpec, ds: frozenset[str], local: dict[str, str]) -> tuple[ModelSpec, dict]:
-        """Fit ``spec`` into the devices' capacities (layers, MoE experts to the host)."""
-        from .fit import FitError  # noqa: PLC0415
-
-        grants = {local[d]: self._capacity(d) for d in local}
-        grants[HOST] = self._capacity(HOST)
-        reply = self._in_masked_worker(ds, lambda rid: Fit(rid, spec, grants))
-        if isinstance(reply, Failed):
-            raise FitError(reply.message)
-        fitted = ModelSpec.from_dict(reply.value["spec"])
-        return fitted, self.inventory.to_inventory(ds, reply.value["per_device"])
-
-    def _worker_spec(self, spec: ModelSpec, device_set: frozenset[str]) -> ModelSpec:
-        """The spec a worker gets: the mask decides its devices (ggml names inside
-        differ), and a split over several devices is explicit, because llama.cpp's
-        default split follows free memory, which changes between probe and load."""
-        spec = spec.replace(devices=None)
-        n = len([d for d in device_set if d != HOST])
-        if n > 1 and spec.tensor_split is None:
-            spec = spec.replace(tensor_split=(1.0,) * n)
-        return spec
-
-    def _probe_masked(self, spec: ModelSpec, device_set: frozenset[str]) -> MemoryEstimate:
-        """``spec`` (a worker spec) probed as a worker masked to ``device_set`` sees it."""
-        hit = cached_estimate(spec, self.inventory.mask_env(device_set))
-        if hit is not None:
-            return hit
-        reply = self._in_masked_worker(device_set, lambda rid: Probe(rid, spec))
-        if isinstance(reply, Failed):
-            raise ProbeError(spec.path, reply.message.removeprefix(spec.path + ": "))
-        return MemoryEstimate.from_dict(reply.value)
-
-    def _in_masked_worker(self, device_set: frozenset[str], make) -> Any:
-        """One call in the worker of ``device_set``, or in a short-lived one masked the same way."""
-        with self._cond:
-            worker = self._workers.get(device_set)
-        temporary = worker is None or not worker.alive
-        if temporary:
-            worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set,
-                                  self.inventory.mask_env(device_set), lambda w: None)
-            worker.start()
+    def _fit(self, rec: Record, ds: frozenset[str], spec: ModelSpec, grant: dict[str, int]) -> None:
+        """Fit ``spec`` into ``grant`` and remember the result for that grant."""
+        fitted, error = None, None
         try:
-            return worker.call(make).get(self.options.load_timeout)
-        finally:
-            if temporary:
-                worker.stop()
+            fitted = self._measure.fit(spec, ds, grant)
+        except Exception as e:  # noqa: BLE001 - reported to every waiting request
+            error = e
+        with self._cond:
+            rec.fitting = False
+            if fitted is not None:
+                rec.fits.add(ds, fitted)
+                self.events.append((time.monotonic(), "fit" if fitted.ok else "no-fit", rec.name,
+                                    "+".join(sorted(ds))))
+            else:
+                rec.error_epoch += 1
+                rec.reason = f"cannot fit: {error}"
+            self._cond.notify_all()
+
+    def _running_worker(self, device_set: frozenset[str]) -> WorkerHandle | None:
+        with self._cond:
+            return self._workers.get(device_set)
 
     def _ensure_worker(self, device_set: frozenset[str]) -> WorkerHandle:
         with self._cond:
@@ -432,7 +451,7 @@ class Scheduler:
                     self._cond.notify_all()
                     return
             cfg = rec.config
-            spec = rec.fitted.get(rec.device_set) or self._worker_spec(cfg.spec, rec.device_set)
+            spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set)
             pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, dict(cfg.llama_kwargs)))
             reply = pending.get(self.options.load_timeout)
         except Exception as e:  # noqa: BLE001
@@ -547,6 +566,7 @@ class Scheduler:
                     "devices": sorted(r.device_set) if r.device_set and holds_memory(r.state) else [],
                     "requirement": {"+".join(sorted(ds)): {d: n for d, n in need.items() if d != placement.COUNT}
                                     for ds, need in (r.requirements or {}).items()},
+                    "fit": r.fit.to_dict() if r.fit and holds_memory(r.state) else None,
                     "live": dict(r.live), "reason": r.reason, "loads": r.loads,
                     "persistent": r.config.persistent, "ttl": r.config.ttl,
                 }
@@ -561,3 +581,4 @@ class Scheduler:
                        for w in self._workers.values()]
             return {"models": models, "devices": devices, "workers": workers, "counters": dict(self.counters),
                     "queue": len(self._queue)}
+

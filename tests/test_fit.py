@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import RPC_SERVER, run_py
 
-from pyllmrouter import ModelConfig, ModelSpec, Router
+from pyllmrouter import ModelConfig, ModelSpec, NeverFits, Router
 from pyllmrouter.devices import RpcInventory
 
 SHARE_PROBE_CACHE = True
@@ -68,25 +68,59 @@ def test_fit_into_grants_of_several_sizes_loads_and_matches_the_probe(rpc_server
     assert "host memory" in impossible or "cannot fit" in impossible or "no fit" in impossible
 
 
-def test_router_fits_a_model_bigger_than_its_device(rpc_servers, tiny):
-    full = run_py(f"""
+def _rpc0_bytes(endpoint: str, specs: dict[str, ModelSpec]) -> dict[str, int]:
+    """Each spec's probed bytes on RPC0 (probed where the rpc device is attached)."""
+    return run_py(f"""
         import json
         from pyllmrouter._llama import native
         from pyllmrouter import ModelSpec, probe
-        native().add_rpc_servers({rpc_servers[:1]!r})
-        print(json.dumps(probe(ModelSpec({str(tiny["tiny-moe"])!r}, n_ctx=1024)).per_device()))
+        native().add_rpc_servers({[endpoint]!r})
+        specs = {{k: ModelSpec.from_dict(v) for k, v in {({k: v.to_dict() for k, v in specs.items()})!r}.items()}}
+        print(json.dumps({{k: probe(s).per_device()["RPC0"] for k, s in specs.items()}}))
     """)
-    capacity = int(full["RPC0"] * 0.75)
+
+
+def test_router_fits_a_model_bigger_than_its_device(rpc_servers, tiny):
+    m, nofit = ModelSpec(tiny["tiny-moe"], n_ctx=1024), ModelSpec(tiny["tiny-moe"], n_ctx=1024, fit=False)
+    full = _rpc0_bytes(rpc_servers[0], {"m": m})["m"]
+    capacity = int(full * 0.75)
     inv = RpcInventory({rpc_servers[0]: capacity})
-    models = [ModelConfig("m", ModelSpec(tiny["tiny-moe"], n_ctx=1024), devices=("RPC0",)),
-              ModelConfig("nofit", ModelSpec(tiny["tiny-moe"], n_ctx=1024, fit=False), devices=("RPC0",))]
+    models = [ModelConfig("m", m, devices=("RPC0",)), ModelConfig("nofit", nofit, devices=("RPC0",))]
     with Router(models, inventory=inv, margin=0) as r:
         assert r.complete("m", "hello", max_tokens=4)["choices"]
         st = r.status()["models"]["m"]
-        assert 0 < st["requirement"]["RPC0"]["RPC0"] <= capacity < full["RPC0"]
+        assert st["requirement"]["RPC0"]["RPC0"] == full > capacity  # the spec as given
+        assert st["fit"]["grant"]["RPC0"] == capacity  # nothing else held: the whole device
+        assert 0 < st["fit"]["need"]["RPC0"] <= capacity
         assert st["live"]["RPC0"] <= capacity
         r.scheduler.check_invariant()
-        from pyllmrouter import NeverFits
-
         with pytest.raises(NeverFits, match="RPC0"):  # fit = false: the model as given
             r.complete("nofit", "x")
+    # no host memory to move anything to: a clear error, at once
+    with Router([ModelConfig("m", m, devices=("RPC0",))], inventory=RpcInventory({rpc_servers[0]: capacity},
+                                                                                 host=1 << 20), margin=0) as r:
+        with pytest.raises(NeverFits, match="no fit"):
+            r.complete("m", "x", timeout=60)
+
+
+def test_grant_is_what_is_free_after_the_evictions_policy_allows(rpc_servers, tiny):
+    """A persistent model keeps its bytes, an idle one gives them up: the fit gets
+    the device minus the persistent model, and only the idle model is evicted."""
+    small = ModelSpec(tiny["tiny-llama"], n_ctx=256)
+    m = ModelSpec(tiny["tiny-moe"], n_ctx=1024)
+    size = _rpc0_bytes(rpc_servers[0], {"small": small, "m": m})
+    capacity = size["small"] + int(size["m"] * 0.75)
+    assert 2 * size["small"] <= capacity
+    models = [ModelConfig("keep", small, devices=("RPC0",), persistent=True),
+              ModelConfig("idle", small, devices=("RPC0",)),
+              ModelConfig("m", m, devices=("RPC0",))]
+    with Router(models, inventory=RpcInventory({rpc_servers[0]: capacity}), margin=0) as r:
+        r.load("keep")
+        r.load("idle")
+        assert r.complete("m", "hello", max_tokens=4)["choices"]
+        st = r.status()["models"]
+        assert st["keep"]["state"] == "loaded" and st["idle"]["state"] == "unloaded"
+        assert st["m"]["fit"]["grant"]["RPC0"] == capacity - size["small"]
+        assert st["m"]["fit"]["need"]["RPC0"] <= capacity - size["small"] < size["m"]
+        assert ("evict", "idle") in {(what, name) for _t, what, name, _d in r.scheduler.events}
+        r.scheduler.check_invariant()

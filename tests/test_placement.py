@@ -3,7 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyllmrouter import placement
+from pyllmrouter import ModelSpec, placement
+from pyllmrouter.fits import Fits, Fitted
 from pyllmrouter.placement import COUNT, Resident
 
 
@@ -38,6 +39,29 @@ def test_victims_are_least_recently_used_and_only_on_short_devices():
     assert placement.pick_victims({"GPU0": 5}, avail, res) == ("old",)
     assert placement.pick_victims({"GPU0": 8}, avail, res) == ("old", "new")
     assert placement.pick_victims({"GPU0": 11}, avail, res) is None
+
+
+def test_grant_counts_what_evictable_residents_hold_on_its_devices_only():
+    avail = {"GPU0": 5, "GPU1": 24, "CPU": 100}
+    keep = Resident("keep", {"GPU0": 7, "CPU": 1}, last_used=1.0, evictable=False)
+    idle = Resident("idle", {"GPU0": 4, "GPU1": 3, "CPU": 2}, last_used=2.0, evictable=True)
+    assert placement.grant(["GPU0", "CPU"], avail, [keep, idle]) == {"GPU0": 9, "CPU": 102}
+
+
+def test_a_fit_serves_smaller_grants_it_fits_and_a_failure_rules_out_smaller_ones():
+    ds = frozenset({"GPU0"})
+    fits = Fits()
+    big = Fitted({"GPU0": 10, "CPU": 50}, ModelSpec("m.gguf"), {"GPU0": 8, "CPU": 30})
+    fits.add(ds, big)
+    assert fits.lookup(ds, {"GPU0": 10, "CPU": 50}) is big
+    assert fits.lookup(ds, {"GPU0": 9, "CPU": 40}) is big  # takes no more than the smaller grant
+    assert fits.lookup(ds, {"GPU0": 7, "CPU": 50}) is None  # would not fit: fit again
+    assert fits.lookup(ds, {"GPU0": 12, "CPU": 50}) is None  # more room: could place more
+    assert fits.lookup(frozenset({"GPU1"}), {"GPU0": 10, "CPU": 50}) is None
+    none = Fitted({"GPU0": 4, "CPU": 5}, error="needs host memory")
+    fits.add(ds, none)
+    assert fits.lookup(ds, {"GPU0": 3, "CPU": 5}) is none
+    assert fits.lookup(ds, {"GPU0": 3, "CPU": 6}) is None
 
 
 def test_never_fits_names_the_device():

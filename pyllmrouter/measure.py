@@ -1,0 +1,87 @@
+"""Measuring for the scheduler, in processes masked as the model's worker will be.
+
+    requirement(spec, ds) ──▶ probe cache hit? ── no ──▶ Probe in the worker of ds
+                                                         (or a short-lived one, masked
+                                                         the same way) ──▶ bytes per device
+    fit(spec, ds, grant)  ──▶ Fit in that worker ──▶ Fitted (a spec and its bytes, or
+                                                     "no fit" with llama.cpp's reason)
+
+No state and no lock of its own: the scheduler calls it from background threads
+and records the answers under its lock.  Device names are the inventory's on the
+way in and out; inside, the worker's own (masked) names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .devices import HOST, Inventory
+from .fits import Fitted
+from .probe import MemoryEstimate, ProbeError, cached_estimate
+from .protocol import Failed, Fit, Probe
+from .spec import ModelSpec
+from .workers import WorkerHandle
+
+__all__ = ["Measurer", "worker_spec"]
+
+
+def worker_spec(spec: ModelSpec, device_set: frozenset[str]) -> ModelSpec:
+    """The spec a worker gets: the mask decides its devices (ggml names inside
+    differ), and a split over several devices is explicit, because llama.cpp's
+    default split follows free memory, which changes between probe and load."""
+    spec = spec.replace(devices=None)
+    n = len([d for d in device_set if d != HOST])
+    if n > 1 and spec.tensor_split is None:
+        spec = spec.replace(tensor_split=(1.0,) * n)
+    return spec
+
+
+class Measurer:
+    def __init__(self, inventory: Inventory, timeout: float,
+                 running_worker: Callable[[frozenset[str]], WorkerHandle | None]):
+        self.inventory = inventory
+        self.timeout = timeout
+        self._running_worker = running_worker
+
+    def requirement(self, spec: ModelSpec, device_set: frozenset[str]) -> dict[str, int]:
+        """Bytes per inventory device of ``spec`` (a worker spec) loaded masked to ``device_set``."""
+        return self.inventory.to_inventory(device_set, self._probe(spec, device_set).per_device())
+
+    def fit(self, spec: ModelSpec, device_set: frozenset[str], grant: dict[str, int]) -> Fitted:
+        """``spec`` fitted into ``grant`` (layers per device, MoE experts to the host);
+        a grant nothing fits into gives a Fitted without spec; other failures raise."""
+        local = self.inventory.to_local(device_set)
+        grants = {local[d]: n for d, n in grant.items() if d in local}
+        grants[HOST] = grant[HOST]
+        reply = self._call(device_set, lambda rid: Fit(rid, spec, grants))
+        if isinstance(reply, Failed):
+            if reply.kind == "FitError":
+                return Fitted(grant, error=reply.message)
+            raise RuntimeError(f"{reply.kind}: {reply.message}")
+        v = reply.value
+        to_inv = self.inventory.to_inventory
+        return Fitted(grant, ModelSpec.from_dict(v["spec"]), to_inv(device_set, v["per_device"]),
+                      to_inv(device_set, v["layers"]), v["experts_on_host"])
+
+    def _probe(self, spec: ModelSpec, device_set: frozenset[str]) -> MemoryEstimate:
+        hit = cached_estimate(spec, self.inventory.mask_env(device_set))
+        if hit is not None:
+            return hit
+        reply = self._call(device_set, lambda rid: Probe(rid, spec))
+        if isinstance(reply, Failed):
+            raise ProbeError(spec.path, reply.message.removeprefix(spec.path + ": "))
+        return MemoryEstimate.from_dict(reply.value)
+
+    def _call(self, device_set: frozenset[str], make) -> Any:
+        """One call in the worker of ``device_set``, or in a short-lived one masked the same way."""
+        worker = self._running_worker(device_set)
+        temporary = worker is None or not worker.alive
+        if temporary:
+            worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set,
+                                  self.inventory.mask_env(device_set), lambda w: None)
+            worker.start()
+        try:
+            return worker.call(make).get(self.timeout)
+        finally:
+            if temporary:
+                worker.stop()
