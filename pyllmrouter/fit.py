@@ -102,6 +102,17 @@ def _fill(c: _Costs, devices: Sequence[str], room: Mapping[str, int], k: int) ->
     return counts
 
 
+def _placed(c: _Costs, counts: Mapping[str, int], devices: Sequence[str], k: int) -> dict[str, int]:
+    """Estimated bytes per device of a plan: its compute buffer and its units (``_fill``'s order)."""
+    units = c.units(k)
+    out, u = {}, len(units) - 1
+    for d in reversed(devices):
+        n = counts.get(d, 0)
+        out[d] = c.compute[d] + sum(units[max(0, u - n + 1):u + 1])
+        u -= n
+    return out
+
+
 def _spec_for(spec: ModelSpec, counts: Mapping[str, int], devices: Sequence[str], k: int, moe: bool) -> ModelSpec:
     total = sum(counts.values())
     split = tuple(float(counts[d]) for d in devices)
@@ -163,6 +174,9 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
                 lo = mid + 1
         k = lo
         counts = _fill(c, devices, room, k)
+    quick = _with_extras(v, spec, counts, devices, k, moe, c, tensors, n_layer, buffer_types) if moe else None
+    if quick is not None:  # room the estimate left unused takes more expert tensors, if one fits
+        return replace(_top_up(v, quick, devices, tensors, n_layer, buffer_types), probes=v.count)
     while True:
         candidate = _spec_for(spec, counts, devices, k, moe)
         totals, over = v.check(candidate)
@@ -185,6 +199,40 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
     plan = FitPlan(candidate, totals, {d: n for d, n in counts.items() if n}, k if moe else 0, v.count, grants)
     plan = _top_up(v, plan, devices, tensors, n_layer, buffer_types)
     return replace(plan, probes=v.count)
+
+
+def _with_extras(v: _Verifier, spec: ModelSpec, counts: dict[str, int], devices: Sequence[str], k: int, moe: bool,
+                 c: _Costs, tensors, n_layer: int, buffer_types: Mapping[str, str] | None) -> FitPlan | None:
+    """The estimated plan with the room it leaves filled by single host tensors, verified
+    at once (one probe where the estimate holds; a device over its grant gives back
+    tensors for its excess and is probed again).  None: verify layer by layer instead."""
+    if not buffer_types:
+        return None
+    base = _spec_for(spec, counts, devices, k, moe)
+    est = _placed(c, counts, devices, k)
+    plan = FitPlan(base, est, {d: n for d, n in counts.items() if n}, k if moe else 0, 0, v.grants)
+    extra = _pick_extras(plan, devices, tensors, n_layer, buffer_types, v.grants)
+    if not extra:
+        return None
+    for _attempt in range(2):
+        candidate = base.replace(tensor_overrides=tuple((p, b) for p, b, _d, _n in extra) + tuple(base.tensor_overrides))
+        totals, over = v.check(candidate)
+        if not over:
+            return replace(plan, spec=candidate, per_device=totals, probes=v.count)
+        if HOST in over or any(not any(e[2] == d for e in extra) for d in over):
+            return None  # whole layers were estimated too large: the layer-by-layer path
+        _give_back(extra, over)
+        if not extra:
+            return None
+    return None
+
+
+def _give_back(extra: list[tuple[str, str, str, int]], over: Mapping[str, int]) -> None:
+    """Drop the last-added tensors of each over device until its excess is covered."""
+    for d, excess in over.items():
+        while excess > 0 and any(e[2] == d for e in extra):
+            i = max(i for i, e in enumerate(extra) if e[2] == d)
+            excess -= extra.pop(i)[3]
 
 
 def _grow(v: _Verifier, c: _Costs, counts: dict[str, int], devices: Sequence[str], spec: ModelSpec, k: int,
@@ -216,20 +264,38 @@ def _grow(v: _Verifier, c: _Costs, counts: dict[str, int], devices: Sequence[str
 
 
 def _host_tensors(plan: FitPlan, tensors: Sequence[tuple[str, int]], n_layer: int) -> list[tuple[int, str, int]]:
-    """(layer, name, bytes) of the layer tensors that the plan leaves in host memory,
-    nearest the offloaded layers first."""
+    """(layer, name, bytes) of the expert tensors that the plan leaves in host memory,
+    nearest the offloaded layers first.  (Other tensors of a host layer are not worth
+    moving alone: the layer's graph then crosses devices, and the compute buffers grow
+    by more than the tensor.)"""
     s = plan.spec
     first_offloaded = max(0, n_layer + 1 - max(0, s.n_gpu_layers if s.n_gpu_layers >= 0 else n_layer + 1))
+    moved = {pattern for pattern, _buft in s.tensor_overrides}  # already placed one by one
     out = []
     for name, size in tensors:
         m = _LAYER.match(name)
         if not m:
             continue
         i = int(m.group(1))
-        on_host = i < first_offloaded or (_EXPERTS.search(name) and i < s.n_cpu_moe)
-        if on_host and size > 0:
+        on_host = i < first_offloaded or i < s.n_cpu_moe
+        if on_host and size > 0 and _EXPERTS.search(name) and "^" + re.escape(name) + "$" not in moved:
             out.append((i, name, size))
     return sorted(out, key=lambda t: (-t[0], -t[2]))
+
+
+def _pick_extras(plan: FitPlan, devices: Sequence[str], tensors, n_layer: int, buffer_types: Mapping[str, str],
+                 grants: Mapping[str, int]) -> list[tuple[str, str, str, int]]:
+    """(pattern, buffer type, device, bytes) of host tensors that fit the room the plan
+    leaves, nearest the offloaded layers first, into the device with the most room."""
+    room = {d: grants[d] - plan.per_device.get(d, 0) for d in devices if d in grants}
+    extra = []
+    for _layer, name, size in _host_tensors(plan, tensors, n_layer):
+        d = max(room, key=room.get) if room else None
+        if d is None or room[d] < size:
+            continue
+        room[d] -= size
+        extra.append(("^" + re.escape(name) + "$", buffer_types[d], d, size))
+    return extra
 
 
 def _top_up(v: _Verifier, plan: FitPlan, devices: Sequence[str], tensors, n_layer: int,
@@ -237,14 +303,7 @@ def _top_up(v: _Verifier, plan: FitPlan, devices: Sequence[str], tensors, n_laye
     """Room left on a device after whole layers takes single tensors from the host."""
     if not buffer_types:
         return plan
-    room = {d: v.grants[d] - plan.per_device.get(d, 0) for d in devices if d in v.grants}
-    extra: list[tuple[str, str, str, int]] = []  # (pattern, buffer type, device, bytes)
-    for _layer, name, size in _host_tensors(plan, tensors, n_layer):
-        d = max(room, key=room.get) if room else None
-        if d is None or room[d] < size:
-            continue
-        room[d] -= size
-        extra.append(("^" + re.escape(name) + "$", buffer_types[d], d, size))
+    extra = _pick_extras(plan, devices, tensors, n_layer, buffer_types, v.grants)
     while extra and not v.exhausted:
         overrides = tuple((p, b) for p, b, _d, _n in extra) + tuple(plan.spec.tensor_overrides)
         candidate = plan.spec.replace(tensor_overrides=overrides)
@@ -253,10 +312,7 @@ def _top_up(v: _Verifier, plan: FitPlan, devices: Sequence[str], tensors, n_laye
             return replace(plan, spec=candidate, per_device=totals)
         if HOST in over:
             break
-        for d, excess in over.items():  # compute buffers grew: give back at least the excess
-            while excess > 0 and any(e[2] == d for e in extra):
-                i = max(i for i, e in enumerate(extra) if e[2] == d)
-                excess -= extra.pop(i)[3]
+        _give_back(extra, over)
     return plan
 
 
