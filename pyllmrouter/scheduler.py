@@ -299,10 +299,11 @@ class Scheduler:
             bytes_ = {d: n for d, n in full.items() if d != placement.COUNT}
             capacity = {d: self._capacity(d) for d in bytes_}
             worst = placement.never_fits(full, {**capacity, placement.COUNT: self.options.max_models})
-            if worst is not None and worst.device == placement.COUNT or not (spec.fit and local):
-                if worst is not None:
-                    never = never or (worst.device, worst.need, worst.capacity, str(worst))
-                    continue
+            fitting = spec.fit and bool(local)  # a fit can only move bytes off real devices
+            if worst is not None and (worst.device == placement.COUNT or not fitting):
+                never = never or (worst.device, worst.need, worst.capacity, str(worst))
+                continue
+            if not fitting:
                 candidates.append((ds, full))
                 specs[ds] = (spec, None)
                 continue
