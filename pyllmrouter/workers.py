@@ -185,14 +185,14 @@ class WorkerHandle:
             was_alive, self.alive = self.alive, False
             orphans, self._pending = list(self._pending.values()), {}
         code = self._exitcode()
+        if was_alive:  # the router learns first, so whoever sees the failure sees the new state
+            self.on_death(self)
         waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
         for p in orphans:
             w = p.put(Failed(p.req_id, "WorkerDied", f"worker {self.name} (pid {self.pid}) exited with code {code}"))
             if w is not None:
                 waiters.setdefault(w[0], []).append(w[1])
         _wake_all(waiters)
-        if was_alive:
-            self.on_death(self)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit; kill it if it does not. Leaves no process."""

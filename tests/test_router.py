@@ -197,7 +197,8 @@ def test_worker_killed_mid_request_fails_it_and_spares_other_workers(specs):
     pins = {"a": ("GPU0",), "e": ("GPU1",)}
     with make(specs, ["a", "e"], {"GPU0": 1 << 30, "GPU1": 1 << 30}, pins=pins) as r:
         r.embed("e", "hello")
-        it = r.complete("a", "hello", max_tokens=200, stream=True)
+        # long enough to be running when the worker is killed: end of text biased away
+        it = r.complete("a", "hello", max_tokens=500, logit_bias={2: -100, 4: -100}, stream=True)
         next(it)
         pid = next(w["pid"] for w in r.status()["workers"] if w["devices"] == ["GPU0"])
         os.kill(pid, signal.SIGKILL)
