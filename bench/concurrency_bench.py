@@ -9,8 +9,9 @@ context, batch sizes and threads, and are measured alternately at each
 concurrency level, in several rounds (the order flips each time).  Every request
 streams a fixed number of tokens (end of sequence biased away) at temperature 0.
 Reports aggregate generated tokens/s (all rounds' tokens over all rounds'
-seconds, and the range of the per-round ratios) and p50/p99 time to first token
-over all rounds' requests; writes JSON (default bench/results/concurrency_bench.json).
+seconds, and the range of the per-round ratios), p50/p99 time to first token
+over all rounds' requests, and CPU seconds per 1000 tokens (each server's
+process tree: ours includes its workers); writes JSON (default bench/results/concurrency_bench.json).
 """
 
 from __future__ import annotations
@@ -70,17 +71,36 @@ def one_request(client: httpx.Client, model: str, tokens: int, retries: list[int
     raise AssertionError("unreachable")
 
 
-def run_level(base: str, model: str, clients: int, per_client: int, tokens: int) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and all its descendants (from /proc)."""
+    ticks, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack += [int(c) for c in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def run_level(base: str, model: str, clients: int, per_client: int, tokens: int, pid: int) -> dict:
     retries: list[int] = []
 
     def make_call(_i: int):
         client = httpx.Client(base_url=base, timeout=600)  # one connection per client, as a real one keeps
         return lambda: one_request(client, model, tokens, retries)
 
+    cpu0 = cpu_seconds(pid)
     run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError, RuntimeError))
+    cpu = cpu_seconds(pid) - cpu0
     ttfts, counts = [v[0] for v in run.values], [v[1] for v in run.values]
     return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "retries": len(retries),
-            "tokens": sum(counts),
+            "tokens": sum(counts), "cpu_s": cpu,
             "seconds": run.wall, "tok_s": sum(counts) / run.wall, "ttft_s": ttfts}
 
 
@@ -89,6 +109,7 @@ def summary(rounds: list[dict]) -> dict:
     ttfts = [t for r in rounds for t in r["ttft_s"]]
     return {"clients": rounds[0]["clients"], "tok_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
             "round_tok_s": [r["tok_s"] for r in rounds], "retries": sum(r["retries"] for r in rounds),
+            "cpu_s_per_1k_tokens": 1e3 * sum(r["cpu_s"] for r in rounds) / max(1, sum(r["tokens"] for r in rounds)),
             "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3,
             "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3}
 
@@ -129,6 +150,7 @@ def main() -> None:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             bases = {"pyllmrouter": ours_base, "llama-server": f"http://127.0.0.1:{theirs_port}"}
+            pids = {"pyllmrouter": ours.pid, "llama-server": theirs.pid}  # CPU: ours counts its workers
             wait_healthy(bases["llama-server"], theirs)
             for name, base in bases.items():  # warm both
                 with httpx.Client(base_url=base, timeout=600) as c:
@@ -138,7 +160,7 @@ def main() -> None:
                     order = ["pyllmrouter", "llama-server"] if (clients + rnd) % 2 else ["llama-server", "pyllmrouter"]
                     for name in order:
                         runs[name][clients].append(run_level(bases[name], "m", clients, args.requests_per_client,
-                                                             args.tokens))
+                                                             args.tokens, pids[name]))
         finally:
             for p in (ours, theirs):
                 p.terminate()
@@ -156,9 +178,11 @@ def main() -> None:
                      f"{ours_r['tok_s'] / theirs_r['tok_s']:.2f}", f"{min(per_round):.2f}-{max(per_round):.2f}",
                      f"{ours_r['ttft_p50_ms']:.0f}", f"{theirs_r['ttft_p50_ms']:.0f}",
                      f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}",
-                     f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
+                     f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}",
+                     f"{ours_r['cpu_s_per_1k_tokens']:.2f}", f"{theirs_r['cpu_s_per_1k_tokens']:.2f}"])
     print(render(["clients", "ours tok/s", "llama-server tok/s", "ratio", "per round", "ours TTFT p50 ms",
-                  "llama-server TTFT p50 ms", "TTFT ratio", "ours TTFT p99 ms", "llama-server TTFT p99 ms"], rows))
+                  "llama-server TTFT p50 ms", "TTFT ratio", "ours TTFT p99 ms", "llama-server TTFT p99 ms", "ours CPU s/1k tok",
+                  "llama-server CPU s/1k tok"], rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "concurrency", "parallel": args.parallel, "tokens": args.tokens,
                                     "kv_unified": args.kv_unified,
