@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from . import tables
 from .spec import ModelSpec
 
 __all__ = ["Fitted", "Fits", "mib"]
@@ -42,7 +43,7 @@ class Fitted:
 
 
 def mib(per_device: Mapping[str, int]) -> str:
-    return ", ".join(f"{d} {n / 2**20:.1f} MiB" for d, n in sorted(per_device.items()))
+    return ", ".join(f"{d} {tables.mib(n)} MiB" for d, n in sorted(per_device.items()))
 
 
 def _within(small: Mapping[str, int], big: Mapping[str, int]) -> bool:
@@ -68,6 +69,3 @@ class Fits:
         kept = self._by_set.setdefault(device_set, [])
         kept.append(fitted)
         del kept[:-KEEP]
-
-    def latest(self) -> dict[frozenset[str], Fitted]:
-        return {ds: fs[-1] for ds, fs in self._by_set.items() if fs}

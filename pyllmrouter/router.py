@@ -165,7 +165,7 @@ class Stream:
         self._done = False
         self._lock = threading.Lock()
         self._read = threading.Lock()  # one reader at a time (a drain may race a reader)
-        self._failure: RouterError | None = None  # a failure found by next_batch, raised next
+        self._failure: RouterError | None = None  # a failure found by anext_batch, raised next
         self.usage: dict[str, Any] | None = None  # token counts, once the stream has ended (batched path)
 
     def __iter__(self) -> "Stream":
@@ -186,14 +186,9 @@ class Stream:
             raise _error(self._rec, msg)
         raise StopIteration
 
-    def next_batch(self) -> list[dict[str, Any]]:
-        """The next chunk and every further one already here ([] at the end)."""
-        while (out := self._ready()) is None:
-            self._pending.wait()
-        return out
-
     async def anext_batch(self) -> list[dict[str, Any]]:
-        """``next_batch`` for a coroutine: waits in the event loop, not in a thread."""
+        """The next chunk and every further one already here ([] at the end), awaited in
+        the event loop (woken by the worker's reader thread), not in a thread."""
         while (out := self._ready()) is None:
             await self._pending.wait_async()
         return out

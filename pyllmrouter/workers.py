@@ -28,7 +28,7 @@ __all__ = ["WorkerHandle", "Pending"]
 class Pending:
     """Replies to one call, in order; the last one is final (Result, Failed, ...).
 
-    A thread blocks in ``get``/``wait``; a coroutine awaits ``wait_async``, which
+    A thread blocks in ``get``; a coroutine awaits ``wait_async``, which
     the reader thread wakes with one ``call_soon_threadsafe`` per event loop and
     pipe message (no thread hop per chunk).
     """
@@ -59,11 +59,6 @@ class Pending:
             return self._replies.popleft()
         except IndexError:
             return None
-
-    def wait(self) -> None:
-        """Block until a reply is here (without taking it)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._replies)
 
     async def wait_async(self) -> None:
         """Wait in the running event loop until a reply is here (without taking it)."""
