@@ -112,40 +112,78 @@ class Router:
               autoload: bool | None = None, **params: Any) -> dict[str, Any]:
         return self._request(model, "embed", dict(params, input=input), False, timeout, autoload)
 
-    async def achat(self, model: str, messages: list[dict[str, Any]], **kw: Any):
-        return await self._async(self.chat, model, messages, **kw)
-
-    async def acomplete(self, model: str, prompt: str, **kw: Any):
-        return await self._async(self.complete, model, prompt, **kw)
-
-    async def aembed(self, model: str, input: str | list[str], **kw: Any) -> dict[str, Any]:
-        return await asyncio.to_thread(self.embed, model, input, **kw)
-
-    async def _async(self, fn, *args: Any, stream: bool = False, **kw: Any):
-        result = await asyncio.to_thread(fn, *args, stream=stream, **kw)
+    async def achat(self, model: str, messages: list[dict[str, Any]], *, stream: bool = False,
+                    timeout: float | None = None, autoload: bool | None = None, **params: Any):
+        """``chat`` awaited in the running event loop (async iterator of chunks with ``stream=True``)."""
+        result = await self.arequest(model, "chat", dict(params, messages=messages), stream, timeout, autoload)
         return _aiter(result) if stream else result
+
+    async def acomplete(self, model: str, prompt: str, *, stream: bool = False, timeout: float | None = None,
+                        autoload: bool | None = None, **params: Any):
+        result = await self.arequest(model, "complete", dict(params, prompt=prompt), stream, timeout, autoload)
+        return _aiter(result) if stream else result
+
+    async def aembed(self, model: str, input: str | list[str], *, timeout: float | None = None,
+                     autoload: bool | None = None, **params: Any) -> dict[str, Any]:
+        return await self.arequest(model, "embed", dict(params, input=input), False, timeout, autoload)
+
+    async def arequest(self, model: str, method: str, kwargs: dict[str, Any], stream: bool = False,
+                       timeout: float | None = None, autoload: bool | None = None) -> "Stream | dict[str, Any]":
+        """One request (``method``: chat, complete or embed; ``kwargs`` as llama_cpp takes
+        them) from a coroutine: the reply dict, or a Stream to ``anext_batch``.
+
+        A model that can take the request now is leased in the event loop (no thread
+        hop before the worker has it); otherwise the lease is waited for in a thread.
+        """
+        self._check(model, method)
+        rec = self._sched.try_lease(model)
+        if rec is None:
+            rec = await asyncio.to_thread(self._sched.lease, model, timeout, autoload)
+        pending = self._run(rec, method, kwargs, stream)
+        if stream:
+            return self._stream(rec, pending)
+        try:
+            while (reply := pending.get_nowait()) is None:
+                await pending.wait_async()
+        except BaseException:  # the caller left: stop the request; the lease ends with its reply
+            pending.cancel()
+            threading.Thread(target=self._release_after, args=(rec, pending), daemon=True).start()
+            raise
+        self._sched.release(rec)
+        return _value(rec, reply)
 
     def _request(self, model: str, method: str, kwargs: dict[str, Any], stream: bool,
                  timeout: float | None, autoload: bool | None):
-        spec = self._sched.resolve(model).config.spec
-        if spec.embedding != (method == "embed"):
-            what = "an embedding model: use embeddings" if spec.embedding else "not an embedding model"
-            raise RequestFailed(model, "ValueError", f"model {model!r} is {what}")
+        self._check(model, method)
         rec = self._sched.lease(model, timeout, autoload)
-        try:
-            pending = rec.worker.call(lambda rid: Run(rid, rec.name, method, kwargs, stream))
-        except BaseException:
-            self._sched.release(rec)
-            raise
+        pending = self._run(rec, method, kwargs, stream)
         if stream:
             return self._stream(rec, pending)
         try:
             reply = pending.get()
         finally:
             self._sched.release(rec)
-        if isinstance(reply, Failed):
-            raise _error(rec, reply)
-        return reply.value
+        return _value(rec, reply)
+
+    def _check(self, model: str, method: str) -> None:
+        spec = self._sched.resolve(model).config.spec
+        if spec.embedding != (method == "embed"):
+            what = "an embedding model: use embeddings" if spec.embedding else "not an embedding model"
+            raise RequestFailed(model, "ValueError", f"model {model!r} is {what}")
+
+    def _run(self, rec: Record, method: str, kwargs: dict[str, Any], stream: bool):
+        """Send the request to the leased model's worker (the lease is released if that fails)."""
+        try:
+            return rec.worker.call(lambda rid: Run(rid, rec.name, method, kwargs, stream))
+        except BaseException:
+            self._sched.release(rec)
+            raise
+
+    def _release_after(self, rec: Record, pending) -> None:
+        try:
+            pending.get()
+        finally:
+            self._sched.release(rec)
 
     def _stream(self, rec: Record, pending) -> "Stream":
         return Stream(rec, pending, self._sched.release)
@@ -249,6 +287,12 @@ class Stream:
 
     def __del__(self) -> None:
         self.abandon()
+
+
+def _value(rec: Record, reply: Any) -> Any:
+    if isinstance(reply, Failed):
+        raise _error(rec, reply)
+    return reply.value
 
 
 def _error(rec: Record, reply: Failed) -> RouterError:

@@ -210,11 +210,7 @@ class Scheduler:
                     if rec.error_epoch > ticket.epoch:
                         raise LoadFailed(rec.name, rec.reason or "unknown reason")
                     if rec.state is State.LOADED and self._may_lease(rec, ticket):
-                        rec.leases += 1
-                        rec.last_used = time.monotonic()
-                        if self.on_wait is not None:
-                            self.on_wait(rec.name, rec.last_used - ticket.created)
-                        return rec
+                        return self._take(rec, ticket)
                     why = "waiting"
                     if rec.state is State.UNLOADED:
                         why = self._admit(rec, ticket)
@@ -228,6 +224,23 @@ class Scheduler:
                     if r.drain is not None and r.drain[1] == ticket.seq:
                         r.drain = None  # its waiter is gone; a later waiter sets its own
                 self._cond.notify_all()
+
+    def try_lease(self, name: str) -> Record | None:
+        """A lease on ``name`` if it can be taken at once (LOADED, not draining for an
+        earlier waiter), else None; never waits, never starts a load."""
+        rec = self.resolve(name)
+        with self._cond:
+            if self._closed or rec.state is not State.LOADED:
+                return None
+            ticket = _Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
+            return self._take(rec, ticket) if self._may_lease(rec, ticket) else None
+
+    def _take(self, rec: Record, ticket: _Ticket) -> Record:
+        rec.leases += 1
+        rec.last_used = time.monotonic()
+        if self.on_wait is not None:
+            self.on_wait(rec.name, rec.last_used - ticket.created)
+        return rec
 
     def release(self, rec: Record) -> None:
         with self._cond:

@@ -322,3 +322,49 @@ def test_close_leaves_no_process_and_router_never_loads_a_backend(tiny):
     backend, rest = out.stdout.splitlines()
     assert backend == "False False False"
     assert rest == "1 [] []"
+
+
+def test_try_lease_takes_a_loaded_model_at_once_and_never_starts_a_load(specs):
+    with make(specs, ["a"], {"GPU0": 1 << 30}) as r:
+        assert r.scheduler.try_lease("a") is None
+        time.sleep(0.2)
+        assert r.status()["models"]["a"]["state"] == "unloaded" and not loads(r)
+        r.load("a")
+        rec = r.scheduler.try_lease("a")
+        assert rec is not None and r.status()["models"]["a"]["leases"] == 1
+        r.scheduler.release(rec)
+        assert r.status()["models"]["a"]["leases"] == 0
+
+
+def test_async_request_left_by_its_caller_stops_and_keeps_its_lease_until_the_worker_ends_it(specs):
+    import asyncio
+
+    long = dict(max_tokens=500, logit_bias={2: -100, 4: -100}, temperature=0.0)
+
+    async def full(r):
+        t0 = time.perf_counter()
+        out = await r.acomplete("a", "hello", **long)
+        return time.perf_counter() - t0, out["usage"]["completion_tokens"]
+
+    async def left(r, whole):
+        task = asyncio.create_task(r.acomplete("a", "hello", **long))
+        while not r.status()["models"]["a"]["leases"]:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(whole / 4)  # a quarter of the way
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        t0 = time.perf_counter()
+        held = r.status()["models"]["a"]["leases"]
+        while r.status()["models"]["a"]["leases"]:
+            await asyncio.sleep(0.001)
+        return held, time.perf_counter() - t0
+
+    with make(specs, ["a"], {"GPU0": 1 << 30}) as r:
+        r.load("a")
+        whole, n = asyncio.run(full(r))
+        assert n == 500
+        held, freed_after = asyncio.run(left(r, whole))
+        assert held == 1  # the model stays busy (not evictable) until the worker has stopped
+        assert freed_after < whole / 2, (freed_after, whole)
+        assert r.complete("a", "x", max_tokens=2)["choices"]

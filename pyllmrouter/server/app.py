@@ -73,8 +73,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
     @asynccontextmanager
     async def lifespan(_app):
-        # every open stream waits for its next chunks in a thread: the default pool
-        # (cpu count + 4) would make the fifth concurrent stream wait for a thread
+        # a request for a model that cannot take it at once waits for its lease in a
+        # thread: the default pool (cpu count + 4) would make the fifth such wait queue
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="router-call"))
         yield
@@ -135,17 +135,13 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         if not isinstance(options, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options")
         include_usage = stream and bool(options.get("include_usage"))
-        fn = {"chat": router.chat, "complete": router.complete, "embed": router.embed}[method]
-        first = params.pop({"chat": "messages", "complete": "prompt", "embed": "input"}[method])
-        kw = dict(params, autoload=autoload_param(request))
-        if stream:
-            kw["stream"] = True
         status = "200"
         try:
-            result = await call(fn, model, first, **kw)
-        except ApiError as e:
-            status = str(e.status)
-            raise
+            result = await router.arequest(model, method, params, stream, autoload=autoload_param(request))
+        except RouterError as e:
+            err = from_router_error(e)
+            status = str(err.status)
+            raise err from None
         finally:
             if not stream or status != "200":
                 metrics.latency.labels(model, endpoint, status).observe(time.perf_counter() - t0)
