@@ -206,6 +206,11 @@ class Stream:
         self._failure: RouterError | None = None  # a failure found by anext_batch, raised next
         self.usage: dict[str, Any] | None = None  # token counts, once the stream has ended (batched path)
 
+    @property
+    def done(self) -> bool:
+        """Whether the final reply has arrived (nothing more will come)."""
+        return self._done
+
     def __iter__(self) -> "Stream":
         return self
 

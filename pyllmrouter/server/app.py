@@ -1,8 +1,10 @@
 """The HTTP server: OpenAI endpoints, llama-server's router API, and our own.
 
-    client ──HTTP──▶ middleware (API key, body limit) ──▶ route ──▶ Router (threads)
-                                                           └─ SSE: chunks awaited in the event loop
-                                                              (woken by the worker reader thread);
+    client ──HTTP──▶ middleware (API key, body limit) ──▶ route ──▶ Router.arequest (leased in
+                                                           │          the loop when the model can
+                                                           │          take it, else in a thread)
+                                                           └─ SSE (sse.py): chunks awaited in the
+                                                              event loop, one write per decode step;
                                                               a client that leaves cancels
 
 | endpoint                          | what                                              |
@@ -30,12 +32,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ..errors import RouterError
-from ..router import Router, Stream
+from ..router import Router
 from .errors import ApiError, error_response, from_router_error
 from .metrics import Metrics
+from .sse import EventStream
 
 __all__ = ["create_app"]
 
@@ -148,9 +151,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         if not stream:
             result["model"] = model
             return JSONResponse(result)
-        return StreamingResponse(_sse(result, model, include_usage, lambda: metrics.latency.labels(
-            model, endpoint, "200").observe(time.perf_counter() - t0)), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return EventStream(result, model, include_usage, lambda: metrics.latency.labels(
+            model, endpoint, "200").observe(time.perf_counter() - t0))
 
     @app.get("/health")
     async def health():
@@ -258,34 +260,3 @@ class _Guard:
                            code="body_too_large")
             return await error_response(err)(scope, receive, send)
         return await self.app(scope, receive, send)
-
-
-async def _sse(stream: Stream, model: str, include_usage: bool, on_end):
-    """Server-sent events from a router stream; a client that leaves cancels generation.
-
-    With ``stream_options.include_usage`` a last chunk with no choices carries the
-    token counts (OpenAI's form); the finish chunk carries them too (llama-server's).
-    """
-    last = None
-    try:
-        while True:
-            try:
-                chunks = await stream.anext_batch()
-            except RouterError as e:
-                err = from_router_error(e)
-                yield f"data: {json.dumps({'error': {'message': err.message, 'type': err.type}})}\n\n"
-                return
-            if not chunks:
-                break
-            for chunk in chunks:
-                chunk["model"] = model
-            last = chunks[-1]
-            yield "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
-        if include_usage and last is not None:
-            usage = {"id": last.get("id"), "object": last.get("object"), "created": last.get("created"),
-                     "model": model, "choices": [], "usage": stream.usage}
-            yield f"data: {json.dumps(usage)}\n\n"
-        yield "data: [DONE]\n\n"
-        on_end()
-    finally:
-        stream.abandon()  # no-op once finished; stops generation if the client left
