@@ -2,7 +2,7 @@
 """Concurrent streaming clients: pyllmrouter serve vs llama-server, side by side.
 
     scripts/build_llama_tools.sh llama-server    # once: llama.cpp of the pinned sdist
-    python bench/concurrency_bench.py [--clients 1,4,8,16] [--tokens 64] [--rounds 3] [--out FILE]
+    python bench/concurrency_bench.py [--clients 1,4,8,16] [--tokens 64] [--rounds 5] [--out FILE]
 
 Both servers load the same generated model file with the same parallel slots,
 context, batch sizes and threads, and are measured alternately at each
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,4,8,16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
