@@ -4,9 +4,9 @@
     stream ended ──last chunks + usage chunk + [DONE] + end of body──▶ one write
     receive() says http.disconnect ──▶ Stream.cancel() (the worker frees the slot)
 
-Starlette's StreamingResponse would write each yielded piece, [DONE] and the
-end of the body separately and keep a task group per response; here a step's
-chunks cost one write, and the end of a stream one more.
+Starlette's StreamingResponse would write [DONE] and the end of the chunked
+body separately from the last chunks and keep a task group per response; here
+the end of a stream goes out with its last chunks.
 """
 
 from __future__ import annotations
