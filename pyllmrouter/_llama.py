@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 from types import ModuleType
 
 __all__ = ["llama_cpp_module", "native", "forward_log"]
@@ -28,8 +29,20 @@ class _LogBridge:
     """llama.cpp's log callback, forwarding whole lines to ``logging``.
 
     Replaces llama_cpp's own callback (which prints to stderr); the instance
-    keeps the ctypes trampoline alive for as long as the process runs.
+    keeps the ctypes trampoline alive for as long as the process runs.  Exactly
+    one is installed, under a lock: two threads that both installed one would
+    leave llama.cpp calling the trampoline of the instance that was dropped.
     """
+
+    _lock = threading.Lock()
+    _installed: "_LogBridge | None" = None
+
+    @classmethod
+    def install(cls, lc: ModuleType) -> "_LogBridge":
+        with cls._lock:
+            if cls._installed is None:
+                cls._installed = cls(lc)
+            return cls._installed
 
     def __init__(self, lc: ModuleType):
         self.level = "I"
@@ -49,13 +62,8 @@ class _LogBridge:
 def llama_cpp_module() -> ModuleType:
     import llama_cpp.llama_cpp as lc  # noqa: PLC0415 - lazy on purpose
 
-    _log_bridge(lc)
+    _LogBridge.install(lc)
     return lc
-
-
-@functools.cache
-def _log_bridge(lc: ModuleType) -> _LogBridge:
-    return _LogBridge(lc)
 
 
 @functools.cache

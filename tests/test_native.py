@@ -87,6 +87,28 @@ def test_native_rejects_null_addresses(tiny):
         native().live_breakdown(0)
 
 
+def test_first_use_from_many_threads_installs_one_live_log_callback():
+    # two log bridges created at once used to leave llama.cpp calling the dropped
+    # one's trampoline: a crash at the next log line (llama_free's, say)
+    out = _run("""
+        import ctypes, threading
+        from pyllmrouter import _llama
+        start = threading.Barrier(8)
+        def first_use():
+            start.wait()
+            _llama.llama_cpp_module()
+        threads = [threading.Thread(target=first_use) for _ in range(8)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        lc = _llama.llama_cpp_module()
+        cb, ud = lc.llama_log_callback(), ctypes.c_void_p()
+        lc.llama_log_get(ctypes.byref(cb), ctypes.byref(ud))
+        live = _llama._LogBridge._installed.callback
+        print(ctypes.cast(cb, ctypes.c_void_p).value == ctypes.cast(live, ctypes.c_void_p).value)
+    """)
+    assert out.strip() == "True"
+
+
 def test_probing_while_another_thread_loads_and_generates(tiny):
     # llama.cpp's log callback is process-wide: a probe must capture only its own lines
     out = _run(f"""
