@@ -98,6 +98,12 @@ def _meminfo() -> tuple[int, int]:
     return values["MemTotal"], values.get("MemAvailable", values["MemFree"])
 
 
+def _cuda_order(device_set: frozenset[str]) -> list[str]:
+    """The CUDA devices of a set in ordinal order: inside a worker masked to the set,
+    the i-th of them is CUDAi."""
+    return sorted((d for d in device_set if d.startswith("CUDA")), key=lambda d: int(d[4:]))
+
+
 def _hide_all_gpus() -> dict[str, str]:
     # "-1" is an invalid ordinal: CUDA then sees no device (an empty string is
     # read as "unset" by some runtimes); no rpc-server is attached
@@ -151,7 +157,7 @@ class SystemInventory:
 
     def mask_env(self, device_set: frozenset[str]) -> dict[str, str]:
         env = _hide_all_gpus()
-        cuda = sorted((d for d in device_set if d.startswith("CUDA")), key=lambda d: int(d[4:]))
+        cuda = _cuda_order(device_set)
         if cuda:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(d[4:] for d in cuda)
         return env
@@ -160,11 +166,11 @@ class SystemInventory:
         return self._nvml.process_usage(pid) if self._nvml else {}
 
     def to_local(self, device_set: frozenset[str]) -> dict[str, str]:
-        cuda = sorted((d for d in device_set if d.startswith("CUDA")), key=lambda d: int(d[4:]))
+        cuda = _cuda_order(device_set)
         return {d: f"CUDA{i}" for i, d in enumerate(cuda)}
 
     def to_inventory(self, device_set: frozenset[str], pools: Mapping[str, int]) -> dict[str, int]:
-        cuda = sorted((d for d in device_set if d.startswith("CUDA")), key=lambda d: int(d[4:]))
+        cuda = _cuda_order(device_set)
         out: dict[str, int] = {}
         for pool, n in pools.items():
             name = cuda[int(pool[4:])] if pool.startswith("CUDA") and pool[4:].isdigit() else pool

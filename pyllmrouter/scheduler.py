@@ -316,12 +316,8 @@ class Scheduler:
             if worst is not None and (worst.device == placement.COUNT or not fitting):
                 never = never or (worst.device, worst.need, worst.capacity, str(worst))
                 continue
-            if not fitting:
-                candidates.append((ds, full))
-                specs[ds] = (spec, None)
-                continue
-            grant = placement.grant([*local, HOST], available, grantable)
-            if not placement.shortfall(bytes_, grant):
+            grant = placement.grant([*local, HOST], available, grantable) if fitting else {}
+            if not fitting or not placement.shortfall(bytes_, grant):  # the spec as given
                 candidates.append((ds, full))
                 specs[ds] = (spec, None)
                 continue
@@ -595,4 +591,3 @@ class Scheduler:
                        for w in self._workers.values()]
             return {"models": models, "devices": devices, "workers": workers, "counters": dict(self.counters),
                     "queue": len(self._queue)}
-

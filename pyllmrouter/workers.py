@@ -79,7 +79,13 @@ class Pending:
         self.worker.send(Cancel(self.req_id))
 
 
-def _wake_all(waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]]) -> None:
+def _deliver(deliveries: list[tuple[Pending, Any]]) -> None:
+    """Put each reply on its Pending, then wake the coroutines waiting for them with
+    one call_soon_threadsafe per event loop."""
+    waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+    for pending, msg in deliveries:
+        if (w := pending.put(msg)) is not None:
+            waiters.setdefault(w[0], []).append(w[1])
     for loop, futures in waiters.items():
         try:
             loop.call_soon_threadsafe(_wake, futures)
@@ -164,15 +170,15 @@ class WorkerHandle:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
-            waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+            deliveries = []
             for m in msg.messages if isinstance(msg, Batch) else (msg,):
                 with self._lock:
                     pending = self._pending.get(m.req_id)
                     if isinstance(m, FINAL):
                         self._pending.pop(m.req_id, None)
-                if pending is not None and (w := pending.put(m)) is not None:
-                    waiters.setdefault(w[0], []).append(w[1])
-            _wake_all(waiters)
+                if pending is not None:
+                    deliveries.append((pending, m))
+            _deliver(deliveries)
         self._died()
 
     def _died(self) -> None:
@@ -182,12 +188,8 @@ class WorkerHandle:
         code = self._exitcode()
         if was_alive:  # the router learns first, so whoever sees the failure sees the new state
             self.on_death(self)
-        waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
-        for p in orphans:
-            w = p.put(Failed(p.req_id, "WorkerDied", f"worker {self.name} (pid {self.pid}) exited with code {code}"))
-            if w is not None:
-                waiters.setdefault(w[0], []).append(w[1])
-        _wake_all(waiters)
+        _deliver([(p, Failed(p.req_id, "WorkerDied", f"worker {self.name} (pid {self.pid}) exited with code {code}"))
+                  for p in orphans])
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask the worker to exit; kill it if it does not. Leaves no process."""
