@@ -48,6 +48,10 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
                    help="experts of the first N layers in host memory")
     p.add_argument("-nkvo", "--no-kv-offload", dest="offload_kqv", action="store_false")
     p.add_argument("--no-mmap", dest="use_mmap", action="store_false")
+    add_rpc_argument(p)
+
+
+def add_rpc_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc", default=None, help="comma-separated rpc-servers (host:port) to attach as devices")
 
 
@@ -204,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("devices", help="list ggml devices with free/total memory")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--rpc", default=None, help="comma-separated rpc-servers (host:port) to attach as devices")
+    add_rpc_argument(p)
     p.set_defaults(func=cmd_devices)
     p = sub.add_parser("probe", help="exact memory a model needs, per device")
     add_spec_arguments(p)
