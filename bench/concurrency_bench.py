@@ -9,16 +9,21 @@ context, batch sizes and threads, and are measured alternately at each
 concurrency level, in several rounds (the order flips each time).  Every request
 streams a fixed number of tokens (end of sequence biased away) at temperature 0.
 Reports aggregate generated tokens/s (all rounds' tokens over all rounds'
-seconds, and the range of the per-round ratios), p50/p99 time to first token
-over all rounds' requests, and CPU seconds per 1000 tokens (each server's
-process tree: ours includes its workers); writes JSON (default bench/results/concurrency_bench.json).
+seconds; the range of the per-round ratios, and their geometric mean with a 95 %
+confidence interval: the rounds are paired), p50/p99 time to first token
+over all rounds' requests, and CPU seconds per 1000 tokens of each server's
+process tree (ours includes its workers), split into its decode threads (the
+--threads busiest) and the others, and of the benchmark's own clients; writes
+JSON (default bench/results/concurrency_bench.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import tempfile
 import time
@@ -71,36 +76,46 @@ def one_request(client: httpx.Client, model: str, tokens: int, retries: list[int
     raise AssertionError("unreachable")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and all its descendants (from /proc)."""
-    ticks, stack = 0, [pid]
+def thread_cpu(pid: int) -> dict[tuple[int, int], float]:
+    """User + system CPU seconds of every thread of a process and its descendants (/proc)."""
+    out, stack, tick = {}, [pid], os.sysconf("SC_CLK_TCK")
     while stack:
         p = stack.pop()
         try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
             for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[(p, int(task))] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     stack += [int(c) for c in f.read().split()]
         except (OSError, ValueError, IndexError):
             pass  # gone meanwhile
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return out
 
 
-def run_level(base: str, model: str, clients: int, per_client: int, tokens: int, pid: int) -> dict:
+def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, float]:
+    """(CPU seconds of the ``compute_threads`` busiest threads: the decode, CPU seconds
+    of all the others: HTTP, routing, sampling helpers) between two ``thread_cpu``."""
+    used = sorted((after[k] - before.get(k, 0.0) for k in after), reverse=True)
+    return sum(used[:compute_threads]), sum(used[compute_threads:])
+
+
+def run_level(base: str, model: str, clients: int, per_client: int, tokens: int, pid: int,
+              compute_threads: int) -> dict:
     retries: list[int] = []
 
     def make_call(_i: int):
         client = httpx.Client(base_url=base, timeout=600)  # one connection per client, as a real one keeps
         return lambda: one_request(client, model, tokens, retries)
 
-    cpu0 = cpu_seconds(pid)
+    cpu0, client0 = thread_cpu(pid), sum(os.times()[:2])
     run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError, RuntimeError))
-    cpu = cpu_seconds(pid) - cpu0
+    client = sum(os.times()[:2]) - client0
+    compute, other = cpu_split(cpu0, thread_cpu(pid), compute_threads)
     ttfts, counts = [v[0] for v in run.values], [v[1] for v in run.values]
     return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "retries": len(retries),
-            "tokens": sum(counts), "cpu_s": cpu,
+            "tokens": sum(counts), "cpu_s": compute + other, "compute_cpu_s": compute, "other_cpu_s": other,
+            "client_cpu_s": client,
             "seconds": run.wall, "tok_s": sum(counts) / run.wall, "ttft_s": ttfts}
 
 
@@ -109,9 +124,28 @@ def summary(rounds: list[dict]) -> dict:
     ttfts = [t for r in rounds for t in r["ttft_s"]]
     return {"clients": rounds[0]["clients"], "tok_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
             "round_tok_s": [r["tok_s"] for r in rounds], "retries": sum(r["retries"] for r in rounds),
-            "cpu_s_per_1k_tokens": 1e3 * sum(r["cpu_s"] for r in rounds) / max(1, sum(r["tokens"] for r in rounds)),
+            **{f"{k}_per_1k_tokens": 1e3 * sum(r[k] for r in rounds) / max(1, sum(r["tokens"] for r in rounds))
+               for k in ("cpu_s", "compute_cpu_s", "other_cpu_s", "client_cpu_s")},
             "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3,
             "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3}
+
+
+# two-sided 95 % Student t quantiles by degrees of freedom (rounds - 1)
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+        12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of paired per-round ratios and its 95 % confidence interval
+    (t interval on the log ratios; the rounds are paired: both servers, same minute)."""
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    df = len(logs) - 1
+    t = _T95[max(k for k in _T95 if k <= df)]
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def main() -> None:
@@ -160,7 +194,7 @@ def main() -> None:
                     order = ["pyllmrouter", "llama-server"] if (clients + rnd) % 2 else ["llama-server", "pyllmrouter"]
                     for name in order:
                         runs[name][clients].append(run_level(bases[name], "m", clients, args.requests_per_client,
-                                                             args.tokens, pids[name]))
+                                                             args.tokens, pids[name], args.threads))
         finally:
             for p in (ours, theirs):
                 p.terminate()
@@ -171,18 +205,27 @@ def main() -> None:
             if errors:
                 print(f"{name}, {clients} clients: {len(errors)} failed requests: {errors[0]}")
     results = {name: [summary(rs) for rs in by_level.values()] for name, by_level in runs.items()}
-    rows = []
+    rows, cpu_rows = [], []
     for ours_r, theirs_r in zip(results["pyllmrouter"], results["llama-server"]):
         per_round = [a / b for a, b in zip(ours_r["round_tok_s"], theirs_r["round_tok_s"])]
+        gmean, low, high = ratio_interval(per_round)
+        ours_r["round_ratio_gmean"], ours_r["round_ratio_ci95"] = gmean, [low, high]
         rows.append([ours_r["clients"], f"{ours_r['tok_s']:.1f}", f"{theirs_r['tok_s']:.1f}",
                      f"{ours_r['tok_s'] / theirs_r['tok_s']:.2f}", f"{min(per_round):.2f}-{max(per_round):.2f}",
+                     f"{gmean:.2f} [{low:.2f}, {high:.2f}]",
                      f"{ours_r['ttft_p50_ms']:.0f}", f"{theirs_r['ttft_p50_ms']:.0f}",
                      f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}",
-                     f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}",
-                     f"{ours_r['cpu_s_per_1k_tokens']:.2f}", f"{theirs_r['cpu_s_per_1k_tokens']:.2f}"])
-    print(render(["clients", "ours tok/s", "llama-server tok/s", "ratio", "per round", "ours TTFT p50 ms",
-                  "llama-server TTFT p50 ms", "TTFT ratio", "ours TTFT p99 ms", "llama-server TTFT p99 ms", "ours CPU s/1k tok",
-                  "llama-server CPU s/1k tok"], rows))
+                     f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
+        cpu_rows.append([ours_r["clients"]] + [f"{r[k]:.2f}" for r in (ours_r, theirs_r)
+                                               for k in ("compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens",
+                                                         "client_cpu_s_per_1k_tokens")])
+    print(render(["clients", "ours tok/s", "llama-server tok/s", "ratio", "per round", "round mean [95% CI]",
+                  "ours TTFT p50 ms", "llama-server TTFT p50 ms", "TTFT ratio", "ours TTFT p99 ms",
+                  "llama-server TTFT p99 ms"], rows))
+    print("\nCPU seconds per 1000 tokens: the server's decode threads (its --threads busiest), its other threads "
+          "(HTTP, routing), and the benchmark's clients")
+    print(render(["clients", "ours decode", "ours other", "clients of ours", "llama-server decode",
+                  "llama-server other", "clients of llama-server"], cpu_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "concurrency", "parallel": args.parallel, "tokens": args.tokens,
                                     "kv_unified": args.kv_unified,
