@@ -194,8 +194,8 @@ class BatchEngine:
                 n += 1
             return n
 
-        slot = max(free, key=common)
-        keep = min(common(slot), len(req.prompt) - 1)  # the last prompt token is decoded again for logits
+        shared, slot = max(((common(s), s) for s in free), key=lambda x: x[0])
+        keep = min(shared, len(req.prompt) - 1)  # the last prompt token is decoded again for logits
         if keep < min(REUSE_MIN, len(req.prompt) // 2):
             # too short to be worth it, and KV computed in another batch can differ in the
             # last bits, which can flip a MoE router: a fresh prompt is computed fresh
