@@ -11,7 +11,7 @@ streams a fixed number of tokens (end of sequence biased away) at temperature 0.
 Reports aggregate generated tokens/s (all rounds' tokens over all rounds'
 seconds; the range of the per-round ratios, and their geometric mean with a 95 %
 confidence interval: the rounds are paired), p50/p99 time to first token
-over all rounds' requests, and CPU seconds per 1000 tokens of each server's
+over all rounds' requests (and the ratio of the per-round p50s, likewise), and CPU seconds per 1000 tokens of each server's
 process tree (ours includes its workers), split into its decode threads (the
 --threads busiest) and the others, and of the benchmark's own clients; writes
 JSON (default bench/results/concurrency_bench.json).
@@ -124,6 +124,7 @@ def summary(rounds: list[dict]) -> dict:
     ttfts = [t for r in rounds for t in r["ttft_s"]]
     return {"clients": rounds[0]["clients"], "tok_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
             "round_tok_s": [r["tok_s"] for r in rounds], "retries": sum(r["retries"] for r in rounds),
+            "round_ttft_p50_ms": [percentile(r["ttft_s"], 0.5) * 1e3 for r in rounds],
             **{f"{k}_per_1k_tokens": 1e3 * sum(r[k] for r in rounds) / max(1, sum(r["tokens"] for r in rounds))
                for k in ("cpu_s", "compute_cpu_s", "other_cpu_s", "client_cpu_s")},
             "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3,
@@ -210,17 +211,20 @@ def main() -> None:
         per_round = [a / b for a, b in zip(ours_r["round_tok_s"], theirs_r["round_tok_s"])]
         gmean, low, high = ratio_interval(per_round)
         ours_r["round_ratio_gmean"], ours_r["round_ratio_ci95"] = gmean, [low, high]
+        ttft = ratio_interval([a / b for a, b in zip(ours_r["round_ttft_p50_ms"], theirs_r["round_ttft_p50_ms"])])
+        ours_r["round_ttft_ratio_gmean"], ours_r["round_ttft_ratio_ci95"] = ttft[0], list(ttft[1:])
         rows.append([ours_r["clients"], f"{ours_r['tok_s']:.1f}", f"{theirs_r['tok_s']:.1f}",
                      f"{ours_r['tok_s'] / theirs_r['tok_s']:.2f}", f"{min(per_round):.2f}-{max(per_round):.2f}",
                      f"{gmean:.2f} [{low:.2f}, {high:.2f}]",
                      f"{ours_r['ttft_p50_ms']:.0f}", f"{theirs_r['ttft_p50_ms']:.0f}",
-                     f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}",
+                     f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}", f"{ttft[0]:.2f} [{ttft[1]:.2f}, {ttft[2]:.2f}]",
                      f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
         cpu_rows.append([ours_r["clients"]] + [f"{r[k]:.2f}" for r in (ours_r, theirs_r)
                                                for k in ("compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens",
                                                          "client_cpu_s_per_1k_tokens")])
     print(render(["clients", "ours tok/s", "llama-server tok/s", "ratio", "per round", "round mean [95% CI]",
-                  "ours TTFT p50 ms", "llama-server TTFT p50 ms", "TTFT ratio", "ours TTFT p99 ms",
+                  "ours TTFT p50 ms", "llama-server TTFT p50 ms", "TTFT ratio", "round TTFT mean [95% CI]",
+                  "ours TTFT p99 ms",
                   "llama-server TTFT p99 ms"], rows))
     print("\nCPU seconds per 1000 tokens: the server's decode threads (its --threads busiest), its other threads "
           "(HTTP, routing), and the benchmark's clients")
