@@ -10,11 +10,12 @@ concurrency level, in several rounds (the order flips each time).  Every request
 streams a fixed number of tokens (end of sequence biased away) at temperature 0.
 Reports aggregate generated tokens/s (all rounds' tokens over all rounds'
 seconds; the range of the per-round ratios, and their geometric mean with a 95 %
-confidence interval: the rounds are paired), p50/p99 time to first token
-over all rounds' requests (and the ratio of the per-round p50s, likewise), and CPU seconds per 1000 tokens of each server's
-process tree (ours includes its workers), split into its decode threads (the
---threads busiest) and the others, and of the benchmark's own clients; writes
-JSON (default bench/results/concurrency_bench.json).
+confidence interval: the rounds are paired), p50/p99 time to first token over
+all rounds' requests (and the per-round p50 ratios, likewise), and CPU seconds
+per 1000 tokens of each server's process tree (ours includes its workers),
+split into its decode threads (the --threads busiest) and the others, and of
+the benchmark's own clients; writes JSON (default
+bench/results/concurrency_bench.json).
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def thread_cpu(pid: int) -> dict[tuple[int, int], float]:
 
 def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, float]:
     """(CPU seconds of the ``compute_threads`` busiest threads: the decode, CPU seconds
-    of all the others: HTTP, routing, sampling helpers) between two ``thread_cpu``."""
+    of all the others: HTTP, routing) between two ``thread_cpu``."""
     used = sorted((after[k] - before.get(k, 0.0) for k in after), reverse=True)
     return sum(used[:compute_threads]), sum(used[compute_threads:])
 
@@ -136,10 +137,10 @@ _T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31,
         12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
 
 
-def ratio_interval(ratios: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of paired per-round ratios and its 95 % confidence interval
-    (t interval on the log ratios; the rounds are paired: both servers, same minute)."""
-    logs = [math.log(r) for r in ratios]
+def ratio_interval(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of the paired per-round ratios ours/theirs and its 95 % confidence
+    interval (t interval on the log ratios; the rounds are paired: both servers, same minute)."""
+    logs = [math.log(a / b) for a, b in zip(ours, theirs)]
     mean = statistics.fmean(logs)
     if len(logs) < 2:
         return math.exp(mean), float("nan"), float("nan")
@@ -209,23 +210,23 @@ def main() -> None:
     rows, cpu_rows = [], []
     for ours_r, theirs_r in zip(results["pyllmrouter"], results["llama-server"]):
         per_round = [a / b for a, b in zip(ours_r["round_tok_s"], theirs_r["round_tok_s"])]
-        gmean, low, high = ratio_interval(per_round)
+        gmean, low, high = ratio_interval(ours_r["round_tok_s"], theirs_r["round_tok_s"])
+        ttft = ratio_interval(ours_r["round_ttft_p50_ms"], theirs_r["round_ttft_p50_ms"])
         ours_r["round_ratio_gmean"], ours_r["round_ratio_ci95"] = gmean, [low, high]
-        ttft = ratio_interval([a / b for a, b in zip(ours_r["round_ttft_p50_ms"], theirs_r["round_ttft_p50_ms"])])
         ours_r["round_ttft_ratio_gmean"], ours_r["round_ttft_ratio_ci95"] = ttft[0], list(ttft[1:])
         rows.append([ours_r["clients"], f"{ours_r['tok_s']:.1f}", f"{theirs_r['tok_s']:.1f}",
                      f"{ours_r['tok_s'] / theirs_r['tok_s']:.2f}", f"{min(per_round):.2f}-{max(per_round):.2f}",
                      f"{gmean:.2f} [{low:.2f}, {high:.2f}]",
                      f"{ours_r['ttft_p50_ms']:.0f}", f"{theirs_r['ttft_p50_ms']:.0f}",
-                     f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}", f"{ttft[0]:.2f} [{ttft[1]:.2f}, {ttft[2]:.2f}]",
+                     f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}",
+                     f"{ttft[0]:.2f} [{ttft[1]:.2f}, {ttft[2]:.2f}]",
                      f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
         cpu_rows.append([ours_r["clients"]] + [f"{r[k]:.2f}" for r in (ours_r, theirs_r)
                                                for k in ("compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens",
                                                          "client_cpu_s_per_1k_tokens")])
     print(render(["clients", "ours tok/s", "llama-server tok/s", "ratio", "per round", "round mean [95% CI]",
                   "ours TTFT p50 ms", "llama-server TTFT p50 ms", "TTFT ratio", "round TTFT mean [95% CI]",
-                  "ours TTFT p99 ms",
-                  "llama-server TTFT p99 ms"], rows))
+                  "ours TTFT p99 ms", "llama-server TTFT p99 ms"], rows))
     print("\nCPU seconds per 1000 tokens: the server's decode threads (its --threads busiest), its other threads "
           "(HTTP, routing), and the benchmark's clients")
     print(render(["clients", "ours decode", "ours other", "clients of ours", "llama-server decode",
