@@ -26,7 +26,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["BatchEngine", "needs_serial"]
+from .openai_params import check_tokens
+
+__all__ = ["BatchEngine", "needs_serial", "response_grammar"]
 
 REUSE_MIN = 16  # shortest cached prefix worth reusing (tokens)
 SERIAL_KEYS = ("tools", "functions", "tool_choice", "function_call", "logprobs", "top_logprobs", "mirostat_mode",
@@ -354,19 +356,19 @@ class BatchEngine:
         kw = {**_DEFAULTS[msg.method], **{k: v for k, v in msg.kwargs.items() if v is not None}}
         stop = kw.get("stop") or []
         stop = [stop] if isinstance(stop, str) else list(stop)
-        grammar = None
         if msg.method == "chat":
             result = self.formatter(messages=kw["messages"])
             prompt = self.llm.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special,
                                        special=True)
             if result.stop is not None:
                 stop += result.stop if isinstance(result.stop, list) else [result.stop]
-            grammar = _response_grammar(kw.get("response_format"))
         else:
             text = kw.get("prompt", "")
-            if not isinstance(text, str):
-                raise TypeError("the batched path takes one prompt string")
-            prompt = self.llm.tokenize(text.encode("utf-8"), special=True) if text else [self.llm.token_bos()]
+            if isinstance(text, list):  # token ids
+                prompt = check_tokens(text, self.n_vocab)
+            else:
+                prompt = self.llm.tokenize(text.encode("utf-8"), special=True) if text else [self.llm.token_bos()]
+        grammar = response_grammar(kw.get("response_format"))
         if len(prompt) >= self.n_ctx_seq:
             raise ValueError(f"Requested tokens ({len(prompt)}) exceed context window of {self.n_ctx_seq}")
         max_tokens = kw.get("max_tokens")
@@ -435,8 +437,9 @@ def _chat_formatter(llm: Any):
     return fn if callable(fn) else None
 
 
-def _response_grammar(response_format: dict | None) -> str | None:
-    """GBNF for OpenAI's JSON mode, as llama_cpp builds it."""
+def response_grammar(response_format: dict | None) -> str | None:
+    """GBNF for OpenAI's JSON mode (``json_object``, with or without a schema; the
+    router turns ``json_schema`` into that), as llama_cpp builds it."""
     if not response_format or response_format.get("type") != "json_object":
         return None
     from llama_cpp import llama_grammar  # noqa: PLC0415

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
-    "RouterClosed", "NotLoaded",
+    "RouterClosed", "NotLoaded", "BadRequest",
 ]
 
 
@@ -61,6 +61,14 @@ class RequestFailed(RouterError):
     def __init__(self, name: str, kind: str, message: str):
         super().__init__(f"model {name!r}: {kind}: {message}")
         self.name, self.kind, self.message = name, kind, message
+
+
+class BadRequest(RouterError, ValueError):
+    """A request parameter the model cannot be asked for; ``param`` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class RouterClosed(RouterError):

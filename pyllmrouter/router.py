@@ -24,6 +24,7 @@ from typing import Any, AsyncIterator, Iterable
 from .config import ModelConfig, RouterOptions
 from .devices import Inventory, SystemInventory
 from .errors import RequestFailed, RouterError, WorkerDied
+from .openai_params import normalize
 from .protocol import Chunk, Failed, Result, Run
 from .scheduler import Record, Scheduler
 
@@ -135,7 +136,7 @@ class Router:
         A model that can take the request now is leased in the event loop (no thread
         hop before the worker has it); otherwise the lease is waited for in a thread.
         """
-        self._check(model, method)
+        kwargs = self._check(model, method, kwargs)
         rec = self._sched.try_lease(model)
         if rec is None:
             rec = await asyncio.to_thread(self._sched.lease, model, timeout, autoload)
@@ -154,7 +155,7 @@ class Router:
 
     def _request(self, model: str, method: str, kwargs: dict[str, Any], stream: bool,
                  timeout: float | None, autoload: bool | None):
-        self._check(model, method)
+        kwargs = self._check(model, method, kwargs)
         rec = self._sched.lease(model, timeout, autoload)
         pending = self._run(rec, method, kwargs, stream)
         if stream:
@@ -165,11 +166,13 @@ class Router:
             self._sched.release(rec)
         return _value(rec, reply)
 
-    def _check(self, model: str, method: str) -> None:
+    def _check(self, model: str, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The request's parameters, checked before anything is leased or loaded for it."""
         spec = self._sched.resolve(model).config.spec
         if spec.embedding != (method == "embed"):
             what = "an embedding model: use embeddings" if spec.embedding else "not an embedding model"
             raise RequestFailed(model, "ValueError", f"model {model!r} is {what}")
+        return normalize(method, kwargs)
 
     def _run(self, rec: Record, method: str, kwargs: dict[str, Any], stream: bool):
         """Send the request to the leased model's worker (the lease is released if that fails)."""

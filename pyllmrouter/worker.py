@@ -58,6 +58,15 @@ def _serial(llm: Any, msg: Run, send: Callable[[Any], None], cancelled: set[int]
     import llama_cpp  # noqa: PLC0415 - already imported by the loader
     import numpy as np  # noqa: PLC0415
 
+    if msg.method == "complete":
+        from .batching import response_grammar  # noqa: PLC0415
+        from .openai_params import check_tokens  # noqa: PLC0415
+
+        if isinstance(kwargs.get("prompt"), list):
+            check_tokens(kwargs["prompt"], llm.n_vocab())
+        gbnf = response_grammar(kwargs.pop("response_format", None))
+        if gbnf:  # create_completion takes a grammar, not a response_format
+            kwargs["grammar"] = llama_cpp.LlamaGrammar.from_string(gbnf, verbose=False)
     rid, eos = msg.req_id, llm.token_eos()
     bias = {int(k): float(v) for k, v in (kwargs.pop("logit_bias", None) or {}).items()}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -23,7 +24,9 @@ SHARE_PROBE_CACHE = True
 def router(tiny, module_cache):
     models = [ModelConfig("p", ModelSpec(tiny["tiny-llama"], n_ctx=2048, n_seq_max=4)),
               ModelConfig("moe", ModelSpec(tiny["tiny-moe"], n_ctx=2048, n_seq_max=4)),
-              ModelConfig("short", ModelSpec(tiny["tiny-llama"], n_ctx=256, n_seq_max=4))]
+              ModelConfig("short", ModelSpec(tiny["tiny-llama"], n_ctx=256, n_seq_max=4)),
+              ModelConfig("serial", ModelSpec(tiny["tiny-llama"], n_ctx=2048, n_seq_max=1)),
+              ModelConfig("cold", ModelSpec(tiny["tiny-llama"], n_ctx=2048))]  # never loaded
     with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
         yield r
 
@@ -148,3 +151,40 @@ def test_a_full_shared_kv_cache_ends_the_longest_sequence_not_all(router):
     lengths = sorted(o["usage"]["completion_tokens"] for o in outs)
     assert all(o["choices"][0]["finish_reason"] == "length" for o in outs)
     assert lengths[0] < 150 and sum(o["usage"]["total_tokens"] for o in outs) > 256
+
+
+@pytest.mark.parametrize("model", ["p", "serial"])  # the batch, and llama_cpp's own completion
+def test_a_prompt_of_token_ids_is_served_like_its_text(router, tiny, model):
+    from llama_cpp import Llama
+
+    tokens = Llama(str(tiny["tiny-llama"]), vocab_only=True, verbose=False).tokenize(b"hello world", special=True)
+    as_text = alone(router, model, "hello world", max_tokens=8)
+    for prompt in (tokens, [tokens]):  # OpenAI's token array, and its one-prompt batch shape
+        out = alone(router, model, prompt, max_tokens=8)
+        assert out["choices"][0]["text"] == as_text["choices"][0]["text"]
+        assert out["usage"]["prompt_tokens"] == as_text["usage"]["prompt_tokens"] == len(tokens)
+
+
+@pytest.mark.parametrize("model", ["p", "serial"])
+def test_json_schema_constrains_completions(router, model):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema}}
+    text = router.complete(model, "x", max_tokens=64, temperature=0,
+                           response_format=fmt)["choices"][0]["text"]
+    assert re.match(r'\{\s*"a"\s*:', text), text  # the schema's one required key comes first
+
+
+def test_a_bad_parameter_fails_before_anything_is_loaded_or_sent(router, tiny):
+    from pyllmrouter import BadRequest
+    from pyllmrouter.errors import RequestFailed
+
+    for kw, param in (({"temperature": "hot"}, "temperature"), ({"prompt": ["a", "b"]}, "prompt"),
+                      ({"logit_bias": {"x": 1}}, "logit_bias")):
+        with pytest.raises(BadRequest) as e:
+            router.complete("cold", **{"prompt": "hi", **kw})
+        assert e.value.param == param
+    assert router.status()["models"]["cold"]["state"] == "unloaded"
+    # a token the model does not have is refused where the vocabulary is known, and the model serves on
+    with pytest.raises(RequestFailed, match="token id 100000 is not in the model's vocabulary"):
+        router.complete("p", [1, 100000], max_tokens=2)
+    assert alone(router, "p", "hello", max_tokens=2)["usage"]["completion_tokens"] == 2

@@ -167,7 +167,7 @@ def test_auth(server):
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
     (json.dumps({"messages": HI}).encode(), 400, "'model' is required"),
-    (json.dumps({"model": "a", "messages": "hi"}).encode(), 400, "'messages' must be a list"),
+    (json.dumps({"model": "a", "messages": "hi"}).encode(), 400, "'messages' must be a non-empty list"),
     (json.dumps({"model": "a", "messages": HI, "n": 2}).encode(), 400, "n=1"),
     (json.dumps({"model": "zzz", "messages": HI}).encode(), 404, "unknown model 'zzz'"),
 ])
@@ -175,6 +175,34 @@ def test_bad_requests_get_openai_errors(http, body, status, fragment):
     r = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     assert r.status_code == status
     assert fragment in r.json()["error"]["message"]
+
+
+def test_a_bad_parameter_is_400_naming_it(http):
+    r = http.post("/v1/completions", json={"model": "b", "prompt": "x", "logit_bias": {"x": 1}, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    r = http.post("/v1/chat/completions", json={"model": "b", "messages": HI, "temperature": "hot"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert "'temperature' must be a number" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("model", ["a", "b"])  # llama_cpp's streaming, and the batch
+def test_a_stream_refused_before_its_first_chunk_gets_an_error_status(client, model):
+    with pytest.raises(openai.BadRequestError, match="exceed context window"):
+        list(client.completions.create(model=model, prompt="hello " * 3000, max_tokens=2, stream=True))
+    assert list(client.completions.create(model=model, prompt="x", max_tokens=2, stream=True))
+
+
+def test_text_parts_of_a_message_read_as_its_text(client):
+    kw = dict(model="b", max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(messages=[{"role": "user", "content": "hi there"}], **kw)
+    parts = client.chat.completions.create(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}], **kw)
+    joined = client.chat.completions.create(messages=[{"role": "user", "content": "hi\nthere"}], **kw)
+    assert parts.choices[0].message.content == joined.choices[0].message.content
+    assert parts.usage.prompt_tokens == joined.usage.prompt_tokens != plain.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="text only"):
+        client.chat.completions.create(messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}], **kw)
 
 
 def test_wrong_endpoint_for_the_model_is_400(client, http):

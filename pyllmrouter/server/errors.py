@@ -6,13 +6,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from ..errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed, UnknownModel,
+from ..errors import (BadRequest, LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed, UnknownModel,
                       WorkerDied)
 
 __all__ = ["ApiError", "error_response", "from_router_error"]
 
 # exception kinds raised inside a worker for a bad request, not a broken server
-_CLIENT_KINDS = {"ValueError", "TypeError", "KeyError", "Cancelled"}
+_CLIENT_KINDS = {"ValueError", "TypeError", "KeyError", "Cancelled", "BadRequest"}
 
 
 class ApiError(Exception):
@@ -31,6 +31,8 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 def from_router_error(e: Exception) -> ApiError:
+    if isinstance(e, BadRequest):
+        return ApiError(400, str(e), code="invalid_request", param=e.param)
     if isinstance(e, UnknownModel):
         return ApiError(404, str(e), code="model_not_found", param="model")
     if isinstance(e, NotLoaded):

@@ -2,6 +2,7 @@
 
     Stream.anext_batch() ──chunks of one decode step──▶ one body write
     stream ended ──last chunks + usage chunk + [DONE] + end of body──▶ one write
+    failed before its first chunk ──▶ an error response with its own status (no stream)
     receive() says http.disconnect ──▶ Stream.cancel() (the worker frees the slot)
 
 Starlette's StreamingResponse would write [DONE] and the end of the chunked
@@ -19,7 +20,7 @@ from starlette.responses import Response
 
 from ..errors import RouterError
 from ..router import Stream
-from .errors import from_router_error
+from .errors import error_response, from_router_error
 
 __all__ = ["EventStream"]
 
@@ -38,20 +39,28 @@ class EventStream(Response):
     llama-server's does).
     """
 
-    def __init__(self, stream: Stream, model: str, include_usage: bool, on_end: Callable[[], None]):
+    def __init__(self, stream: Stream, model: str, include_usage: bool, on_end: Callable[[str], None]):
         self.stream, self.model, self.include_usage, self.on_end = stream, model, include_usage, on_end
         self.status_code, self.background = 200, None
         self._last: dict[str, Any] | None = None  # the last chunk sent (names the usage chunk)
 
     async def __call__(self, scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
         watch = asyncio.ensure_future(self._watch(receive))
         try:
+            try:  # a request the model refuses (e.g. a prompt longer than its context) gets its status
+                first = await self.stream.anext_batch()
+            except RouterError as e:
+                err = from_router_error(e)
+                self.on_end(str(err.status))
+                await error_response(err)(scope, receive, send)
+                return
+            await send({"type": "http.response.start", "status": 200, "headers": _HEADERS})
+            body, more = self._events(first)
             while True:
-                body, more = await self._next()
                 await send({"type": "http.response.body", "body": body.encode(), "more_body": more})
                 if not more:
                     return
+                body, more = await self._next()
         except OSError:
             pass  # the client is gone (servers of ASGI 2.4 raise on send)
         finally:
@@ -70,6 +79,9 @@ class EventStream(Response):
         except RouterError as e:
             err = from_router_error(e)
             return _event({"error": {"message": err.message, "type": err.type}}), False
+        return self._events(chunks)
+
+    def _events(self, chunks: list[dict[str, Any]]) -> tuple[str, bool]:
         for chunk in chunks:
             chunk["model"] = self.model
         body = "".join(_event(chunk) for chunk in chunks)
@@ -80,5 +92,5 @@ class EventStream(Response):
             last = self._last
             body += _event({"id": last.get("id"), "object": last.get("object"), "created": last.get("created"),
                             "model": self.model, "choices": [], "usage": self.stream.usage})
-        self.on_end()
+        self.on_end("200")
         return body + "data: [DONE]\n\n", False
