@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -203,6 +205,27 @@ def test_text_parts_of_a_message_read_as_its_text(client):
     with pytest.raises(openai.BadRequestError, match="text only"):
         client.chat.completions.create(messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}], **kw)
+
+
+def test_embeddings_as_floats_or_base64(client, http):
+    body = {"model": "e", "input": ["a b", "c"]}
+    floats = [d["embedding"] for d in http.post("/v1/embeddings", json=body).json()["data"]]
+    packed = [d["embedding"] for d in
+              http.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()["data"]]
+    assert all(isinstance(p, str) for p in packed)
+    unpacked = [list(struct.unpack(f"<{len(f)}f", base64.b64decode(p))) for f, p in zip(floats, packed)]
+    assert unpacked == [pytest.approx(f, rel=1e-6) for f in floats]
+    got = client.embeddings.create(model="e", input=["a b", "c"])  # the openai client asks for base64 itself
+    assert [d.embedding for d in got.data] == [pytest.approx(f, rel=1e-6) for f in floats]
+    r = http.post("/v1/embeddings", json={**body, "encoding_format": "int8"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format"
+
+
+def test_one_model_by_id_or_alias(client):
+    assert client.models.retrieve("alpha").id == "a"
+    assert client.models.retrieve("b").id == "b"
+    with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
+        client.models.retrieve("nope")
 
 
 def test_wrong_endpoint_for_the_model_is_400(client, http):

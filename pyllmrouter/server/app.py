@@ -9,10 +9,10 @@
 
 | endpoint                          | what                                              |
 | GET  /health                      | liveness (no API key needed)                      |
-| GET  /v1/models                   | OpenAI model list                                 |
+| GET  /v1/models[/{id}]            | OpenAI model list, one model                      |
 | POST /v1/chat/completions         | OpenAI chat, SSE with "stream": true              |
 | POST /v1/completions              | OpenAI completions                                |
-| POST /v1/embeddings               | OpenAI embeddings                                 |
+| POST /v1/embeddings               | OpenAI embeddings (float or base64)               |
 | GET  /models                      | llama-server router list: status, memory per device |
 | POST /models/load, /models/unload | llama-server router control                       |
 | GET  /props[?model=]              | router or model properties                        |
@@ -24,17 +24,19 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
-from concurrent.futures import ThreadPoolExecutor
 import json
+import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..errors import RouterError
+from ..errors import RouterError, UnknownModel
 from ..router import Router
 from .errors import ApiError, error_response, from_router_error
 from .metrics import Metrics
@@ -53,6 +55,14 @@ ALLOWED = {
     "complete": _SAMPLING | {"prompt", "suffix", "echo", "response_format"},
     "embed": {"input"},
 }
+
+
+def _to_base64(result: dict[str, Any]) -> None:
+    """OpenAI's ``encoding_format: base64``: each vector as little-endian float32 bytes."""
+    for item in result.get("data", []):
+        vec = item.get("embedding")
+        if isinstance(vec, list) and all(isinstance(x, (int, float)) for x in vec):
+            item["embedding"] = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
 
 
 def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
@@ -130,6 +140,9 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         if not isinstance(options, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options")
         include_usage = stream and bool(options.get("include_usage"))
+        encoding = data.get("encoding_format") or "float"
+        if method == "embed" and encoding not in ("float", "base64"):
+            raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
         status = "200"
         try:
             result = await router.arequest(model, method, params, stream, autoload=autoload_param(request))
@@ -142,6 +155,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
                 metrics.latency.labels(model, endpoint, status).observe(time.perf_counter() - t0)
         if not stream:
             result["model"] = model
+            if method == "embed" and encoding == "base64":
+                _to_base64(result)
             return JSONResponse(result)
         return EventStream(result, model, include_usage, lambda code: metrics.latency.labels(
             model, endpoint, code).observe(time.perf_counter() - t0))
@@ -165,12 +180,21 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     async def embeddings(request: Request):
         return await serve(request, "embed", "embeddings")
 
+    def _openai_model(name: str, m: dict[str, Any]) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "pyllmrouter",
+                "status": {"value": m["state"]}}
+
     @app.get("/v1/models")
     async def v1_models():
+        return {"object": "list", "data": [_openai_model(n, m) for n, m in router.status()["models"].items()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def v1_model(name: str):
         st = router.status()["models"]
-        return {"object": "list", "data": [
-            {"id": n, "object": "model", "created": 0, "owned_by": "pyllmrouter", "status": {"value": m["state"]}}
-            for n, m in st.items()]}
+        found = next((n for n, m in st.items() if name == n or name in m["aliases"]), None)
+        if found is None:
+            raise from_router_error(UnknownModel(name, list(st)))
+        return _openai_model(found, st[found])
 
     @app.get("/models")
     async def models():

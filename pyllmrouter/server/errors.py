@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from ..errors import (BadRequest, LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed, UnknownModel,
-                      WorkerDied)
+from ..errors import (BadRequest, LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed,
+                      UnknownModel, WorkerDied)
 
 __all__ = ["ApiError", "error_response", "from_router_error"]
 
