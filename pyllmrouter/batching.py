@@ -354,8 +354,7 @@ class BatchEngine:
 
     def _request(self, msg: Any) -> _Request:
         kw = {**_DEFAULTS[msg.method], **{k: v for k, v in msg.kwargs.items() if v is not None}}
-        stop = kw.get("stop") or []
-        stop = [stop] if isinstance(stop, str) else list(stop)
+        stop = list(kw.get("stop") or [])  # the router made it a list of strings
         if msg.method == "chat":
             result = self.formatter(messages=kw["messages"])
             prompt = self.llm.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special,
