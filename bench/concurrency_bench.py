@@ -3,11 +3,15 @@
 
     scripts/build_llama_tools.sh llama-server    # once: llama.cpp of the pinned sdist
     python bench/concurrency_bench.py [--clients 1,4,8,16] [--tokens 64] [--rounds 5] [--out FILE]
+    python bench/concurrency_bench.py --prompt-words 300 --ctx 16384 --tokens 8   # long distinct prompts
 
 Both servers load the same generated model file with the same parallel slots,
 context, batch sizes and threads, and are measured alternately at each
 concurrency level, in several rounds (the order flips each time).  Every request
-streams a fixed number of tokens (end of sequence biased away) at temperature 0.
+streams a fixed number of tokens (end of sequence biased away) at temperature 0;
+its prompt is a short fixed one (reused from a slot's cache after the first
+request), or with --prompt-words a distinct prompt of that many words (nothing
+to reuse: every request is a full prefill).
 Reports aggregate generated tokens/s (all rounds' tokens over all rounds'
 seconds; the range of the per-round ratios, and their geometric mean with a 95 %
 confidence interval: the rounds are paired), p50/p99 time to first token over
@@ -21,14 +25,17 @@ bench/results/concurrency_bench.json).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 from _load import percentile, run_clients
@@ -42,13 +49,27 @@ SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4,
 PROMPT = "hello world the model is a fast router of memory and tokens " * 3
 
 
-def one_request(client: httpx.Client, model: str, tokens: int, retries: list[int] | None = None) -> tuple[float, int]:
+def prompt_source(words: int) -> Callable[[], str]:
+    """Each request's prompt: PROMPT, or with ``words`` > 0 a distinct one of that many words."""
+    if words <= 0:
+        return lambda: PROMPT
+    vocabulary, numbers = PROMPT.split(), itertools.count()
+
+    def distinct() -> str:
+        n = next(numbers)
+        rnd = random.Random(n)
+        return f"{n} " + " ".join(rnd.choice(vocabulary) for _ in range(words))
+    return distinct
+
+
+def one_request(client: httpx.Client, model: str, tokens: int, retries: list[int] | None = None,
+                prompt: str = PROMPT) -> tuple[float, int]:
     """(time to first token, tokens generated).  Tokens are the usage both servers put
     on the finish chunk: text chunks are no count, the servers split invalid UTF-8
     differently.  A connection the server closed before answering is retried at once
     (llama-server's HTTP library drops idle keep-alive connections), as the openai
     client does; each retry is counted in ``retries``."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
             "logit_bias": {"2": -100, "4": -100}}
     for attempt in range(3):
         t0 = time.perf_counter()
@@ -102,12 +123,12 @@ def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, f
 
 
 def run_level(base: str, model: str, clients: int, per_client: int, tokens: int, pid: int,
-              compute_threads: int) -> dict:
+              compute_threads: int, prompt: Callable[[], str] = lambda: PROMPT) -> dict:
     retries: list[int] = []
 
     def make_call(_i: int):
         client = httpx.Client(base_url=base, timeout=600)  # one connection per client, as a real one keeps
-        return lambda: one_request(client, model, tokens, retries)
+        return lambda: one_request(client, model, tokens, retries, prompt())
 
     cpu0, client0 = thread_cpu(pid), sum(os.times()[:2])
     run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError, RuntimeError))
@@ -158,6 +179,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--parallel", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=4096)
+    ap.add_argument("--prompt-words", type=int, default=0,
+                    help="a distinct prompt of this many words per request (default: one short prompt, reused)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
                     help="one KV buffer for all slots in both servers (default: a KV buffer per slot, "
@@ -168,6 +191,7 @@ def main() -> None:
     if not Path(args.llama_server).exists():
         raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
     levels = [int(x) for x in args.clients.split(",")]
+    prompt = prompt_source(args.prompt_words)
     runs: dict[str, dict[int, list[dict]]] = {"pyllmrouter": {c: [] for c in levels},
                                               "llama-server": {c: [] for c in levels}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -196,7 +220,7 @@ def main() -> None:
                     order = ["pyllmrouter", "llama-server"] if (clients + rnd) % 2 else ["llama-server", "pyllmrouter"]
                     for name in order:
                         runs[name][clients].append(run_level(bases[name], "m", clients, args.requests_per_client,
-                                                             args.tokens, pids[name], args.threads))
+                                                             args.tokens, pids[name], args.threads, prompt))
         finally:
             for p in (ours, theirs):
                 p.terminate()
@@ -233,7 +257,7 @@ def main() -> None:
                   "llama-server other", "clients of llama-server"], cpu_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "concurrency", "parallel": args.parallel, "tokens": args.tokens,
-                                    "kv_unified": args.kv_unified,
+                                    "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,
                                     "threads": args.threads, "rounds": args.rounds,
                                     "requests_per_client": args.requests_per_client, "results": results,
                                     "runs": runs}, indent=2))

@@ -3,14 +3,18 @@
     put(Run) ──▶ waiting ──(between steps)──▶ a free slot (its own seq_id, KV and
                                                sampler chain), prefix of its cached
                                                tokens reused
-    step:  batch = one prompt chunk or the last sampled token of every busy slot
+    step:  batch = the last sampled token of every generating slot, then prompt
+                   tokens in the order the prompts were admitted, n_batch in all (allot)
            llama_decode(batch)
            for each slot whose last token asked for logits:
                llama_sampler_sample ──▶ bytes ──▶ text ──▶ stop string? max_tokens?
                end of sequence? cancelled? ──▶ Chunk (stream) / Result
 
-Prompt chunks are at most ``n_batch / busy slots`` tokens, so a long prompt never
-stalls the other sequences for more than one step.  A request this path cannot
+A step holds at most ``n_batch`` tokens and a token of every generating
+sequence, so a long prompt never stalls the others for more than one chunk; the
+prompt budget goes to the earliest admitted prompt first (as llama-server's
+slots take it), so of several prompts arriving together the first is answered
+after its own prefill, not after all of them.  A request this path cannot
 serve (tools, functions, logprobs, mirostat, a chat format without a template
 formatter) waits until no slot is busy and is served by llama_cpp's own methods
 on the same context (``serial``), so it is served correctly, never approximately.
@@ -19,6 +23,7 @@ on the same context (``serial``), so it is served correctly, never approximately
 from __future__ import annotations
 
 import codecs
+import itertools
 import queue
 import threading
 import time
@@ -28,7 +33,7 @@ from typing import Any, Callable
 
 from .openai_params import check_tokens
 
-__all__ = ["BatchEngine", "needs_serial", "response_grammar"]
+__all__ = ["BatchEngine", "allot", "needs_serial", "response_grammar"]
 
 REUSE_MIN = 16  # shortest cached prefix worth reusing (tokens)
 SERIAL_KEYS = ("tools", "functions", "tool_choice", "function_call", "logprobs", "top_logprobs", "mirostat_mode",
@@ -74,6 +79,20 @@ class _Slot:
     req: _Request | None = None
     logits_at: int = -1  # batch index of this slot's logits in the current step
     next_token: int = -1  # sampled, to be decoded in the next step
+    admitted: int = 0  # when its request was admitted (orders the prompt budget)
+
+
+def allot(busy: list[_Slot], n_batch: int) -> list[tuple[_Slot, int]]:
+    """How many tokens each busy slot puts in this step's batch: one per generating
+    slot, then what is left of ``n_batch`` to the prompts still to decode, earliest
+    admitted first.  Pure policy: the batch never exceeds ``n_batch``."""
+    out, left = [], n_batch
+    for s in sorted(busy, key=lambda s: (bool(s.pending), s.admitted)):
+        k = min(left, len(s.pending) if s.pending else 1)
+        if k:
+            out.append((s, k))
+            left -= k
+    return out
 
 
 class BatchEngine:
@@ -95,6 +114,7 @@ class BatchEngine:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.waiting: list[Any] = []
         self.formatter = _chat_formatter(llm)
+        self._admissions = itertools.count()
         self._pieces: dict[int, tuple[bool, bytes]] = {}  # token -> (end of generation?, its bytes)
         self.thread = threading.Thread(target=self._loop, name=f"batch-{name}", daemon=True)
         self.thread.start()
@@ -206,6 +226,7 @@ class BatchEngine:
         slot.cache = slot.cache[:keep]
         slot.pending = req.prompt[keep:]
         slot.req = req
+        slot.admitted = next(self._admissions)
         req.cached = keep
 
     def _step(self) -> None:
@@ -236,13 +257,11 @@ class BatchEngine:
                 self._emit(s, tok)
 
     def _plan(self, busy: list[_Slot]) -> list[tuple[_Slot, list[int], bool]]:
-        """Fill the batch: a prompt chunk per prefilling slot, the next token per generating one."""
+        """Fill the batch as ``allot`` says: prompt tokens, or the next token of a generating slot."""
         b = self.batch
-        prefill = [s for s in busy if s.pending]
-        chunk = max(1, (self.n_batch - (len(busy) - len(prefill))) // max(1, len(prefill)))
         plan, n = [], 0
-        for s in busy:
-            take = s.pending[:chunk] if s.pending else [s.next_token]
+        for s, k in allot(busy, self.n_batch):
+            take = s.pending[:k] if s.pending else [s.next_token]
             last_prompt = len(take) == len(s.pending) if s.pending else True
             for j, tok in enumerate(take):
                 b.token[n] = tok

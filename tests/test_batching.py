@@ -188,3 +188,14 @@ def test_a_bad_parameter_fails_before_anything_is_loaded_or_sent(router, tiny):
     with pytest.raises(RequestFailed, match="token id 100000 is not in the model's vocabulary"):
         router.complete("p", [1, 100000], max_tokens=2)
     assert alone(router, "p", "hello", max_tokens=2)["usage"]["completion_tokens"] == 2
+
+
+def test_a_step_takes_every_generating_token_then_prompts_in_admission_order():
+    from pyllmrouter.batching import _Slot, allot
+
+    generating = [_Slot(i, admitted=i) for i in range(3)]
+    late, early = _Slot(3, pending=list(range(100)), admitted=9), _Slot(4, pending=list(range(50)), admitted=5)
+    assert {s.seq: k for s, k in allot(generating + [late, early], 64)} == {0: 1, 1: 1, 2: 1, 4: 50, 3: 11}
+    # the earliest prompt first: the later one waits for the next step rather than share
+    assert {s.seq: k for s, k in allot([late, early] + generating, 40)} == {0: 1, 1: 1, 2: 1, 4: 37}
+    assert sum(k for _, k in allot([_Slot(i, admitted=i) for i in range(10)], 4)) == 4  # never over n_batch
