@@ -105,8 +105,9 @@ class Router:
         """OpenAI chat completion (a dict), or an iterator of chunks with ``stream=True``."""
         return self._request(model, "chat", dict(params, messages=messages), stream, timeout, autoload)
 
-    def complete(self, model: str, prompt: str, *, stream: bool = False, timeout: float | None = None,
+    def complete(self, model: str, prompt: str | list[int], *, stream: bool = False, timeout: float | None = None,
                  autoload: bool | None = None, **params: Any):
+        """OpenAI completion of a prompt (text or token ids); chunks with ``stream=True``."""
         return self._request(model, "complete", dict(params, prompt=prompt), stream, timeout, autoload)
 
     def embed(self, model: str, input: str | list[str], *, timeout: float | None = None,
@@ -119,8 +120,8 @@ class Router:
         result = await self.arequest(model, "chat", dict(params, messages=messages), stream, timeout, autoload)
         return _aiter(result) if stream else result
 
-    async def acomplete(self, model: str, prompt: str, *, stream: bool = False, timeout: float | None = None,
-                        autoload: bool | None = None, **params: Any):
+    async def acomplete(self, model: str, prompt: str | list[int], *, stream: bool = False,
+                        timeout: float | None = None, autoload: bool | None = None, **params: Any):
         result = await self.arequest(model, "complete", dict(params, prompt=prompt), stream, timeout, autoload)
         return _aiter(result) if stream else result
 
