@@ -10,7 +10,8 @@ with a message naming the parameter before any model is loaded for it, and the
 batched path and llama_cpp's own methods receive the same normalized values:
 
 - ``prompt``: a string, a list of token ids, or a list holding one of those
-  (OpenAI's batch shapes); several prompts in one request are refused.
+  (OpenAI's batch shapes); several prompts in one request are refused here
+  (the HTTP server splits them into one request each: server/fanout.py).
 - ``messages``: objects with a ``role``; ``content`` as text parts is joined
   into one string (with newlines, as llama.cpp does for templates that take
   text); other part types are refused: these models read text only.

@@ -170,7 +170,7 @@ def test_auth(server):
     (b"[1, 2]", 400, "JSON object"),
     (json.dumps({"messages": HI}).encode(), 400, "'model' is required"),
     (json.dumps({"model": "a", "messages": "hi"}).encode(), 400, "'messages' must be a non-empty list"),
-    (json.dumps({"model": "a", "messages": HI, "n": 2}).encode(), 400, "n=1"),
+    (json.dumps({"model": "a", "messages": HI, "n": 0}).encode(), 400, "'n' must be a positive integer"),
     (json.dumps({"model": "zzz", "messages": HI}).encode(), 404, "unknown model 'zzz'"),
 ])
 def test_bad_requests_get_openai_errors(http, body, status, fragment):
@@ -226,6 +226,40 @@ def test_one_model_by_id_or_alias(client):
     assert client.models.retrieve("b").id == "b"
     with pytest.raises(openai.NotFoundError, match="unknown model 'nope'"):
         client.models.retrieve("nope")
+
+
+def test_several_prompts_and_n_choices_in_one_request(client):
+    kw = dict(model="b", max_tokens=5, temperature=0, logit_bias={"2": -100, "4": -100})  # b: the batch
+    prompts = ["hello world", "the model"]
+    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    together = client.completions.create(prompt=prompts, **kw)
+    assert [(c.index, c.text) for c in together.choices] == list(enumerate(alone))
+    assert together.usage.completion_tokens == 10
+    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    texts = ["", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == alone
+    assert len({c.id for c in chunks}) == 1 and chunks[-1].usage.completion_tokens == 10
+    three = client.chat.completions.create(model="b", messages=HI, n=3, max_tokens=4, temperature=0)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert len({c.message.content for c in three.choices}) == 1  # greedy: one answer, three times
+    with pytest.raises(openai.BadRequestError, match="limit of 64"):
+        client.completions.create(prompt=prompts, n=40, **kw)
+
+
+def test_one_refused_choice_refuses_the_request_and_frees_the_others(server, client):
+    kw = dict(model="b", prompt=["hi", "hello " * 3000], max_tokens=300, temperature=0,
+              logit_bias={"2": -100, "4": -100})
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="exceed context window"):
+            list(client.completions.create(stream=True, **kw)) if stream else client.completions.create(**kw)
+    t0 = time.perf_counter()  # the choice that was accepted is stopped, its lease returned
+    while server[1].status()["models"]["b"]["leases"] and time.perf_counter() - t0 < 10:
+        time.sleep(0.01)
+    assert server[1].status()["models"]["b"]["leases"] == 0
 
 
 def test_wrong_endpoint_for_the_model_is_400(client, http):

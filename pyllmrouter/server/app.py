@@ -11,7 +11,7 @@
 | GET  /health                      | liveness (no API key needed)                      |
 | GET  /v1/models[/{id}]            | OpenAI model list, one model                      |
 | POST /v1/chat/completions         | OpenAI chat, SSE with "stream": true              |
-| POST /v1/completions              | OpenAI completions                                |
+| POST /v1/completions              | OpenAI completions (several prompts, n choices)   |
 | POST /v1/embeddings               | OpenAI embeddings (float or base64)               |
 | GET  /models                      | llama-server router list: status, memory per device |
 | POST /models/load, /models/unload | llama-server router control                       |
@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse, Response
 from ..errors import RouterError, UnknownModel
 from ..router import Router
 from .errors import ApiError, error_response, from_router_error
+from .fanout import MergedStream, merge, split
 from .metrics import Metrics
 from .sse import EventStream
 
@@ -124,14 +125,33 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         except RouterError as e:
             raise from_router_error(e) from None
 
+    async def run(model: str, method: str, subs: list[dict[str, Any]], stream: bool, autoload: bool | None):
+        """One router request, or one per choice (several prompts, n > 1) merged into one reply."""
+        if len(subs) == 1:
+            return await router.arequest(model, method, subs[0], stream, autoload=autoload)
+        if not stream:
+            replies = await asyncio.gather(*(router.arequest(model, method, p, False, autoload=autoload)
+                                             for p in subs), return_exceptions=True)
+            failed = next((r for r in replies if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
+            return merge(replies)
+        streams = []
+        try:
+            for p in subs:
+                streams.append(await router.arequest(model, method, p, True, autoload=autoload))
+        except BaseException:
+            for st in streams:
+                st.abandon()
+            raise
+        return MergedStream(streams)
+
     async def serve(request: Request, method: str, endpoint: str):
         t0 = time.perf_counter()
         data = await body(request)
         model = data.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
-        if data.get("n", 1) != 1:
-            raise ApiError(400, "only n=1 is supported", param="n")
         if "max_completion_tokens" in data and "max_tokens" not in data:
             data["max_tokens"] = data["max_completion_tokens"]
         params = {k: v for k, v in data.items() if k in ALLOWED[method]}  # checked by the router
@@ -143,9 +163,10 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         encoding = data.get("encoding_format") or "float"
         if method == "embed" and encoding not in ("float", "base64"):
             raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+        subs = [params] if method == "embed" else split(method, params, data.get("n", 1))
         status = "200"
         try:
-            result = await router.arequest(model, method, params, stream, autoload=autoload_param(request))
+            result = await run(model, method, subs, stream, autoload_param(request))
         except RouterError as e:
             err = from_router_error(e)
             status = str(err.status)

@@ -21,6 +21,7 @@ from starlette.responses import Response
 from ..errors import RouterError
 from ..router import Stream
 from .errors import error_response, from_router_error
+from .fanout import MergedStream
 
 __all__ = ["EventStream"]
 
@@ -39,7 +40,8 @@ class EventStream(Response):
     llama-server's does).
     """
 
-    def __init__(self, stream: Stream, model: str, include_usage: bool, on_end: Callable[[str], None]):
+    def __init__(self, stream: Stream | MergedStream, model: str, include_usage: bool,
+                 on_end: Callable[[str], None]):
         self.stream, self.model, self.include_usage, self.on_end = stream, model, include_usage, on_end
         self.status_code, self.background = 200, None
         self._last: dict[str, Any] | None = None  # the last chunk sent (names the usage chunk)
