@@ -14,9 +14,10 @@ A step holds at most ``n_batch`` tokens and a token of every generating
 sequence, so a long prompt never stalls the others for more than one chunk; the
 prompt budget goes to the earliest admitted prompt first (as llama-server's
 slots take it), so of several prompts arriving together the first is answered
-after its own prefill, not after all of them.  A request this path cannot
-serve (tools, functions, logprobs, mirostat, a chat format without a template
-formatter) waits until no slot is busy and is served by llama_cpp's own methods
+after its own prefill, not after all of them.  Tools reach the chat template
+as llama_cpp passes them.  A request this path cannot serve (a forced tool or
+function, logprobs, mirostat, a chat format without a template formatter)
+waits until no slot is busy and is served by llama_cpp's own methods
 on the same context (``serial``), so it is served correctly, never approximately.
 """
 
@@ -36,8 +37,8 @@ from .openai_params import check_tokens
 __all__ = ["BatchEngine", "allot", "needs_serial", "response_grammar"]
 
 REUSE_MIN = 16  # shortest cached prefix worth reusing (tokens)
-SERIAL_KEYS = ("tools", "functions", "tool_choice", "function_call", "logprobs", "top_logprobs", "mirostat_mode",
-               "logits_processor", "grammar", "suffix", "echo")
+SERIAL_KEYS = ("logprobs", "top_logprobs", "mirostat_mode", "logits_processor", "grammar", "suffix", "echo")
+TOOL_KEYS = ("tools", "functions", "tool_choice", "function_call")  # for the chat template
 _DEFAULTS = {"chat": dict(temperature=0.2, top_p=0.95, top_k=40, min_p=0.05, repeat_penalty=1.0),
              "complete": dict(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05, repeat_penalty=1.0)}
 
@@ -45,6 +46,8 @@ _DEFAULTS = {"chat": dict(temperature=0.2, top_p=0.95, top_k=40, min_p=0.05, rep
 def needs_serial(method: str, kwargs: dict[str, Any]) -> bool:
     if method == "embed":
         return True
+    if isinstance(kwargs.get("tool_choice"), dict) or isinstance(kwargs.get("function_call"), dict):
+        return True  # a forced function: llama_cpp constrains it by its schema and returns a tool call
     for k in SERIAL_KEYS:
         v = kwargs.get(k)
         if v not in (None, False, 0, [], {}):
@@ -375,7 +378,8 @@ class BatchEngine:
         kw = {**_DEFAULTS[msg.method], **{k: v for k, v in msg.kwargs.items() if v is not None}}
         stop = list(kw.get("stop") or [])  # the router made it a list of strings
         if msg.method == "chat":
-            result = self.formatter(messages=kw["messages"])
+            # tools as llama_cpp passes them: to the template (tool_choice auto or none: text)
+            result = self.formatter(messages=kw["messages"], **{k: kw.get(k) for k in TOOL_KEYS})
             prompt = self.llm.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special,
                                        special=True)
             if result.stop is not None:

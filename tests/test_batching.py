@@ -14,6 +14,7 @@ from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.router import Router
 
 NO_EOS = {"2": -100, "4": -100}  # the tiny models' end-of-generation tokens
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
 PROMPTS = ["hello world", "the model", "router memory", "fast token", "a GPU", "of the", "it is", "you and"]
 
 
@@ -117,11 +118,12 @@ def test_chat_through_the_batch_uses_the_model_template(router):
 def test_requests_the_batch_cannot_serve_take_the_serial_path(router):
     from pyllmrouter.errors import RequestFailed
 
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     busy = router.complete("p", "hello", logit_bias=NO_EOS, max_tokens=200, stream=True)
     next(busy)
-    out = router.chat("p", [{"role": "user", "content": "hi"}], tools=tools, max_tokens=3, temperature=0)
-    assert out["object"] == "chat.completion"  # llama_cpp's own chat handler served it, after the batch
+    forced = {"type": "function", "function": {"name": "f"}}  # a forced tool: llama_cpp's grammar and tool call
+    out = router.chat("p", [{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice=forced, max_tokens=3,
+                      temperature=0)
+    assert out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"  # after the batch
     assert sum(1 for _ in busy) > 0
     with pytest.raises(RequestFailed, match="logprobs"):  # what llama_cpp refuses, it refuses clearly
         router.complete("p", "hello", max_tokens=3, logprobs=2)
@@ -199,3 +201,16 @@ def test_a_step_takes_every_generating_token_then_prompts_in_admission_order():
     # the earliest prompt first: the later one waits for the next step rather than share
     assert {s.seq: k for s, k in allot([late, early] + generating, 40)} == {0: 1, 1: 1, 2: 1, 4: 37}
     assert sum(k for _, k in allot([_Slot(i, admitted=i) for i in range(10)], 4)) == 4  # never over n_batch
+
+
+def test_tools_reach_the_template_in_the_batch_as_llama_cpp_passes_them(router):
+    hi = [{"role": "user", "content": "hi"}]
+    busy = router.complete("p", "hello", logit_bias=NO_EOS, max_tokens=1500, stream=True)
+    next(busy)
+    out = router.chat("p", hi, tools=TOOLS, max_tokens=6, temperature=0, logit_bias=NO_EOS)
+    busy.cancel()
+    assert sum(1 for _ in busy) < 1000  # served beside the busy stream, not after its 1500 tokens
+    theirs = router.chat("serial", hi, tools=TOOLS, max_tokens=6, temperature=0, logit_bias=NO_EOS)  # llama_cpp's
+    plain = router.chat("p", hi, max_tokens=6, temperature=0, logit_bias=NO_EOS)
+    assert out["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
+    assert out["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]

@@ -3,8 +3,9 @@
     {"prompt": [p0, p1], "n": 2} ──split──▶ p0, p0, p1, p1 ──▶ Router.arequest each
                                               (the model's slots serve them together)
     replies ──merge──────────────────▶ one reply, choice i = prompt i // n, copy i % n
-    streams ──MergedStream───────────▶ one stream: chunks as they come, each with
-                                       its choice index; ends when all have ended
+    streams ──MergedStream───────────▶ one stream: every choice's first chunks
+                                       together (or the refusal), then chunks as
+                                       they come, each with its choice index
 
 A copy with a seed gets seed + its copy number (otherwise n copies would be one
 answer n times).  ``split`` and ``merge`` are pure.
@@ -67,6 +68,7 @@ class MergedStream:
         self._next: dict[int, asyncio.Future] = {}  # choice -> its pending anext_batch
         self._ended: set[int] = set()
         self._id: str | None = None
+        self._started = False
 
     @property
     def done(self) -> bool:
@@ -80,7 +82,16 @@ class MergedStream:
         return {k: sum(u.get(k, 0) for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
     async def anext_batch(self) -> list[dict[str, Any]]:
-        """The chunks of whichever choices have some ([] once all have ended)."""
+        """The chunks of whichever choices have some ([] once all have ended).  The first
+        call waits for every choice's first chunks, so that a choice the model refuses
+        (a prompt longer than the context) refuses the request before it streams."""
+        if self._started is False:
+            self._started = True
+            firsts = await asyncio.gather(*(s.anext_batch() for s in self.streams), return_exceptions=True)
+            failed = next((f for f in firsts if isinstance(f, BaseException)), None)
+            if failed is not None:
+                raise failed
+            return [c for i, chunks in enumerate(firsts) for c in self._take(i, chunks)]
         while not self.done:
             for i, s in enumerate(self.streams):
                 if i not in self._ended and i not in self._next:
@@ -91,18 +102,21 @@ class MergedStream:
                 if fut not in ready:
                     continue
                 del self._next[i]
-                chunks = fut.result()  # a failure ends the merged stream (EventStream abandons the rest)
-                if not chunks or self.streams[i].done:
-                    self._ended.add(i)
-                for chunk in chunks:
-                    self._id = self._id or chunk.get("id")
-                    chunk["id"] = self._id
-                    for choice in chunk.get("choices", []):
-                        choice["index"] = i
-                out.extend(chunks)
+                out.extend(self._take(i, fut.result()))  # a failure ends it (EventStream abandons the rest)
             if out:
                 return out
         return []
+
+    def _take(self, i: int, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Choice ``i``'s chunks under the merged id and its index; notes whether it ended."""
+        if not chunks or self.streams[i].done:
+            self._ended.add(i)
+        for chunk in chunks:
+            self._id = self._id or chunk.get("id")
+            chunk["id"] = self._id
+            for choice in chunk.get("choices", []):
+                choice["index"] = i
+        return chunks
 
     def cancel(self) -> None:
         for s in self.streams:
