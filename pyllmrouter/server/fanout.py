@@ -52,11 +52,17 @@ def merge(replies: list[dict[str, Any]]) -> dict[str, Any]:
     """One reply of several: their choices in order, renumbered; their usage summed."""
     choices = [{**c, "index": i} for i, r in enumerate(replies) for c in r["choices"]]
     out = {**replies[0], "choices": choices}
-    usages = [r.get("usage") for r in replies]
-    if all(isinstance(u, dict) for u in usages):
-        out["usage"] = {k: sum(u.get(k, 0) for u in usages)
-                        for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    usage = _total([r.get("usage") for r in replies])
+    if usage is not None:
+        out["usage"] = usage
     return out
+
+
+def _total(usages: list[Any]) -> dict[str, int] | None:
+    """The token counts of all choices, if each has them."""
+    if not all(isinstance(u, dict) for u in usages):
+        return None
+    return {k: sum(u.get(k, 0) for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
 
 
 class MergedStream:
@@ -75,17 +81,14 @@ class MergedStream:
         return len(self._ended) == len(self.streams)
 
     @property
-    def usage(self) -> dict[str, Any] | None:
-        usages = [s.usage for s in self.streams]
-        if not all(isinstance(u, dict) for u in usages):
-            return None
-        return {k: sum(u.get(k, 0) for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    def usage(self) -> dict[str, int] | None:
+        return _total([s.usage for s in self.streams])
 
     async def anext_batch(self) -> list[dict[str, Any]]:
         """The chunks of whichever choices have some ([] once all have ended).  The first
         call waits for every choice's first chunks, so that a choice the model refuses
         (a prompt longer than the context) refuses the request before it streams."""
-        if self._started is False:
+        if not self._started:
             self._started = True
             firsts = await asyncio.gather(*(s.anext_batch() for s in self.streams), return_exceptions=True)
             failed = next((f for f in firsts if isinstance(f, BaseException)), None)
