@@ -30,7 +30,7 @@ from typing import Any
 
 from .errors import BadRequest
 
-__all__ = ["normalize", "check_tokens"]
+__all__ = ["normalize", "check_tokens", "is_tokens"]
 
 _NUMBERS = ("temperature", "presence_penalty", "frequency_penalty", "repeat_penalty", "mirostat_tau",
             "mirostat_eta", "tfs_z")
@@ -153,16 +153,17 @@ def _response_format(v: Any) -> dict[str, Any] | None:
     raise BadRequest("response_format", "'response_format.type' must be 'text', 'json_object' or 'json_schema'")
 
 
-def _is_tokens(v: Any) -> bool:
+def is_tokens(v: Any) -> bool:
+    """Whether ``v`` is a list of token ids (an empty list is one)."""
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 def _prompt(v: Any) -> str | list[int]:
-    if isinstance(v, list) and len(v) == 1 and (isinstance(v[0], str) or _is_tokens(v[0])):
+    if isinstance(v, list) and len(v) == 1 and (isinstance(v[0], str) or is_tokens(v[0])):
         v = v[0]  # one prompt in OpenAI's batch shape
     if isinstance(v, str):
         return v
-    if _is_tokens(v):
+    if is_tokens(v):
         if any(t < 0 for t in v):
             raise BadRequest("prompt", "'prompt' token ids must not be negative")
         return v if v else ""  # no tokens: as an empty string (the start-of-text token alone)

@@ -16,15 +16,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ..openai_params import is_tokens
 from .errors import ApiError
 
 __all__ = ["MAX_CHOICES", "MergedStream", "merge", "split"]
 
 MAX_CHOICES = 64  # prompts × n in one request
-
-
-def _is_tokens(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
 
 def split(method: str, params: dict[str, Any], n: Any) -> list[dict[str, Any]]:
@@ -33,7 +30,7 @@ def split(method: str, params: dict[str, Any], n: Any) -> list[dict[str, Any]]:
         raise ApiError(400, f"'n' must be a positive integer, not {n!r}", param="n")
     prompts = [params.get("prompt")]
     p = prompts[0]
-    if method == "complete" and isinstance(p, list) and len(p) > 1 and not _is_tokens(p):
+    if method == "complete" and isinstance(p, list) and len(p) > 1 and not is_tokens(p):
         prompts = p  # OpenAI's batch of prompts: strings or token lists (a flat token list is one prompt)
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts × n={n} choices exceed the limit of {MAX_CHOICES} per request",
