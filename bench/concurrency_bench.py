@@ -18,7 +18,10 @@ confidence interval: the rounds are paired), p50/p99 time to first token over
 all rounds' requests (and the per-round p50 ratios, likewise), and CPU seconds
 per 1000 tokens of each server's process tree (ours includes its workers),
 split into its decode threads (the --threads busiest) and the others, and of
-the benchmark's own clients; writes JSON (default
+the benchmark's own clients; and from each server's /metrics (llama-server
+with --metrics) how it batched: llama_decode calls per 1000 tokens and busy
+slots per call, and for ours where a step's time goes (inside llama_decode,
+and the rest: batch, sampling, text, sending).  Writes JSON (default
 bench/results/concurrency_bench.json).
 """
 
@@ -122,29 +125,55 @@ def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, f
     return sum(used[:compute_threads]), sum(used[compute_threads:])
 
 
+def decode_counters(base: str, server: str) -> dict[str, float]:
+    """The server's decode counters from its /metrics: llama_decode calls and busy slots
+    summed over them (both servers), seconds inside llama_decode and in whole steps (ours)."""
+    values = {}
+    for line in httpx.get(base + "/metrics", timeout=60).text.splitlines():
+        name, _, value = line.rpartition(" ")
+        if name and not line.startswith("#"):
+            values[name] = float(value)
+    if server == "llama-server":
+        n = values["llamacpp:n_decode_total"]
+        return {"decodes": n, "busy_slots": values["llamacpp:n_busy_slots_per_decode"] * n}
+    ours = {k: values[f'pyllmrouter_model_{m}_total{{model="m"}}'] for k, m in (
+        ("decodes", "decode_calls"), ("busy_slots", "decode_busy_slots"), ("decode_s", "decode_seconds"),
+        ("step_s", "step_seconds"))}
+    return ours
+
+
 def run_level(base: str, model: str, clients: int, per_client: int, tokens: int, pid: int,
-              compute_threads: int, prompt: Callable[[], str] = lambda: PROMPT) -> dict:
+              compute_threads: int, prompt: Callable[[], str] = lambda: PROMPT, server: str = "pyllmrouter") -> dict:
     retries: list[int] = []
 
     def make_call(_i: int):
         client = httpx.Client(base_url=base, timeout=600)  # one connection per client, as a real one keeps
         return lambda: one_request(client, model, tokens, retries, prompt())
 
+    counters0 = decode_counters(base, server)
     cpu0, client0 = thread_cpu(pid), sum(os.times()[:2])
     run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError, RuntimeError))
     client = sum(os.times()[:2]) - client0
     compute, other = cpu_split(cpu0, thread_cpu(pid), compute_threads)
+    decode = {k: v - counters0[k] for k, v in decode_counters(base, server).items()}
     ttfts, counts = [v[0] for v in run.values], [v[1] for v in run.values]
     return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "retries": len(retries),
             "tokens": sum(counts), "cpu_s": compute + other, "compute_cpu_s": compute, "other_cpu_s": other,
-            "client_cpu_s": client,
+            "client_cpu_s": client, "decode": decode,
             "seconds": run.wall, "tok_s": sum(counts) / run.wall, "ttft_s": ttfts}
 
 
 def summary(rounds: list[dict]) -> dict:
     """One concurrency level over its rounds."""
     ttfts = [t for r in rounds for t in r["ttft_s"]]
-    return {"clients": rounds[0]["clients"], "tok_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
+    decode = {k: sum(r["decode"][k] for r in rounds) for k in rounds[0]["decode"]}
+    calls = max(1.0, decode["decodes"])
+    batching = {"decodes_per_1k_tokens": 1e3 * decode["decodes"] / max(1, sum(r["tokens"] for r in rounds)),
+                "busy_slots_per_decode": decode["busy_slots"] / calls}
+    if "step_s" in decode:
+        batching.update(decode_ms_per_call=1e3 * decode["decode_s"] / calls,
+                        rest_of_step_ms_per_call=1e3 * (decode["step_s"] - decode["decode_s"]) / calls)
+    return {**batching, "clients": rounds[0]["clients"], "tok_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
             "round_tok_s": [r["tok_s"] for r in rounds], "retries": sum(r["retries"] for r in rounds),
             "round_ttft_p50_ms": [percentile(r["ttft_s"], 0.5) * 1e3 for r in rounds],
             **{f"{k}_per_1k_tokens": 1e3 * sum(r[k] for r in rounds) / max(1, sum(r["tokens"] for r in rounds))
@@ -205,7 +234,7 @@ def main() -> None:
         ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"], env=env)
         theirs = subprocess.Popen([args.llama_server, "-m", str(model), "-c", str(args.ctx), "-np", str(args.parallel),
                                    "-t", str(args.threads), "-tb", str(args.threads), "--port", str(theirs_port),
-                                   "--host", "127.0.0.1", "-a", "m", "--no-webui"]
+                                   "--host", "127.0.0.1", "-a", "m", "--no-webui", "--metrics"]
                                   + (["-kvu"] if args.kv_unified else []),
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
@@ -220,7 +249,7 @@ def main() -> None:
                     order = ["pyllmrouter", "llama-server"] if (clients + rnd) % 2 else ["llama-server", "pyllmrouter"]
                     for name in order:
                         runs[name][clients].append(run_level(bases[name], "m", clients, args.requests_per_client,
-                                                             args.tokens, pids[name], args.threads, prompt))
+                                                             args.tokens, pids[name], args.threads, prompt, name))
         finally:
             for p in (ours, theirs):
                 p.terminate()
@@ -231,7 +260,7 @@ def main() -> None:
             if errors:
                 print(f"{name}, {clients} clients: {len(errors)} failed requests: {errors[0]}")
     results = {name: [summary(rs) for rs in by_level.values()] for name, by_level in runs.items()}
-    rows, cpu_rows = [], []
+    rows, cpu_rows, batch_rows = [], [], []
     for ours_r, theirs_r in zip(results["pyllmrouter"], results["llama-server"]):
         per_round = [a / b for a, b in zip(ours_r["round_tok_s"], theirs_r["round_tok_s"])]
         gmean, low, high = ratio_interval(ours_r["round_tok_s"], theirs_r["round_tok_s"])
@@ -245,6 +274,10 @@ def main() -> None:
                      f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}",
                      f"{ttft[0]:.2f} [{ttft[1]:.2f}, {ttft[2]:.2f}]",
                      f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
+        batch_rows.append([ours_r["clients"], f"{ours_r['decodes_per_1k_tokens']:.0f}",
+                           f"{theirs_r['decodes_per_1k_tokens']:.0f}", f"{ours_r['busy_slots_per_decode']:.2f}",
+                           f"{theirs_r['busy_slots_per_decode']:.2f}", f"{ours_r['decode_ms_per_call']:.2f}",
+                           f"{ours_r['rest_of_step_ms_per_call']:.2f}"])
         cpu_rows.append([ours_r["clients"]] + [f"{r[k]:.2f}" for r in (ours_r, theirs_r)
                                                for k in ("compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens",
                                                          "client_cpu_s_per_1k_tokens")])
@@ -255,6 +288,10 @@ def main() -> None:
           "(HTTP, routing), and the benchmark's clients")
     print(render(["clients", "ours decode", "ours other", "clients of ours", "llama-server decode",
                   "llama-server other", "clients of llama-server"], cpu_rows))
+    print("\nBatching, from each server's /metrics: llama_decode calls per 1000 generated tokens, busy slots per "
+          "call; ours: ms per call inside llama_decode, and the rest of the step (batch, sampling, text, sending)")
+    print(render(["clients", "ours decodes/1k tok", "llama-server decodes/1k tok", "ours slots/decode",
+                  "llama-server slots/decode", "ours llama_decode ms", "ours rest of step ms"], batch_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "concurrency", "parallel": args.parallel, "tokens": args.tokens,
                                     "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,

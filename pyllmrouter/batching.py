@@ -29,12 +29,12 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from .openai_params import check_tokens
 
-__all__ = ["BatchEngine", "allot", "needs_serial", "response_grammar"]
+__all__ = ["BatchEngine", "EngineStats", "allot", "needs_serial", "response_grammar"]
 
 REUSE_MIN = 16  # shortest cached prefix worth reusing (tokens)
 SERIAL_KEYS = ("logprobs", "top_logprobs", "mirostat_mode", "logits_processor", "grammar", "suffix", "echo")
@@ -53,6 +53,25 @@ def needs_serial(method: str, kwargs: dict[str, Any]) -> bool:
         if v not in (None, False, 0, [], {}):
             return True
     return False
+
+
+@dataclass
+class EngineStats:
+    """What one engine has done since its model was loaded (llama-server's /metrics
+    counters, and where a step's time goes).  Written by the loop thread only."""
+
+    n_decode: int = 0  # llama_decode calls
+    busy_slots: int = 0  # summed over those calls: the sequences each carried
+    prompt_tokens: int = 0  # prompt tokens decoded (not reused)
+    prompt_tokens_cached: int = 0  # prompt tokens reused from a slot's cache
+    tokens_predicted: int = 0
+    decode_seconds: float = 0.0  # inside llama_decode
+    step_seconds: float = 0.0  # whole steps: batch, llama_decode, sampling, text, sending the chunks
+    requests: int = 0  # finished on the batch
+    serial_requests: int = 0  # served alone by llama_cpp's own methods
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
 
 
 @dataclass(eq=False)
@@ -119,6 +138,7 @@ class BatchEngine:
         self.formatter = _chat_formatter(llm)
         self._admissions = itertools.count()
         self._pieces: dict[int, tuple[bool, bytes]] = {}  # token -> (end of generation?, its bytes)
+        self.stats = EngineStats()
         self.thread = threading.Thread(target=self._loop, name=f"batch-{name}", daemon=True)
         self.thread.start()
 
@@ -155,6 +175,7 @@ class BatchEngine:
                 pass
             self._admit()
             if any(s.req for s in self.slots):
+                t0 = time.perf_counter()
                 try:
                     self._step()
                 except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
@@ -162,7 +183,10 @@ class BatchEngine:
                         if s.req:
                             self.send(Failed(s.req.req_id, type(e).__name__, str(e)))
                             self._release(s, clear=True)
-            elif unload is not None and not self.waiting:
+                self._flush()
+                self.stats.step_seconds += time.perf_counter() - t0
+                continue
+            if unload is not None and not self.waiting:
                 self.lc.llama_batch_free(self.batch)
                 self.llm.close()
                 self.send(Unloaded(unload.req_id, self.name))
@@ -179,6 +203,7 @@ class BatchEngine:
                 if any(s.req for s in self.slots):
                     return  # served once every slot is idle, in arrival order
                 self.waiting.pop(0)
+                self.stats.serial_requests += 1  # before its reply goes out
                 self._serial(msg)
                 continue
             free = [s for s in self.slots if s.req is None]
@@ -231,6 +256,7 @@ class BatchEngine:
         slot.req = req
         slot.admitted = next(self._admissions)
         req.cached = keep
+        self.stats.prompt_tokens_cached += keep
 
     def _step(self) -> None:
         """One llama_decode for every busy slot; a full KV cache ends the longest sequence."""
@@ -239,7 +265,12 @@ class BatchEngine:
             if not busy:
                 return
             plan = self._plan(busy)
+            t0 = time.perf_counter()
             rc = self.lc.llama_decode(self.ctx, self.batch)
+            st = self.stats
+            st.decode_seconds += time.perf_counter() - t0
+            st.n_decode += 1
+            st.busy_slots += len(busy)
             if rc == 0:
                 break
             for s, _take, _last in plan:  # undo whatever part of the batch was stored
@@ -253,6 +284,7 @@ class BatchEngine:
         for s, take, last_prompt in plan:
             if s.pending:
                 s.pending = s.pending[len(take):]
+                st.prompt_tokens += len(take)
             s.cache.extend(take)
         for s, _take, last_prompt in plan:
             if last_prompt and s.req is not None:
@@ -290,6 +322,7 @@ class BatchEngine:
             self._finish(s, "stop")
             return
         req.generated += 1
+        self.stats.tokens_predicted += 1
         s.next_token = tok
         piece = req.decoder.decode(raw)
         text = req.held + piece
@@ -361,6 +394,7 @@ class BatchEngine:
                 obj = {"id": "cmpl-" + req.ident, "object": "text_completion"}
             self.send(Result(req.req_id, {**obj, "created": req.created, "model": self.name, "choices": [choice],
                                           "usage": usage}))
+        self.stats.requests += 1
         self._release(s)
 
     def _release(self, s: _Slot, clear: bool = False) -> None:

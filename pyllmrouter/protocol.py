@@ -1,6 +1,6 @@
 """Messages between the router and a worker, over a multiprocessing pipe.
 
-    router ──LoadModel / UnloadModel / Run / Cancel / Probe / Shutdown──▶ worker
+    router ──LoadModel / UnloadModel / Run / Cancel / Probe / Stats / Shutdown──▶ worker
     router ◀──Ready / Loaded / Unloaded / Chunk / Result / Failed──────── worker
 
 Every request carries a ``req_id``; every reply names the request it answers.
@@ -16,7 +16,7 @@ from typing import Any
 from .spec import ModelSpec
 
 __all__ = [
-    "LoadModel", "UnloadModel", "Run", "Cancel", "Probe", "Fit", "Shutdown",
+    "LoadModel", "UnloadModel", "Run", "Cancel", "Probe", "Fit", "Stats", "Shutdown",
     "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "Batch", "FINAL",
 ]
 
@@ -62,6 +62,14 @@ class Fit:
     req_id: int
     spec: ModelSpec
     grants: dict[str, int]  # worker-local device names (and "CPU") -> bytes
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Answered at once by the worker's main thread: a Result with the counters of
+    each batched model it hosts (model name -> EngineStats.as_dict())."""
+
+    req_id: int
 
 
 @dataclass(frozen=True)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any, AsyncIterator, Iterable
 
 from .config import ModelConfig, RouterOptions
 from .devices import Inventory, SystemInventory
 from .errors import RequestFailed, RouterError, WorkerDied
 from .openai_params import normalize
-from .protocol import Chunk, Failed, Result, Run
+from .protocol import Chunk, Failed, Result, Run, Stats
 from .scheduler import Record, Scheduler
 
 __all__ = ["Router"]
@@ -90,6 +91,28 @@ class Router:
 
     def status(self) -> dict[str, Any]:
         return self._sched.status()
+
+    def engine_stats(self, timeout: float = 5.0) -> dict[str, dict[str, float]]:
+        """Per loaded model with parallel slots, what its batch loop has done since it
+        was loaded (``EngineStats``: decode calls, busy slots, prompt and generated
+        tokens, seconds in llama_decode and in whole steps).  Asked of every worker
+        at once; a worker that does not answer within ``timeout`` is left out."""
+        asked = []
+        for w in self._sched.workers():
+            try:
+                asked.append(w.call(Stats))
+            except WorkerDied:
+                pass
+        out: dict[str, dict[str, float]] = {}
+        deadline = time.monotonic() + timeout
+        for pending in asked:
+            try:
+                reply = pending.get(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                continue
+            if isinstance(reply, Result):
+                out.update(reply.value)
+        return out
 
     def models(self) -> list[ModelConfig]:
         return [r.config for r in self._sched.records()]

@@ -419,6 +419,10 @@ class Scheduler:
         with self._cond:
             return self._workers.get(device_set)
 
+    def workers(self) -> list[WorkerHandle]:
+        with self._cond:
+            return [w for w in self._workers.values() if w.alive]
+
     def _ensure_worker(self, device_set: frozenset[str]) -> WorkerHandle:
         with self._cond:
             lock = self._worker_locks.setdefault(device_set, threading.Lock())

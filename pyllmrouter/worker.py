@@ -5,6 +5,7 @@
                                ├─ UnloadModel ▶ the model's queue (after its requests)
                                ├─ Cancel ─────▶ cancelled set (checked per token)
                                ├─ Probe ──────▶ probe thread ─▶ Result | Failed
+                               ├─ Stats ──────▶ Result: each batched model's counters, at once
                                └─ Shutdown / EOF (router gone) ──▶ exit
     model thread (one per model): parallel > 1: a continuous-batching loop (batching.py);
                                 parallel 1 / embeddings: requests in arrival order
@@ -24,7 +25,7 @@ import time
 from typing import Any, Callable
 
 from .protocol import Cancel, Chunk, Failed, Fit, LoadModel, Loaded, Probe, Ready, Result, Run, Shutdown, \
-    Unloaded, UnloadModel
+    Stats, Unloaded, UnloadModel
 
 __all__ = ["worker_main"]
 
@@ -100,6 +101,8 @@ def _serial(llm: Any, msg: Run, send: Callable[[Any], None], cancelled: set[int]
 
 class _Hosted:
     """One loaded model served one request at a time, in arrival order."""
+
+    stats = None  # llama_cpp's own methods decode: no step counters
 
     def __init__(self, name: str, llm: Any, send: Callable[[Any], None], cancelled: set[int]):
         self.name = name
@@ -180,6 +183,9 @@ class _Worker:
                 self.cancelled.add(msg.req_id)
             elif isinstance(msg, LoadModel):
                 threading.Thread(target=self._load, args=(msg,), daemon=True).start()
+            elif isinstance(msg, Stats):
+                self.send(Result(msg.req_id, {name: m.stats.as_dict() for name, m in list(self.models.items())
+                                              if m.stats is not None}))
             elif isinstance(msg, (Probe, Fit)):
                 threading.Thread(target=self._probe, args=(msg,), daemon=True).start()
             elif isinstance(msg, UnloadModel):

@@ -214,3 +214,22 @@ def test_tools_reach_the_template_in_the_batch_as_llama_cpp_passes_them(router):
     plain = router.chat("p", hi, max_tokens=6, temperature=0, logit_bias=NO_EOS)
     assert out["usage"]["prompt_tokens"] == theirs["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
     assert out["choices"][0]["message"]["content"] == theirs["choices"][0]["message"]["content"]
+
+
+def test_engine_counters_follow_what_the_batch_did(router):
+    router.load("p")
+    router.load("serial")
+    before = router.engine_stats()["p"]
+    outs = concurrently(lambda p: alone(router, "p", p, max_tokens=40), [(p,) for p in PROMPTS[:4]])
+    forced = {"type": "function", "function": {"name": "f"}}
+    router.chat("p", [{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice=forced, max_tokens=3)
+    stats = router.engine_stats()
+    assert "serial" not in stats  # one slot: llama_cpp's own methods decode, no step counters
+    d = {k: v - before[k] for k, v in stats["p"].items()}
+    assert d["tokens_predicted"] == sum(o["usage"]["completion_tokens"] for o in outs) == 160
+    assert d["prompt_tokens"] + d["prompt_tokens_cached"] == sum(o["usage"]["prompt_tokens"] for o in outs)
+    assert d["prompt_tokens_cached"] == sum(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
+    assert d["requests"] == 4 and d["serial_requests"] == 1
+    # each sequence is in 40 decodes (its prompt, then a token for each of 39 more), several per decode
+    assert d["busy_slots"] == 160 > d["n_decode"]
+    assert 0 < d["decode_seconds"] < d["step_seconds"]

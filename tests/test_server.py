@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
@@ -153,6 +154,14 @@ def test_props_health_metrics(http, server):
     assert "pyllmrouter_loads_total" in text and 'pyllmrouter_device_capacity_bytes{device="GPU0"}' in text
     assert 'pyllmrouter_request_seconds_count{endpoint="completions",model="a",status="200"}' in text
     assert "pyllmrouter_queue_wait_seconds_count" in text
+    # decode counters of a model with parallel slots (b; a has one slot: llama_cpp's own loop)
+    used = http.post("/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 3,
+                                              "logit_bias": {"2": -100, "4": -100}}).json()["usage"]
+    text = http.get("/metrics").text
+    counters = dict(re.findall(r'^pyllmrouter_model_(\w+)_total\{model="b"\} (\S+)$', text, re.M))
+    assert float(counters["tokens_predicted"]) >= used["completion_tokens"] == 3
+    assert float(counters["decode_calls"]) >= 3 and float(counters["requests_batched"]) >= 1
+    assert 'pyllmrouter_model_tokens_predicted_total{model="a"}' not in text
 
 
 def test_auth(server):

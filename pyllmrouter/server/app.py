@@ -267,7 +267,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        engines = await asyncio.to_thread(router.engine_stats)
+        return Response(metrics.render(engines), media_type="text/plain; version=0.0.4")
 
     return app
 
