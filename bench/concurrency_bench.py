@@ -136,10 +136,9 @@ def decode_counters(base: str, server: str) -> dict[str, float]:
     if server == "llama-server":
         n = values["llamacpp:n_decode_total"]
         return {"decodes": n, "busy_slots": values["llamacpp:n_busy_slots_per_decode"] * n}
-    ours = {k: values[f'pyllmrouter_model_{m}_total{{model="m"}}'] for k, m in (
+    return {k: values[f'pyllmrouter_model_{m}_total{{model="m"}}'] for k, m in (
         ("decodes", "decode_calls"), ("busy_slots", "decode_busy_slots"), ("decode_s", "decode_seconds"),
         ("step_s", "step_seconds"))}
-    return ours
 
 
 def run_level(base: str, model: str, clients: int, per_client: int, tokens: int, pid: int,

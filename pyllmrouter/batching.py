@@ -61,7 +61,7 @@ class EngineStats:
     counters, and where a step's time goes).  Written by the loop thread only."""
 
     n_decode: int = 0  # llama_decode calls
-    busy_slots: int = 0  # summed over those calls: the sequences each carried
+    busy_slots: int = 0  # slots busy at each of those calls, summed (as llama-server counts them)
     prompt_tokens: int = 0  # prompt tokens decoded (not reused)
     prompt_tokens_cached: int = 0  # prompt tokens reused from a slot's cache
     tokens_predicted: int = 0

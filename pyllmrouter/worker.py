@@ -69,7 +69,7 @@ def _serial(llm: Any, msg: Run, send: Callable[[Any], None], cancelled: set[int]
         if gbnf:  # create_completion takes a grammar, not a response_format
             kwargs["grammar"] = llama_cpp.LlamaGrammar.from_string(gbnf, verbose=False)
     rid, eos = msg.req_id, llm.token_eos()
-    bias = {int(k): float(v) for k, v in (kwargs.pop("logit_bias", None) or {}).items()}
+    bias = kwargs.pop("logit_bias", None) or {}  # token id -> float (openai_params.normalize)
 
     def bias_and_cancel(_ids, scores):
         # logit_bias is applied here: llama_cpp drops both its own bias and any

@@ -16,7 +16,7 @@ __all__ = ["Metrics", "ENGINE_COUNTERS"]
 ENGINE_COUNTERS = {
     "n_decode": ("decode_calls_total", "llama_decode calls of the model's batch loop"),
     "busy_slots": ("decode_busy_slots_total",
-                   "Sequences in each llama_decode call, summed (over decode calls: busy slots per decode)"),
+                   "Slots busy at each llama_decode call, summed (over decode calls: busy slots per decode)"),
     "prompt_tokens": ("prompt_tokens_total", "Prompt tokens processed, excluding cached tokens"),
     "prompt_tokens_cached": ("prompt_tokens_cached_total", "Prompt tokens reused from a slot's cache"),
     "tokens_predicted": ("tokens_predicted_total", "Tokens generated"),
