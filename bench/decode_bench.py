@@ -98,6 +98,13 @@ def their_decode(binary: str, model: Path, parallel: int, prompt: int, tokens: i
     raise RuntimeError(f"llama-batched-bench printed no result: {out.stdout[-500:]!r} {out.stderr[-500:]!r}")
 
 
+def _columns(figures: dict, fmt: str) -> list[str]:
+    """ours, theirs, ratio [95 % CI] of one figure, for the table."""
+    low, high = figures["ratio_ci95"]
+    return [format(figures["ours"], fmt), format(figures["theirs"], fmt),
+            f"{figures['ratio_gmean']:.2f} [{low:.2f}, {high:.2f}]"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parallel", default="1,8")
@@ -139,12 +146,7 @@ def main() -> None:
                           "theirs": statistics.median(r[key] for r in theirs), "ratio_gmean": ratio,
                           "ratio_ci95": [low, high]}
         results[parallel] = level
-        rows.append([parallel, *(f"{level[k][w]:.1f}" for k in ("tg_tok_s",) for w in ("ours", "theirs")),
-                     f"{level['tg_tok_s']['ratio_gmean']:.2f} [{level['tg_tok_s']['ratio_ci95'][0]:.2f}, "
-                     f"{level['tg_tok_s']['ratio_ci95'][1]:.2f}]",
-                     *(f"{level['pp_tok_s'][w]:.0f}" for w in ("ours", "theirs")),
-                     f"{level['pp_tok_s']['ratio_gmean']:.2f} [{level['pp_tok_s']['ratio_ci95'][0]:.2f}, "
-                     f"{level['pp_tok_s']['ratio_ci95'][1]:.2f}]"])
+        rows.append([parallel, *_columns(level["tg_tok_s"], ".1f"), *_columns(level["pp_tok_s"], ".0f")])
     print(f"\nllama_decode alone ({args.prompt}-token prompts, {args.tokens} steps, {args.threads} threads, "
           f"{'unified' if args.kv_unified else 'per-sequence'} KV, {args.rounds} rounds; tok/s are the rounds' medians)")
     print(render(["parallel", "ours TG tok/s", "batched-bench TG tok/s", "TG ratio [95% CI]",
