@@ -125,7 +125,7 @@ def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, f
     return sum(used[:compute_threads]), sum(used[compute_threads:])
 
 
-def decode_counters(base: str, server: str) -> dict[str, float]:
+def decode_counters(base: str, server: str, model: str) -> dict[str, float]:
     """The server's decode counters from its /metrics: llama_decode calls and busy slots
     summed over them (both servers), seconds inside llama_decode and in whole steps (ours)."""
     values = {}
@@ -136,7 +136,7 @@ def decode_counters(base: str, server: str) -> dict[str, float]:
     if server == "llama-server":
         n = values["llamacpp:n_decode_total"]
         return {"decodes": n, "busy_slots": values["llamacpp:n_busy_slots_per_decode"] * n}
-    return {k: values[f'pyllmrouter_model_{m}_total{{model="m"}}'] for k, m in (
+    return {k: values[f'pyllmrouter_model_{m}_total{{model="{model}"}}'] for k, m in (
         ("decodes", "decode_calls"), ("busy_slots", "decode_busy_slots"), ("decode_s", "decode_seconds"),
         ("step_s", "step_seconds"))}
 
@@ -149,12 +149,12 @@ def run_level(base: str, model: str, clients: int, per_client: int, tokens: int,
         client = httpx.Client(base_url=base, timeout=600)  # one connection per client, as a real one keeps
         return lambda: one_request(client, model, tokens, retries, prompt())
 
-    counters0 = decode_counters(base, server)
+    counters0 = decode_counters(base, server, model)
     cpu0, client0 = thread_cpu(pid), sum(os.times()[:2])
     run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError, RuntimeError))
     client = sum(os.times()[:2]) - client0
     compute, other = cpu_split(cpu0, thread_cpu(pid), compute_threads)
-    decode = {k: v - counters0[k] for k, v in decode_counters(base, server).items()}
+    decode = {k: v - counters0[k] for k, v in decode_counters(base, server, model).items()}
     ttfts, counts = [v[0] for v in run.values], [v[1] for v in run.values]
     return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "retries": len(retries),
             "tokens": sum(counts), "cpu_s": compute + other, "compute_cpu_s": compute, "other_cpu_s": other,

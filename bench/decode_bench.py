@@ -90,7 +90,7 @@ def their_decode(binary: str, model: Path, parallel: int, prompt: int, tokens: i
                  kv_unified: bool) -> dict[str, float]:
     cmd = [binary, "-m", str(model), "-c", str(ctx), "-npp", str(prompt), "-ntg", str(tokens), "-npl", str(parallel),
            "-t", str(threads), "-tb", str(threads), "-kvu" if kv_unified else "-no-kvu", "--output-format", "jsonl"]
-    for _attempt in range(3):  # its logger thread now and then loses the result line at exit: run it again
+    for _attempt in range(3):  # now and then it exits 0 without the result line: run it again
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows = [json.loads(line[line.index("{"):]) for line in out.stdout.splitlines() if '"speed_tg"' in line]
         if rows:
