@@ -7,7 +7,8 @@
 
 Both servers load the same generated model file with the same parallel slots,
 context, batch sizes and threads, and are measured alternately at each
-concurrency level, in several rounds (the order flips each time).  Every request
+concurrency level, in several rounds (the order flips each time), after one
+unmeasured request per client at the highest level.  Every request
 streams a fixed number of tokens (end of sequence biased away) at temperature 0;
 its prompt is a short fixed one (reused from a slot's cache after the first
 request), or with --prompt-words a distinct prompt of that many words (nothing
@@ -240,9 +241,10 @@ def main() -> None:
             bases = {"pyllmrouter": ours_base, "llama-server": f"http://127.0.0.1:{theirs_port}"}
             pids = {"pyllmrouter": ours.pid, "llama-server": theirs.pid}  # CPU: ours counts its workers
             wait_healthy(bases["llama-server"], theirs)
-            for name, base in bases.items():  # warm both
+            for name, base in bases.items():  # warm both: loaded, and every slot has decoded before round 1
                 with httpx.Client(base_url=base, timeout=600) as c:
                     one_request(c, "m", 8)
+                run_level(base, "m", max(levels), 1, args.tokens, pids[name], args.threads, prompt, name)
             for rnd in range(args.rounds):
                 for clients in levels:
                     order = ["pyllmrouter", "llama-server"] if (clients + rnd) % 2 else ["llama-server", "pyllmrouter"]
