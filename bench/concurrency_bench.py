@@ -22,7 +22,8 @@ split into its decode threads (the --threads busiest) and the others, and of
 the benchmark's own clients; and from each server's /metrics (llama-server
 with --metrics) how it batched: llama_decode calls per 1000 tokens and busy
 slots per call, and for ours where a step's time goes (inside llama_decode,
-and the rest: batch, sampling, text, sending).  Writes JSON (default
+and the rest: batch, sampling, text, sending; and of the rest, sending the
+chunks to the router).  Writes JSON (default
 bench/results/concurrency_bench.json).
 """
 
@@ -139,7 +140,7 @@ def decode_counters(base: str, server: str, model: str) -> dict[str, float]:
         return {"decodes": n, "busy_slots": values["llamacpp:n_busy_slots_per_decode"] * n}
     return {k: values[f'pyllmrouter_model_{m}_total{{model="{model}"}}'] for k, m in (
         ("decodes", "decode_calls"), ("busy_slots", "decode_busy_slots"), ("decode_s", "decode_seconds"),
-        ("step_s", "step_seconds"))}
+        ("step_s", "step_seconds"), ("send_s", "send_seconds"))}
 
 
 def run_level(base: str, model: str, clients: int, per_client: int, tokens: int, pid: int,
@@ -172,7 +173,8 @@ def summary(rounds: list[dict]) -> dict:
                 "busy_slots_per_decode": decode["busy_slots"] / calls}
     if "step_s" in decode:
         batching.update(decode_ms_per_call=1e3 * decode["decode_s"] / calls,
-                        rest_of_step_ms_per_call=1e3 * (decode["step_s"] - decode["decode_s"]) / calls)
+                        rest_of_step_ms_per_call=1e3 * (decode["step_s"] - decode["decode_s"]) / calls,
+                        sending_ms_per_call=1e3 * decode["send_s"] / calls)
     return {**batching, "clients": rounds[0]["clients"], "tok_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
             "round_tok_s": [r["tok_s"] for r in rounds], "retries": sum(r["retries"] for r in rounds),
             "round_ttft_p50_ms": [percentile(r["ttft_s"], 0.5) * 1e3 for r in rounds],
@@ -278,7 +280,7 @@ def main() -> None:
         batch_rows.append([ours_r["clients"], f"{ours_r['decodes_per_1k_tokens']:.0f}",
                            f"{theirs_r['decodes_per_1k_tokens']:.0f}", f"{ours_r['busy_slots_per_decode']:.2f}",
                            f"{theirs_r['busy_slots_per_decode']:.2f}", f"{ours_r['decode_ms_per_call']:.2f}",
-                           f"{ours_r['rest_of_step_ms_per_call']:.2f}"])
+                           f"{ours_r['rest_of_step_ms_per_call']:.2f}", f"{ours_r['sending_ms_per_call']:.2f}"])
         cpu_rows.append([ours_r["clients"]] + [f"{r[k]:.2f}" for r in (ours_r, theirs_r)
                                                for k in ("compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens",
                                                          "client_cpu_s_per_1k_tokens")])
@@ -290,9 +292,11 @@ def main() -> None:
     print(render(["clients", "ours decode", "ours other", "clients of ours", "llama-server decode",
                   "llama-server other", "clients of llama-server"], cpu_rows))
     print("\nBatching, from each server's /metrics: llama_decode calls per 1000 generated tokens, busy slots per "
-          "call; ours: ms per call inside llama_decode, and the rest of the step (batch, sampling, text, sending)")
+          "call; ours: ms per call inside llama_decode, the rest of the step (batch, sampling, text, sending), "
+          "and of that rest, sending the step's chunks to the router (pickle and pipe write)")
     print(render(["clients", "ours decodes/1k tok", "llama-server decodes/1k tok", "ours slots/decode",
-                  "llama-server slots/decode", "ours llama_decode ms", "ours rest of step ms"], batch_rows))
+                  "llama-server slots/decode", "ours llama_decode ms", "ours rest of step ms", "of which sending ms"],
+                 batch_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "concurrency", "parallel": args.parallel, "tokens": args.tokens,
                                     "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,

@@ -67,6 +67,7 @@ class EngineStats:
     tokens_predicted: int = 0
     decode_seconds: float = 0.0  # inside llama_decode
     step_seconds: float = 0.0  # whole steps: batch, llama_decode, sampling, text, sending the chunks
+    send_seconds: float = 0.0  # of the steps': pickling and writing their chunks to the router's pipe
     requests: int = 0  # finished on the batch
     serial_requests: int = 0  # served alone by llama_cpp's own methods
 
@@ -183,8 +184,11 @@ class BatchEngine:
                         if s.req:
                             self.send(Failed(s.req.req_id, type(e).__name__, str(e)))
                             self._release(s, clear=True)
+                t1 = time.perf_counter()
                 self._flush()
-                self.stats.step_seconds += time.perf_counter() - t0
+                t2 = time.perf_counter()
+                self.stats.send_seconds += t2 - t1
+                self.stats.step_seconds += t2 - t0
                 continue
             if unload is not None and not self.waiting:
                 self.lc.llama_batch_free(self.batch)

@@ -161,6 +161,7 @@ def test_props_health_metrics(http, server):
     counters = dict(re.findall(r'^pyllmrouter_model_(\w+)_total\{model="b"\} (\S+)$', text, re.M))
     assert float(counters["tokens_predicted"]) >= used["completion_tokens"] == 3
     assert float(counters["decode_calls"]) >= 3 and float(counters["requests_batched"]) >= 1
+    assert 0 < float(counters["send_seconds"]) < float(counters["step_seconds"])
     assert 'pyllmrouter_model_tokens_predicted_total{model="a"}' not in text
 
 

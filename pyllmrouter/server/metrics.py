@@ -23,6 +23,7 @@ ENGINE_COUNTERS = {
     "decode_seconds": ("decode_seconds_total", "Seconds inside llama_decode"),
     "step_seconds": ("step_seconds_total",
                      "Seconds of whole batch steps: llama_decode, sampling, text, sending the chunks"),
+    "send_seconds": ("send_seconds_total", "Seconds of the steps spent sending their chunks to the router"),
     "requests": ("requests_batched_total", "Requests finished on the batch"),
     "serial_requests": ("requests_serial_total", "Requests served alone by llama_cpp's own methods"),
 }
