@@ -4,6 +4,7 @@
     scripts/build_llama_tools.sh llama-server    # once: llama.cpp of the pinned sdist
     python bench/concurrency_bench.py [--clients 1,4,8,16] [--tokens 64] [--rounds 5] [--out FILE]
     python bench/concurrency_bench.py --prompt-words 300 --ctx 16384 --tokens 8   # long distinct prompts
+    python bench/concurrency_bench.py --model tiny    # steps as cheap as serving them (overhead-bound)
 
 Both servers load the same generated model file with the same parallel slots,
 context, batch sizes and threads, and are measured alternately at each
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +53,8 @@ from pyllmrouter.probe import cache_dir
 from pyllmrouter.tables import render
 
 SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048, n_ctx_train=4096)
+# --model tiny: a step costs little more than its serving (sampling, text, HTTP): the overhead-bound case
+SHAPES = {"100m": SHAPE, "tiny": replace(tinymodels.LLAMA, n_ctx_train=4096)}
 PROMPT = "hello world the model is a fast router of memory and tokens " * 3
 
 
@@ -213,6 +217,8 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=0,
                     help="a distinct prompt of this many words per request (default: one short prompt, reused)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--model", choices=sorted(SHAPES), default="100m",
+                    help="generated llama: 100m (768 wide, 8 layers) or tiny (128 wide, 2 layers)")
     ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
                     help="one KV buffer for all slots in both servers (default: a KV buffer per slot, "
                          "llama-server's layout for an explicit -np)")
@@ -226,7 +232,7 @@ def main() -> None:
     runs: dict[str, dict[int, list[dict]]] = {"pyllmrouter": {c: [] for c in levels},
                                               "llama-server": {c: [] for c in levels}}
     with tempfile.TemporaryDirectory() as tmp:
-        model = tinymodels.write_llama(Path(tmp) / "bench-llama.gguf", SHAPE)
+        model = tinymodels.write_llama(Path(tmp) / "bench-llama.gguf", SHAPES[args.model])
         preset = Path(tmp) / "bench.ini"
         preset.write_text(f"[m]\nmodel = {model}\nc = {args.ctx}\nnp = {args.parallel}\n"
                           f"kv-unified = {str(args.kv_unified).lower()}\n"
@@ -298,7 +304,8 @@ def main() -> None:
                   "llama-server slots/decode", "ours llama_decode ms", "ours rest of step ms", "of which sending ms"],
                  batch_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "concurrency", "parallel": args.parallel, "tokens": args.tokens,
+    args.out.write_text(json.dumps({"bench": "concurrency", "model": args.model, "parallel": args.parallel,
+                                    "tokens": args.tokens,
                                     "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,
                                     "threads": args.threads, "rounds": args.rounds,
                                     "requests_per_client": args.requests_per_client, "results": results,
