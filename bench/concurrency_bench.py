@@ -133,7 +133,8 @@ def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, f
 
 def decode_counters(base: str, server: str, model: str) -> dict[str, float]:
     """The server's decode counters from its /metrics: llama_decode calls and busy slots
-    summed over them (both servers), seconds inside llama_decode and in whole steps (ours)."""
+    summed over them (both servers); seconds inside llama_decode, in whole steps and in
+    the steps' sending (ours)."""
     values = {}
     for line in httpx.get(base + "/metrics", timeout=60).text.splitlines():
         name, _, value = line.rpartition(" ")

@@ -67,7 +67,7 @@ class EngineStats:
     tokens_predicted: int = 0
     decode_seconds: float = 0.0  # inside llama_decode
     step_seconds: float = 0.0  # whole steps: batch, llama_decode, sampling, text, sending the chunks
-    send_seconds: float = 0.0  # of the steps': pickling and writing their chunks to the router's pipe
+    send_seconds: float = 0.0  # part of step_seconds: pickling each step's chunks, writing them to the pipe
     requests: int = 0  # finished on the batch
     serial_requests: int = 0  # served alone by llama_cpp's own methods
 
