@@ -5,6 +5,7 @@
 
 #include "ggml-backend.h"
 #include "llama.h"
+#include "engine.h"
 #include "probe.h"
 
 namespace py = pybind11;
@@ -113,6 +114,53 @@ py::dict metadata(const std::string & path) {
     return out;
 }
 
+void bind_engine(py::module_ & m) {
+    py::class_<StopFlag, std::shared_ptr<StopFlag>>(m, "StopFlag", "Stops a request from any thread.")
+        .def(py::init<>())
+        .def("set", &StopFlag::set)
+        .def_property_readonly("is_set", [](const StopFlag & f) { return f.value.load(); });
+    py::class_<EngineReply>(m, "EngineReply",
+                            "One reply of an Engine: status, headers and body, or a stream read by next().")
+        .def_property_readonly("status", &EngineReply::status)
+        .def_property_readonly("content_type", &EngineReply::content_type)
+        .def_property_readonly("headers", &EngineReply::headers)
+        .def_property_readonly("data", [](const EngineReply & r) { return py::bytes(r.data()); })
+        .def_property_readonly("is_stream", &EngineReply::is_stream)
+        .def("next", [](EngineReply & r) {
+                 std::string chunk;
+                 bool more;
+                 {
+                     py::gil_scoped_release release;
+                     more = r.next(chunk);
+                 }
+                 return py::make_tuple(more, py::bytes(chunk));
+             },
+             "(more, chunk): the stream's next chunk; more is False once it has ended.")
+        .def("cancel", &EngineReply::cancel, "Make the handler's should_stop true (a closed connection).");
+    py::class_<Engine>(m, "Engine", "llama.cpp's server engine for one model (llama-server without HTTP).")
+        .def(py::init<const std::vector<std::string> &>(), py::arg("args"),
+             "Parse llama-server arguments (ValueError names a bad one).")
+        .def("load", &Engine::load, py::call_guard<py::gil_scoped_release>(),
+             "Load the model and start the slot loop (RuntimeError on failure).")
+        .def("handle", [](Engine & e, const std::string & method, const std::string & path,
+                          const std::map<std::string, std::string> & query,
+                          const std::map<std::string, std::string> & headers, const py::bytes & body,
+                          const std::string & query_string, std::shared_ptr<StopFlag> stop) {
+                 std::string b = body;
+                 py::gil_scoped_release release;
+                 return e.handle(method, path, query, headers, b, query_string, std::move(stop));
+             },
+             py::arg("method"), py::arg("path"), py::arg("query"), py::arg("headers"), py::arg("body"),
+             py::arg("query_string") = "", py::arg("stop") = nullptr,
+             "The reply of llama-server's handler for (method, path).")
+        .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>(),
+             "End the slot loop and free the model and context.")
+        .def("breakdown", [](const Engine & e) { return rows_list(e.breakdown()); },
+             "The per-buffer-type breakdown of the engine's llama_context.")
+        .def_property_readonly("n_parallel", &Engine::n_parallel)
+        .def_property_readonly("n_ctx", &Engine::n_ctx);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -147,6 +195,7 @@ PYBIND11_MODULE(_native, m) {
               auto * dev = static_cast<ggml_backend_dev_t>(device_handle(name));
               return std::string(ggml_backend_buft_name(ggml_backend_dev_buffer_type(dev)));
           }, py::arg("name"), "Name of a device's own buffer type (for tensor overrides).");
+    bind_engine(m);
     m.def("max_devices", &llama_max_devices);
     m.def("max_tensor_buft_overrides", &llama_max_tensor_buft_overrides);
 }

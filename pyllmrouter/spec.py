@@ -95,6 +95,41 @@ class ModelSpec:
             need(all(x >= 0 for x in self.tensor_split) and sum(self.tensor_split) > 0,
                  "tensor_split", "needs non-negative proportions with a positive sum")
 
+    def to_args(self) -> list[str]:
+        """The spec as llama-server arguments: what the engine's llama.cpp parser is
+        given, so that the engine allocates what the probe of this spec measured.
+        llama.cpp's own fit is off: the router fits (and hands over the result)."""
+        a = ["-m", self.path, "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_ubatch),
+             "-np", str(self.n_seq_max), "--kv-unified" if self.kv_unified else "--no-kv-unified",
+             "-ngl", "all" if self.n_gpu_layers < 0 else str(self.n_gpu_layers),
+             "-sm", self.split_mode, "-mg", str(self.main_gpu), "-ctk", self.type_k, "-ctv", self.type_v,
+             "-fa", self.flash_attn, "-lm", "mmap" if self.use_mmap else "none", "--fit", "off"]
+        if self.tensor_split is not None:
+            a += ["-ts", ",".join(f"{x:g}" for x in self.tensor_split)]
+        if self.devices is not None:
+            a += ["-dev", ",".join(self.devices) if self.devices else "none"]
+        if not self.offload_kqv:
+            a.append("--no-kv-offload")
+        if not self.op_offload:
+            a.append("--no-op-offload")
+        if self.swa_full:
+            a.append("--swa-full")
+        if self.embedding:
+            a.append("--embedding")
+        if self.pooling >= 0:
+            a += ["--pooling", ("none", "mean", "cls", "last", "rank")[self.pooling]]
+        if self.cpu_moe:
+            a.append("--cpu-moe")
+        if self.n_cpu_moe:
+            a += ["--n-cpu-moe", str(self.n_cpu_moe)]
+        if self.tensor_overrides:
+            a += ["-ot", ",".join(f"{pattern}={buft}" for pattern, buft in self.tensor_overrides)]
+        if self.n_threads is not None:
+            a += ["-t", str(self.n_threads)]
+        if self.n_threads_batch is not None:
+            a += ["-tb", str(self.n_threads_batch)]
+        return a
+
     def replace(self, **changes: Any) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
 

@@ -12,7 +12,7 @@ export PATH="$(dirname "$py"):$PATH"  # cmake/ninja installed into the virtual e
 cache="${PYLLMROUTER_CACHE:-$HOME/.cache/pyllmrouter}"
 src="$cache/llama.cpp-src"
 build="$cache/llama.cpp-build"
-"$py" vendor/fetch.py source --out "$src"
+"$py" vendor/fetch.py source --out "$src" >/dev/null
 targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(llama-server)
 cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \

@@ -8,7 +8,8 @@ the sdist is downloaded through pip into the cache directory and verified.
 
     fetch.py sdist                 print the path of the verified sdist
     fetch.py header --out DIR      extract the pinned headers into DIR (flat)
-    fetch.py source --out DIR      extract the sdist's llama.cpp tree into DIR
+    fetch.py source [--out DIR]    extract the sdist's llama.cpp tree into DIR (default:
+                                   the cache's llama.cpp-src) and print DIR
     fetch.py trimmed --out FILE    write the sdist without what a CUDA/CPU build of
                                    llama-cpp-python never reads (docs, vocab files,
                                    other GPU backends, tests, tools but mtmd...)
@@ -154,14 +155,16 @@ def main() -> None:
     parser.add_argument("what", choices=["sdist", "header", "source", "trimmed", "locate"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    if args.what in ("header", "source", "trimmed") and args.out is None:
+    if args.what in ("header", "trimmed") and args.out is None:
         parser.error("--out is required")
     if args.what == "sdist":
         print(sdist())
     elif args.what == "header":
         headers(args.out)
     elif args.what == "source":
-        source(args.out)
+        out = args.out or cache_dir() / "llama.cpp-src"
+        source(out)
+        print(out)
     elif args.what == "trimmed":
         trimmed(args.out)
     else:

@@ -1,0 +1,41 @@
+# llama_engine: llama.cpp's common library and server-context, as llama-server
+# builds them (tools/server/CMakeLists.txt, common/CMakeLists.txt), from the
+# pinned source tree LLAMA_SRC; a static, position-independent archive that
+# links the installed shared libllama, libggml and libmtmd.
+set(LS "${LLAMA_SRC}")
+find_package(Threads REQUIRED)
+include("${LS}/common/parsers/sources.cmake")
+
+set(LLAMA_BUILD_NUMBER 0)
+file(READ "${CMAKE_CURRENT_SOURCE_DIR}/vendor/pin.json" PIN_JSON)
+string(JSON LLAMA_BUILD_COMMIT GET "${PIN_JSON}" llama_cpp_commit)
+set(BUILD_COMPILER "${CMAKE_CXX_COMPILER_ID} ${CMAKE_CXX_COMPILER_VERSION}")
+set(BUILD_TARGET "${CMAKE_SYSTEM_PROCESSOR}")
+configure_file("${LS}/common/build-info.cpp.in" "${CMAKE_CURRENT_BINARY_DIR}/build-info.cpp")
+
+set(COMMON_SOURCES
+  arg.cpp chat-auto-parser-generator.cpp chat-auto-parser-helpers.cpp chat-diff-analyzer.cpp
+  chat-peg-parser.cpp chat.cpp common.cpp console.cpp debug.cpp download.cpp fit.cpp hf-cache.cpp
+  imatrix-loader.cpp json-schema-to-grammar.cpp json-schema.cpp json.cpp llguidance.cpp log.cpp
+  ngram-cache.cpp ngram-map.cpp ngram-mod.cpp peg-parser.cpp preset.cpp reasoning-budget.cpp
+  sampling.cpp speculative.cpp subproc.cpp trie.cpp unicode.cpp
+  jinja/lexer.cpp jinja/parser.cpp jinja/runtime.cpp jinja/value.cpp jinja/string.cpp jinja/caps.cpp)
+list(TRANSFORM COMMON_SOURCES PREPEND "${LS}/common/")
+set(SERVER_SOURCES
+  server-chat.cpp server-task.cpp server-queue.cpp server-common.cpp server-context.cpp
+  server-stream.cpp server-tools.cpp server-mcp.cpp server-schema.cpp)
+list(TRANSFORM SERVER_SOURCES PREPEND "${LS}/tools/server/")
+
+add_library(llama_engine STATIC
+  ${COMMON_SOURCES} ${LLAMA_CHAT_PARSERS_SOURCES} ${SERVER_SOURCES}
+  "${CMAKE_CURRENT_BINARY_DIR}/build-info.cpp"
+  "${LS}/vendor/cpp-httplib/httplib.cpp")
+set_target_properties(llama_engine PROPERTIES POSITION_INDEPENDENT_CODE ON)
+target_include_directories(llama_engine PUBLIC
+  "${LS}/common" "${LS}/tools/server" "${LS}/tools/mtmd" "${LS}/vendor" "${LS}")
+# as vendor/cpp-httplib/CMakeLists.txt builds it
+set_source_files_properties("${LS}/vendor/cpp-httplib/httplib.cpp" PROPERTIES
+  COMPILE_OPTIONS "-w"
+  COMPILE_DEFINITIONS "CPPHTTPLIB_FORM_URL_ENCODED_PAYLOAD_MAX_LENGTH=1048576;CPPHTTPLIB_LISTEN_BACKLOG=512;CPPHTTPLIB_REQUEST_URI_MAX_LENGTH=32768;CPPHTTPLIB_TCP_NODELAY=1")
+target_compile_features(llama_engine PUBLIC cxx_std_17)
+target_link_libraries(llama_engine PUBLIC llama ggml::ggml "${MTMD_LIBRARY}" Threads::Threads)

@@ -1,0 +1,306 @@
+// llama.cpp's server engine for one model: see engine.h.
+#include "engine.h"
+
+#include <cstdio>
+#include <mutex>
+#include <set>
+#include <utility>
+
+#include "arg.h"
+#include "chat.h"
+#include "common.h"
+#include "log.h"
+#include "server-common.h"
+#include "server-context.h"
+#include "server-http.h"
+#include "server-stream.h"
+
+namespace pyllmrouter {
+namespace {
+
+using handler_ptr = server_http_context::handler_t server_routes::*;
+
+// (method, path) -> the handler llama-server's server.cpp registers for it.
+// Paths with ":name" segments bind that segment to params[name].
+const std::vector<std::pair<std::string, handler_ptr>> & route_table() {
+    static const std::vector<std::pair<std::string, handler_ptr>> table = {
+        {"GET /health", &server_routes::get_health},
+        {"GET /v1/health", &server_routes::get_health},
+        {"GET /metrics", &server_routes::get_metrics},
+        {"GET /props", &server_routes::get_props},
+        {"POST /props", &server_routes::post_props},
+        {"GET /models", &server_routes::get_models},
+        {"GET /v1/models", &server_routes::get_models},
+        {"POST /completion", &server_routes::post_completions},
+        {"POST /completions", &server_routes::post_completions},
+        {"POST /v1/completions", &server_routes::post_completions_oai},
+        {"POST /chat/completions", &server_routes::post_chat_completions},
+        {"POST /v1/chat/completions", &server_routes::post_chat_completions},
+        {"POST /v1/chat/completions/control", &server_routes::post_control},
+        {"POST /v1/responses", &server_routes::post_responses_oai},
+        {"POST /responses", &server_routes::post_responses_oai},
+        {"POST /v1/audio/transcriptions", &server_routes::post_transcriptions_oai},
+        {"POST /audio/transcriptions", &server_routes::post_transcriptions_oai},
+        {"POST /v1/messages", &server_routes::post_anthropic_messages},
+        {"POST /v1/messages/count_tokens", &server_routes::post_anthropic_count_tokens},
+        {"POST /infill", &server_routes::post_infill},
+        {"POST /embedding", &server_routes::post_embeddings},
+        {"POST /embeddings", &server_routes::post_embeddings},
+        {"POST /v1/embeddings", &server_routes::post_embeddings_oai},
+        {"POST /rerank", &server_routes::post_rerank},
+        {"POST /reranking", &server_routes::post_rerank},
+        {"POST /v1/rerank", &server_routes::post_rerank},
+        {"POST /v1/reranking", &server_routes::post_rerank},
+        {"POST /tokenize", &server_routes::post_tokenize},
+        {"POST /detokenize", &server_routes::post_detokenize},
+        {"POST /apply-template", &server_routes::post_apply_template},
+        {"POST /chat/completions/input_tokens", &server_routes::post_chat_completions_tok},
+        {"POST /v1/chat/completions/input_tokens", &server_routes::post_chat_completions_tok},
+        {"POST /responses/input_tokens", &server_routes::post_responses_tok_oai},
+        {"POST /v1/responses/input_tokens", &server_routes::post_responses_tok_oai},
+        {"GET /lora-adapters", &server_routes::get_lora_adapters},
+        {"POST /lora-adapters", &server_routes::post_lora_adapters},
+        {"GET /slots", &server_routes::get_slots},
+        {"POST /slots/:id_slot", &server_routes::post_slots},
+    };
+    return table;
+}
+
+// Does "METHOD /a/:x" match (method, path)? Binds ":x" segments into params.
+bool match(const std::string & pattern, const std::string & key, std::map<std::string, std::string> & params) {
+    size_t i = 0, j = 0;
+    std::map<std::string, std::string> bound;
+    while (i < pattern.size() && j < key.size()) {
+        if (pattern[i] == ':' && i > 0 && pattern[i - 1] == '/') {
+            size_t pe = pattern.find('/', i);
+            size_t ke = key.find('/', j);
+            if (pe == std::string::npos) pe = pattern.size();
+            if (ke == std::string::npos) ke = key.size();
+            if (ke == j) return false;
+            bound[pattern.substr(i + 1, pe - i - 1)] = key.substr(j, ke - j);
+            i = pe;
+            j = ke;
+            continue;
+        }
+        if (pattern[i] != key[j]) return false;
+        ++i;
+        ++j;
+    }
+    if (i != pattern.size() || j != key.size()) return false;
+    for (auto & [k, v] : bound) params[k] = v;
+    return true;
+}
+
+// Arguments that print and exit in llama.cpp's parser: never for a served model.
+const std::set<std::string> & exiting_args() {
+    static const std::set<std::string> s = {"-h", "--help", "--usage", "--version", "-cl", "--cache-list",
+                                            "--completion-bash", "--list-devices"};
+    return s;
+}
+
+// The reply llama-server's ex_wrapper makes of an exception.
+std::unique_ptr<server_http_res> error_reply(const std::string & message, error_type type) {
+    auto res = std::make_unique<server_http_res>();
+    json err = format_error_response(message, type);
+    res->status = json_value(err, "code", 500);
+    res->data = safe_json_to_str({{"error", err}});
+    return res;
+}
+
+std::once_flag process_once;
+
+// Once per process: what llama-server's main does before any model.
+void init_process() {
+    std::call_once(process_once, [] {
+        server_stream_session_manager_start();
+    });
+}
+
+// Checks every argument the way llama.cpp's parser applies it, on scratch
+// params, so that a bad one is an exception naming it (the parser itself
+// prints to stderr, or exits the process on some errors).
+void check_args(int argc, char ** argv) {
+    for (int i = 1; i < argc; ++i) {
+        if (exiting_args().count(argv[i])) {
+            throw engine_args_error(std::string(argv[i]) + ": not accepted for a served model");
+        }
+    }
+    std::map<common_arg, std::string> given;
+    try {
+        common_params_to_map(argc, argv, LLAMA_EXAMPLE_SERVER, given);
+    } catch (const std::exception & e) {
+        throw engine_args_error(e.what());
+    }
+    common_params scratch;
+    auto ctx = common_params_parser_init(scratch, LLAMA_EXAMPLE_SERVER);
+    for (const auto & [opt, value] : given) {
+        const std::string name = opt.args.empty() ? std::string(opt.args_neg.front()) : std::string(opt.args.front());
+        try {
+            if (opt.handler_string) {
+                opt.handler_string(scratch, value);
+            } else if (opt.handler_int) {
+                opt.handler_int(scratch, std::stoi(value));
+            } else if (opt.handler_bool) {
+                opt.handler_bool(scratch, common_arg_utils::is_truthy(value));
+            } else if (opt.handler_void) {
+                opt.handler_void(scratch);
+            }
+        } catch (const std::exception & e) {
+            throw engine_args_error("argument " + name + " = '" + value + "': " + e.what());
+        }
+    }
+    if (!scratch.chat_template.empty() && !common_chat_verify_template(scratch.chat_template, scratch.use_jinja)) {
+        throw engine_args_error("chat template is not supported: " + scratch.chat_template);
+    }
+}
+
+}  // namespace
+
+// -- EngineReply ------------------------------------------------------------
+
+EngineReply::EngineReply(std::map<std::string, std::string> params, std::map<std::string, std::string> headers,
+                         std::string path, std::string query, std::string body, std::shared_ptr<StopFlag> stop)
+    : stop_(stop ? std::move(stop) : std::make_shared<StopFlag>()),
+      should_stop_([this] { return stop_->value.load(); }) {
+    req_.reset(new server_http_req{std::move(params), std::move(headers), std::move(path), std::move(query),
+                                   std::move(body), {}, should_stop_});
+}
+
+EngineReply::~EngineReply() {
+    if (res_) {
+        stop_->set();
+        res_->on_complete();
+    }
+    res_.reset();
+    req_.reset();
+}
+
+int EngineReply::status() const { return res_->status; }
+const std::string & EngineReply::content_type() const { return res_->content_type; }
+const std::map<std::string, std::string> & EngineReply::headers() const { return res_->headers; }
+const std::string & EngineReply::data() const { return res_->data; }
+bool EngineReply::is_stream() const { return res_->is_stream(); }
+
+bool EngineReply::next(std::string & chunk) {
+    chunk.clear();
+    if (ended_ || !res_->is_stream()) {
+        ended_ = true;
+        return false;
+    }
+    try {
+        ended_ = !res_->next(chunk);
+    } catch (const std::exception & e) {
+        chunk = "error: " + safe_json_to_str({{"error", format_error_response(e.what(), ERROR_TYPE_SERVER)}}) +
+                "\n\n";
+        ended_ = true;
+    }
+    return !ended_;
+}
+
+// -- Engine -----------------------------------------------------------------
+
+Engine::Engine(const std::vector<std::string> & args) : params_(new common_params()) {
+    init_process();
+    std::vector<std::string> full = {"llama-server"};
+    full.insert(full.end(), args.begin(), args.end());
+    std::vector<char *> argv;
+    for (auto & a : full) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const int argc = static_cast<int>(full.size());
+    check_args(argc, argv.data());
+    if (!common_params_parse(argc, argv.data(), *params_, LLAMA_EXAMPLE_SERVER)) {
+        throw engine_args_error("llama.cpp's parser refused the arguments");
+    }
+    // what llama_server() does to params before it builds the context
+    if (params_->embedding && params_->n_batch > params_->n_ubatch) {
+        params_->n_batch = params_->n_ubatch;
+    }
+    if (params_->n_parallel < 0) {
+        params_->n_parallel = 4;
+        params_->kv_unified = true;
+    }
+    const bool ctx_pool_auto_sized = params_->kv_unified_per_slot > 0 && params_->n_ctx == 0 &&
+                                     (uint32_t) params_->fit_params_min_ctx != UINT32_MAX;
+    if (ctx_pool_auto_sized) {
+        params_->n_ctx = params_->n_parallel * params_->kv_unified_per_slot;
+    }
+    auto model_name = params_->model.get_name();
+    if (params_->model_alias.empty() && !model_name.empty()) {
+        params_->model_alias.insert(model_name);
+    }
+    ctx_.reset(new server_context());
+    routes_.reset(new server_routes(*params_, *ctx_));
+}
+
+Engine::~Engine() { close(); }
+
+void Engine::load() {
+    if (loaded_) return;
+    if (!ctx_) throw std::runtime_error("engine is closed");
+    if (!ctx_->load_model(*params_)) {
+        throw std::runtime_error("llama.cpp could not load model " + params_->model.path);
+    }
+    routes_->update_meta(*ctx_);
+    loaded_ = true;
+    server_context * ctx = ctx_.get();
+    loop_ = std::thread([ctx] { ctx->start_loop(); });
+}
+
+std::unique_ptr<EngineReply> Engine::handle(const std::string & method, const std::string & path,
+                                            const std::map<std::string, std::string> & query,
+                                            const std::map<std::string, std::string> & headers,
+                                            const std::string & body, const std::string & query_string,
+                                            std::shared_ptr<StopFlag> stop) {
+    std::map<std::string, std::string> params = query;
+    const std::string key = method + " " + path;
+    handler_ptr handler = nullptr;
+    for (const auto & [pattern, h] : route_table()) {
+        if (match(pattern, key, params)) {
+            handler = h;
+            break;
+        }
+    }
+    auto reply = std::make_unique<EngineReply>(std::move(params), headers, path, query_string, body,
+                                                std::move(stop));
+    if (handler == nullptr || !loaded_) {
+        reply->res_ = error_reply(handler == nullptr ? "File Not Found" : "Loading model",
+                                  handler == nullptr ? ERROR_TYPE_NOT_FOUND : ERROR_TYPE_UNAVAILABLE);
+        return reply;
+    }
+    // as llama-server's ex_wrapper: invalid_argument is a bad request, anything else a server error
+    try {
+        reply->res_ = ((*routes_).*handler)(*reply->req_);
+    } catch (const std::invalid_argument & e) {
+        reply->res_ = error_reply(e.what(), ERROR_TYPE_INVALID_REQUEST);
+    } catch (const std::exception & e) {
+        reply->res_ = error_reply(e.what(), ERROR_TYPE_SERVER);
+    }
+    if (!reply->res_) {
+        reply->res_ = error_reply("empty response from handler", ERROR_TYPE_SERVER);
+    }
+    return reply;
+}
+
+void Engine::close() {
+    if (ctx_) {
+        if (loaded_) {
+            ctx_->terminate();
+            if (loop_.joinable()) loop_.join();
+        }
+        routes_.reset();
+        ctx_.reset();
+    }
+    loaded_ = false;
+}
+
+std::vector<BufferRow> Engine::breakdown() const {
+    if (!loaded_ || !ctx_) return {};
+    const llama_context * lctx = ctx_->get_llama_context();
+    if (lctx == nullptr) return {};
+    return breakdown_of(lctx);
+}
+
+int Engine::n_parallel() const { return params_->n_parallel; }
+int Engine::n_ctx() const { return params_->n_ctx; }
+
+}  // namespace pyllmrouter

@@ -1,0 +1,102 @@
+// llama.cpp's own server engine for one model, without an HTTP server.
+//
+// An Engine is llama-server minus cpp-httplib: its arguments are parsed by
+// llama.cpp's parser (common_params_parse, LLAMA_EXAMPLE_SERVER), the model and
+// context are loaded by server_context::load_model, the slot loop runs on a
+// thread of its own, and every endpoint is the server_routes handler that
+// llama-server's server.cpp registers for that method and path. A request is a
+// plain (method, path, params, headers, body); the reply is llama-server's
+// status, content type, headers and body, or a stream read chunk by chunk.
+//
+// Several Engines live in one process: each owns its server_context, and they
+// share the process's backends (one context per device).
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "probe.h"
+
+struct common_params;
+struct server_context;
+struct server_routes;
+struct server_http_req;
+struct server_http_res;
+
+namespace pyllmrouter {
+
+// Bad arguments for a model: the message names the argument.
+class engine_args_error : public std::invalid_argument {
+  public:
+    using std::invalid_argument::invalid_argument;
+};
+
+// Set from any thread to stop a request: the handler's should_stop turns true,
+// as when llama-server's client closes its connection.
+struct StopFlag {
+    std::atomic<bool> value{false};
+    void set() { value.store(true); }
+};
+
+// One request's reply. next() returns false once the stream has ended (a
+// non-streamed reply is `data` alone); cancel() makes the handler's
+// should_stop true, as a closed connection does in llama-server.
+class EngineReply {
+  public:
+    EngineReply(std::map<std::string, std::string> params, std::map<std::string, std::string> headers,
+                std::string path, std::string query, std::string body, std::shared_ptr<StopFlag> stop);
+    ~EngineReply();
+
+    int status() const;
+    const std::string & content_type() const;
+    const std::map<std::string, std::string> & headers() const;
+    const std::string & data() const;
+    bool is_stream() const;
+    bool next(std::string & chunk);  // false: nothing after this chunk
+    void cancel() { stop_->set(); }
+
+  private:
+    friend class Engine;
+    std::shared_ptr<StopFlag> stop_;
+    std::function<bool()> should_stop_;
+    std::unique_ptr<server_http_req> req_;
+    std::unique_ptr<server_http_res> res_;
+    bool ended_ = false;
+};
+
+class Engine {
+  public:
+    // args as llama-server takes them (without the program name); parsed now.
+    explicit Engine(const std::vector<std::string> & args);
+    ~Engine();
+
+    // Loads the model and starts the slot loop; throws std::runtime_error.
+    void load();
+    // The reply of the handler llama-server has for (method, path); 404 if none.
+    std::unique_ptr<EngineReply> handle(const std::string & method, const std::string & path,
+                                        const std::map<std::string, std::string> & query,
+                                        const std::map<std::string, std::string> & headers,
+                                        const std::string & body, const std::string & query_string,
+                                        std::shared_ptr<StopFlag> stop);
+    // Ends the loop and frees the model and context (idempotent).
+    void close();
+
+    std::vector<BufferRow> breakdown() const;
+    int n_parallel() const;
+    int n_ctx() const;
+
+  private:
+    std::unique_ptr<common_params> params_;
+    std::unique_ptr<server_context> ctx_;
+    std::unique_ptr<server_routes> routes_;
+    std::thread loop_;
+    bool loaded_ = false;
+};
+
+}  // namespace pyllmrouter
