@@ -10,6 +10,7 @@
 #include "chat.h"
 #include "common.h"
 #include "log.h"
+#include "preset.h"
 #include "server-common.h"
 #include "server-context.h"
 #include "server-http.h"
@@ -155,6 +156,30 @@ void check_args(int argc, char ** argv) {
 }
 
 }  // namespace
+
+std::vector<std::string> preset_args(const std::vector<std::pair<std::string, std::string>> & keys) {
+    common_preset_context ctx(LLAMA_EXAMPLE_SERVER);
+    common_preset preset;
+    for (const auto & [key, value] : keys) {
+        auto it = ctx.key_to_opt.find(key);
+        if (it == ctx.key_to_opt.end()) {
+            throw engine_args_error("unknown key '" + key + "'");
+        }
+        const common_arg & opt = it->second;
+        std::string v = value;
+        for (const auto & neg : opt.args_neg) {  // as load_from_ini: "no-mmap = true" is mmap false
+            std::string bare(neg);
+            bare.erase(0, bare.find_first_not_of('-'));
+            if (bare == key) v = common_arg_utils::is_truthy(value) ? "false" : "true";
+        }
+        preset.options[opt] = v;
+    }
+    try {
+        return preset.to_args();
+    } catch (const std::exception & e) {
+        throw engine_args_error(e.what());
+    }
+}
 
 // -- EngineReply ------------------------------------------------------------
 

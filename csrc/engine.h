@@ -70,6 +70,12 @@ class EngineReply {
     bool ended_ = false;
 };
 
+// llama-server preset keys (long or short option names without dashes, or
+// LLAMA_ARG_* names) with their values, as the command-line arguments
+// llama-server's router gives a child for them (common_preset::to_args).
+// An unknown key throws engine_args_error naming it.
+std::vector<std::string> preset_args(const std::vector<std::pair<std::string, std::string>> & keys);
+
 class Engine {
   public:
     // args as llama-server takes them (without the program name); parsed now.

@@ -159,6 +159,9 @@ void bind_engine(py::module_ & m) {
              "The per-buffer-type breakdown of the engine's llama_context.")
         .def_property_readonly("n_parallel", &Engine::n_parallel)
         .def_property_readonly("n_ctx", &Engine::n_ctx);
+    m.def("preset_args", &preset_args, py::arg("keys"),
+          "llama-server preset (key, value) pairs as the arguments its router passes a child; "
+          "ValueError names an unknown key.");
 }
 
 }  // namespace

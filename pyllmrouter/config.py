@@ -19,8 +19,9 @@ class ModelConfig:
 
     ``devices`` pins the model to a device set (inventory names: ``CUDA0``,
     ``GPU1``, ``CPU``); unpinned models go wherever they fit best.
-    ``llama_kwargs`` pass through to ``llama_cpp.Llama`` (chat_format, seed...)
-    and never change memory.
+    ``args`` are llama-server arguments beyond what the spec sets (chat template,
+    reasoning format, sampling defaults...), parsed by llama.cpp's own parser in
+    the worker.
     """
 
     name: str
@@ -31,14 +32,14 @@ class ModelConfig:
     persistent: bool = False  # never evicted
     load_on_startup: bool = False
     stop_timeout: float = 10.0  # seconds an explicit unload waits for requests in flight
-    llama_kwargs: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:
             raise ValueError(f"bad model name {self.name!r}: empty or padded with spaces")
         if self.ttl is not None and self.ttl <= 0:
             raise ValueError(f"model {self.name!r}: ttl must be > 0 seconds")
-        for name in ("aliases", "devices"):
+        for name in ("aliases", "devices", "args"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))

@@ -58,9 +58,9 @@ class WorkerDied(RouterError):
 class RequestFailed(RouterError):
     """The model raised while serving a request."""
 
-    def __init__(self, name: str, kind: str, message: str):
+    def __init__(self, name: str, kind: str, message: str, status: int = 500):
         super().__init__(f"model {name!r}: {kind}: {message}")
-        self.name, self.kind, self.message = name, kind, message
+        self.name, self.kind, self.message, self.status = name, kind, message, status
 
 
 class BadRequest(RouterError, ValueError):

@@ -5,14 +5,17 @@ an optional ``[*]`` section of defaults, then one section per model. Keys are
 long option names (``ctx-size``), short ones (``c``) or environment names
 (``LLAMA_ARG_CTX_SIZE``).  Preset-only keys: ``load-on-startup``,
 ``stop-timeout``; ours: ``devices``, ``ttl``, ``persistent``, ``memory-margin``
-(router-wide, in ``[*]``).  Sampling and server-behaviour keys of llama-server
-that do not change what a model is (``temp``, ``jinja``, ``cache-ram``...)
-are accepted and ignored; any other key, or a bad value, is a PresetError
-naming the file, the line and the key.
+(router-wide, in ``[*]``).  Keys that decide what a load allocates are read
+into the ModelSpec (the probe measures them); every other key goes to the
+model's engine as llama-server's router would pass it to a child (chat
+template, reasoning format, sampling defaults...), turned into arguments and
+checked by llama.cpp's own parser (``engine_args``).  An unknown key, or a bad
+value, is a PresetError naming the file, the line and the key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .config import MiB, ModelConfig
+from .engine_args import ArgsError, resolve
 from .spec import FLASH_ATTN, KV_TYPES, SPLIT_MODES, ModelSpec, SpecError
 
 __all__ = ["PresetError", "Preset", "read_preset", "scan_models_dir", "OPTIONS"]
@@ -71,7 +75,7 @@ _POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 class Option:
     names: tuple[str, ...]
     env: str | None
-    target: str  # "spec.<field>", "config.<field>", "kwargs.<name>", "router.<name>"
+    target: str  # "spec.<field>", "config.<field>", "router.<name>"
     parse: Callable[[str], Any]
 
 
@@ -103,21 +107,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(("threads", "t"), "LLAMA_ARG_THREADS", "spec.n_threads", int),
     Option(("threads-batch", "tb"), None, "spec.n_threads_batch", int),
     Option(("device", "dev", "devices"), "LLAMA_ARG_DEVICE", "config.devices", _names),
-    Option(("chat-template",), "LLAMA_ARG_CHAT_TEMPLATE", "kwargs.chat_format", str),
-    Option(("seed", "s"), None, "kwargs.seed", int),
     Option(("load-on-startup",), None, "config.load_on_startup", _bool),
     Option(("stop-timeout",), None, "config.stop_timeout", float),
     Option(("ttl",), None, "config.ttl", float),
     Option(("persistent",), None, "config.persistent", _bool),
     Option(("memory-margin", "models-memory-margin"), None, "router.margin", lambda v: int(float(v) * MiB)),
 )
-# llama-server keys that tune sampling or the HTTP server, not what a model is
-IGNORED = frozenset("""
-    version jinja temp temperature top-k top-p min-p n-predict n cache-ram cache-reuse cont-batching
-    context-shift threads-http log-verbosity log-colors log-prefix log-timestamps repeat-penalty
-    presence-penalty frequency-penalty reasoning reasoning-budget reasoning-format mmproj mmproj-auto
-    no-mmproj chat-template-kwargs cache-prompt slots metrics props timeout webui ui fit-target
-""".split())
 
 _BY_NAME = {n: o for o in OPTIONS for n in o.names} | {o.env: o for o in OPTIONS if o.env}
 
@@ -174,19 +169,29 @@ def read_preset(path: os.PathLike | str, defaults: dict[str, Any] | None = None)
     glob = sections.pop("*", [])
     preset = Preset([])
     base = _apply(path, glob, defaults or {}, preset, where="[*]")
+    engine_keys = []
     for name in (s for s in order if s != "*"):
         fields = _apply(path, sections[name], dict(base), preset, where=f"[{name}]")
-        preset.models.append(_config(path, name, fields, preset))
+        cfg = _config(path, name, fields, preset)
+        preset.models.append(cfg)
+        keys = [(v[1], v[2], v[0]) for t, v in fields.items() if t.startswith("engine.")]
+        if keys:
+            engine_keys.append((name, cfg.spec.to_args(), keys))
+    try:
+        args = resolve(engine_keys)
+    except ArgsError as e:
+        raise PresetError(f"{path}:{e.line}: {e}") from None
+    preset.models = [dataclasses.replace(c, args=tuple(args.get(c.name, ()))) for c in preset.models]
     return preset
 
 
 def _apply(path: Path, items, fields: dict[str, Any], preset: Preset, where: str) -> dict[str, Any]:
     for n, key, value in items:
         opt = _option(key)
-        if opt is None:
-            if key.lstrip("-") in IGNORED:
-                continue
-            raise PresetError(f"{path}:{n}: unknown key {key!r} in {where}")
+        if opt is None:  # llama-server's: checked by llama.cpp (engine_args)
+            if key != "version":
+                fields[f"engine.{key.lstrip('-')}"] = (n, key.lstrip("-"), value)
+            continue
         try:
             parsed = opt.parse(value)
         except (ValueError, KeyError) as e:
@@ -205,7 +210,6 @@ def _config(path: Path, name: str, fields: dict[str, Any], preset: Preset) -> Mo
         raise PresetError(f"{path}: [{name}]: no 'model' key: give the GGUF path (model = /path/to/file.gguf)")
     spec_kw = {t[5:]: v[2] for t, v in fields.items() if t.startswith("spec.")}
     cfg_kw = {t[7:]: v[2] for t, v in fields.items() if t.startswith("config.")}
-    llama_kwargs = {t[7:]: v[2] for t, v in fields.items() if t.startswith("kwargs.")}
     try:
         spec = ModelSpec(**spec_kw)
     except SpecError as e:
@@ -213,7 +217,7 @@ def _config(path: Path, name: str, fields: dict[str, Any], preset: Preset) -> Mo
         line, key = next(((v[0], v[1]) for t, v in fields.items() if t == f"spec.{field_name}"), (0, field_name))
         raise PresetError(f"{path}:{line}: key {key!r} in [{name}]: {e}") from None
     try:
-        return ModelConfig(name=name, spec=spec, llama_kwargs=llama_kwargs, **cfg_kw)
+        return ModelConfig(name=name, spec=spec, **cfg_kw)
     except ValueError as e:
         raise PresetError(f"{path}: [{name}]: {e}") from None
 

@@ -1,11 +1,14 @@
 """Messages between the router and a worker, over a multiprocessing pipe.
 
-    router ──LoadModel / UnloadModel / Run / Cancel / Probe / Stats / Shutdown──▶ worker
+    router ──LoadModel / UnloadModel / Call / Cancel / Probe / Fit / Shutdown──▶ worker
     router ◀──Ready / Loaded / Unloaded / Chunk / Result / Failed──────── worker
 
 Every request carries a ``req_id``; every reply names the request it answers.
 A request is finished by exactly one Result, Failed, Loaded or Unloaded (a
-stream sends Chunks first, then its Result).
+stream sends Chunks first, then its Result).  A ``Call`` (a llama-server
+request for one model's engine) is answered by ``Result(HttpReply)``, or for a
+stream by ``Chunk(HttpReply)`` (status and headers), ``Chunk(bytes)`` per
+chunk llama.cpp's handler yields, then ``Result(None)``.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ from typing import Any
 from .spec import ModelSpec
 
 __all__ = [
-    "LoadModel", "UnloadModel", "Run", "Cancel", "Probe", "Fit", "Stats", "Shutdown",
-    "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "Batch", "FINAL",
+    "LoadModel", "UnloadModel", "Call", "HttpReply", "Cancel", "Probe", "Fit", "Shutdown",
+    "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "FINAL",
 ]
 
 
@@ -28,7 +31,7 @@ class LoadModel:
     req_id: int
     name: str
     spec: ModelSpec
-    llama_kwargs: dict[str, Any] = field(default_factory=dict)  # chat_format, seed...
+    args: tuple[str, ...] = ()  # llama-server arguments beyond the spec's (chat template, sampling...)
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,16 @@ class UnloadModel:
 
 
 @dataclass(frozen=True)
-class Run:
+class Call:
+    """One request for a model's llama.cpp server engine, as llama-server receives it."""
+
     req_id: int
     name: str
-    method: str  # "chat" | "complete" | "embed"
-    kwargs: dict[str, Any]
-    stream: bool = False
+    method: str  # GET | POST
+    path: str  # /v1/chat/completions, /slots/0...
+    body: bytes = b""
+    query: dict[str, str] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -62,14 +69,6 @@ class Fit:
     req_id: int
     spec: ModelSpec
     grants: dict[str, int]  # worker-local device names (and "CPU") -> bytes
-
-
-@dataclass(frozen=True)
-class Stats:
-    """Answered at once by the worker's main thread: a Result with the counters of
-    each batched model it hosts (model name -> EngineStats.as_dict())."""
-
-    req_id: int
 
 
 @dataclass(frozen=True)
@@ -112,17 +111,22 @@ class Result:
 
 
 @dataclass(frozen=True)
+class HttpReply:
+    """llama-server's reply to a Call: its status, content type, headers and body
+    (a stream's body follows as Chunk(bytes) messages)."""
+
+    status: int
+    content_type: str
+    headers: dict[str, str]
+    body: bytes = b""
+    stream: bool = False
+
+
+@dataclass(frozen=True)
 class Failed:
     req_id: int
     kind: str  # exception class name
     message: str
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Several replies in one pipe message (a decode step's chunks): one pickle, one write."""
-
-    messages: list[Any]
 
 
 FINAL = (Loaded, Unloaded, Result, Failed)

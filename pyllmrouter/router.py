@@ -18,15 +18,15 @@ request fails that request at once and the next request starts a new worker.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
-from typing import Any, AsyncIterator, Iterable
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 from .config import ModelConfig, RouterOptions
 from .devices import Inventory, SystemInventory
 from .errors import RequestFailed, RouterError, WorkerDied
-from .openai_params import normalize
-from .protocol import Chunk, Failed, Result, Run, Stats
+from .protocol import Call, Chunk, Failed, HttpReply
 from .scheduler import Record, Scheduler
 
 __all__ = ["Router"]
@@ -92,28 +92,6 @@ class Router:
     def status(self) -> dict[str, Any]:
         return self._sched.status()
 
-    def engine_stats(self, timeout: float = 5.0) -> dict[str, dict[str, float]]:
-        """Per loaded model with parallel slots, what its batch loop has done since it
-        was loaded (``EngineStats``: decode calls, busy slots, prompt and generated
-        tokens, seconds in llama_decode and in whole steps).  Asked of every worker
-        at once; a worker that does not answer within ``timeout`` is left out."""
-        asked = []
-        for w in self._sched.workers():
-            try:
-                asked.append(w.call(Stats))
-            except WorkerDied:
-                pass
-        out: dict[str, dict[str, float]] = {}
-        deadline = time.monotonic() + timeout
-        for pending in asked:
-            try:
-                reply = pending.get(max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
-                continue
-            if isinstance(reply, Result):
-                out.update(reply.value)
-        return out
-
     def models(self) -> list[ModelConfig]:
         return [r.config for r in self._sched.records()]
 
@@ -121,90 +99,86 @@ class Router:
     def scheduler(self) -> Scheduler:
         return self._sched
 
-    # -- requests --------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------
 
     def chat(self, model: str, messages: list[dict[str, Any]], *, stream: bool = False,
              timeout: float | None = None, autoload: bool | None = None, **params: Any):
-        """OpenAI chat completion (a dict), or an iterator of chunks with ``stream=True``."""
-        return self._request(model, "chat", dict(params, messages=messages), stream, timeout, autoload)
+        """OpenAI chat completion as llama-server answers it (a dict), or an iterator of
+        chunks with ``stream=True``."""
+        return self._openai(model, "/v1/chat/completions", dict(params, messages=messages), stream, timeout,
+                            autoload)
 
     def complete(self, model: str, prompt: str | list[int], *, stream: bool = False, timeout: float | None = None,
                  autoload: bool | None = None, **params: Any):
         """OpenAI completion of a prompt (text or token ids); chunks with ``stream=True``."""
-        return self._request(model, "complete", dict(params, prompt=prompt), stream, timeout, autoload)
+        return self._openai(model, "/v1/completions", dict(params, prompt=prompt), stream, timeout, autoload)
 
     def embed(self, model: str, input: str | list[str], *, timeout: float | None = None,
               autoload: bool | None = None, **params: Any) -> dict[str, Any]:
-        return self._request(model, "embed", dict(params, input=input), False, timeout, autoload)
+        return self._openai(model, "/v1/embeddings", dict(params, input=input), False, timeout, autoload)
 
     async def achat(self, model: str, messages: list[dict[str, Any]], *, stream: bool = False,
                     timeout: float | None = None, autoload: bool | None = None, **params: Any):
         """``chat`` awaited in the running event loop (async iterator of chunks with ``stream=True``)."""
-        result = await self.arequest(model, "chat", dict(params, messages=messages), stream, timeout, autoload)
-        return _aiter(result) if stream else result
+        return await self._aopenai(model, "/v1/chat/completions", dict(params, messages=messages), stream,
+                                   timeout, autoload)
 
     async def acomplete(self, model: str, prompt: str | list[int], *, stream: bool = False,
                         timeout: float | None = None, autoload: bool | None = None, **params: Any):
-        result = await self.arequest(model, "complete", dict(params, prompt=prompt), stream, timeout, autoload)
-        return _aiter(result) if stream else result
+        return await self._aopenai(model, "/v1/completions", dict(params, prompt=prompt), stream, timeout, autoload)
 
     async def aembed(self, model: str, input: str | list[str], *, timeout: float | None = None,
                      autoload: bool | None = None, **params: Any) -> dict[str, Any]:
-        return await self.arequest(model, "embed", dict(params, input=input), False, timeout, autoload)
+        return await self._aopenai(model, "/v1/embeddings", dict(params, input=input), False, timeout, autoload)
 
-    async def arequest(self, model: str, method: str, kwargs: dict[str, Any], stream: bool = False,
-                       timeout: float | None = None, autoload: bool | None = None) -> "Stream | dict[str, Any]":
-        """One request (``method``: chat, complete or embed; ``kwargs`` as llama_cpp takes
-        them) from a coroutine: the reply dict, or a Stream to ``anext_batch``.
+    def call(self, model: str, method: str, path: str, body: bytes = b"", query: dict[str, str] | None = None,
+             timeout: float | None = None, autoload: bool | None = None) -> "tuple[HttpReply, Stream | None]":
+        """Any llama-server request for one model (``method`` GET or POST, ``path`` as
+        llama-server serves it): llama.cpp's reply, and for a stream the Stream of its
+        body's chunks (bytes).  The model is loaded first if it must be."""
+        rec = self._sched.lease(model, timeout, autoload)
+        pending = self._send(rec, method, path, body, query)
+        try:
+            first = pending.get()
+        except BaseException:
+            pending.cancel()
+            threading.Thread(target=self._release_after, args=(rec, pending), daemon=True).start()
+            raise
+        return self._opened(rec, pending, first)
 
-        A model that can take the request now is leased in the event loop (no thread
-        hop before the worker has it); otherwise the lease is waited for in a thread.
-        """
-        kwargs = self._check(model, method, kwargs)
+    async def acall(self, model: str, method: str, path: str, body: bytes = b"",
+                    query: dict[str, str] | None = None, timeout: float | None = None,
+                    autoload: bool | None = None) -> "tuple[HttpReply, Stream | None]":
+        """``call`` from a coroutine.  A model that can take the request now is leased in
+        the event loop (no thread hop before the worker has it); otherwise the lease is
+        waited for in a thread.  A caller that leaves cancels the request."""
         rec = self._sched.try_lease(model)
         if rec is None:
             rec = await asyncio.to_thread(self._sched.lease, model, timeout, autoload)
-        pending = self._run(rec, method, kwargs, stream)
-        if stream:
-            return self._stream(rec, pending)
+        pending = self._send(rec, method, path, body, query)
         try:
-            while (reply := pending.get_nowait()) is None:
+            while (first := pending.get_nowait()) is None:
                 await pending.wait_async()
         except BaseException:  # the caller left: stop the request; the lease ends with its reply
             pending.cancel()
             threading.Thread(target=self._release_after, args=(rec, pending), daemon=True).start()
             raise
-        self._sched.release(rec)
-        return _value(rec, reply)
+        return self._opened(rec, pending, first)
 
-    def _request(self, model: str, method: str, kwargs: dict[str, Any], stream: bool,
-                 timeout: float | None, autoload: bool | None):
-        kwargs = self._check(model, method, kwargs)
-        rec = self._sched.lease(model, timeout, autoload)
-        pending = self._run(rec, method, kwargs, stream)
-        if stream:
-            return self._stream(rec, pending)
-        try:
-            reply = pending.get()
-        finally:
-            self._sched.release(rec)
-        return _value(rec, reply)
-
-    def _check(self, model: str, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The request's parameters, checked before anything is leased or loaded for it."""
-        spec = self._sched.resolve(model).config.spec
-        if spec.embedding != (method == "embed"):
-            what = "an embedding model: use embeddings" if spec.embedding else "not an embedding model"
-            raise RequestFailed(model, "ValueError", f"model {model!r} is {what}")
-        return normalize(method, kwargs)
-
-    def _run(self, rec: Record, method: str, kwargs: dict[str, Any], stream: bool):
+    def _send(self, rec: Record, method: str, path: str, body: bytes, query: dict[str, str] | None):
         """Send the request to the leased model's worker (the lease is released if that fails)."""
         try:
-            return rec.worker.call(lambda rid: Run(rid, rec.name, method, kwargs, stream))
+            return rec.worker.call(lambda rid: Call(rid, rec.name, method, path, body, dict(query or {})))
         except BaseException:
             self._sched.release(rec)
             raise
+
+    def _opened(self, rec: Record, pending, first: Any) -> "tuple[HttpReply, Stream | None]":
+        """The first reply of a Call: a whole reply, or a stream's head."""
+        if isinstance(first, Chunk) and isinstance(first.value, HttpReply):
+            return first.value, Stream(rec, pending, self._sched.release)
+        self._sched.release(rec)
+        return _value(rec, first), None
 
     def _release_after(self, rec: Record, pending) -> None:
         try:
@@ -212,8 +186,16 @@ class Router:
         finally:
             self._sched.release(rec)
 
-    def _stream(self, rec: Record, pending) -> "Stream":
-        return Stream(rec, pending, self._sched.release)
+    def _openai(self, model: str, path: str, params: dict[str, Any], stream: bool, timeout: float | None,
+                autoload: bool | None):
+        reply, chunks = self.call(model, "POST", path, _body(model, params, stream), None, timeout, autoload)
+        return _events(chunks) if chunks is not None else _json(model, reply)
+
+    async def _aopenai(self, model: str, path: str, params: dict[str, Any], stream: bool,
+                       timeout: float | None, autoload: bool | None):
+        reply, chunks = await self.acall(model, "POST", path, _body(model, params, stream), None, timeout,
+                                         autoload)
+        return _aevents(chunks) if chunks is not None else _json(model, reply)
 
 
 class Stream:
@@ -231,7 +213,6 @@ class Stream:
         self._lock = threading.Lock()
         self._read = threading.Lock()  # one reader at a time (a drain may race a reader)
         self._failure: RouterError | None = None  # a failure found by anext_batch, raised next
-        self.usage: dict[str, Any] | None = None  # token counts, once the stream has ended (batched path)
 
     @property
     def done(self) -> bool:
@@ -241,7 +222,7 @@ class Stream:
     def __iter__(self) -> "Stream":
         return self
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> bytes:
         with self._read:
             if self._failure is not None:
                 failure, self._failure = self._failure, None
@@ -256,14 +237,14 @@ class Stream:
             raise _error(self._rec, msg)
         raise StopIteration
 
-    async def anext_batch(self) -> list[dict[str, Any]]:
+    async def anext_batch(self) -> list[bytes]:
         """The next chunk and every further one already here ([] at the end), awaited in
         the event loop (woken by the worker's reader thread), not in a thread."""
         while (out := self._ready()) is None:
             await self._pending.wait_async()
         return out
 
-    def _ready(self) -> list[dict[str, Any]] | None:
+    def _ready(self) -> list[bytes] | None:
         """The chunks already here, [] at the end, None if none is here yet; a failure
         is raised once, after the chunks that came before it."""
         with self._read:
@@ -286,8 +267,6 @@ class Stream:
             return [] if self._done else None
 
     def _finish(self, final: Any) -> None:
-        if isinstance(final, Result) and isinstance(final.value, dict):
-            self.usage = final.value.get("usage")
         with self._lock:
             if self._done:
                 return
@@ -333,10 +312,52 @@ def _error(rec: Record, reply: Failed) -> RouterError:
     return RequestFailed(rec.name, reply.kind, reply.message)
 
 
-async def _aiter(stream: Stream) -> AsyncIterator[dict[str, Any]]:
+def _body(model: str, params: dict[str, Any], stream: bool) -> bytes:
+    return json.dumps({**params, "model": model, **({"stream": True} if stream else {})}).encode()
+
+
+def _json(model: str, reply: HttpReply) -> dict[str, Any]:
+    """llama-server's JSON reply, or RequestFailed carrying its status and message."""
+    try:
+        data = json.loads(reply.body)
+    except ValueError:
+        data = None
+    if reply.status >= 400:
+        err = data.get("error") if isinstance(data, dict) else None
+        message = err.get("message") if isinstance(err, dict) else reply.body.decode(errors="replace")
+        raise RequestFailed(model, f"HTTP {reply.status}", message, status=reply.status)
+    return data
+
+
+def _sse(buffer: bytearray) -> Iterator[dict[str, Any]]:
+    """The complete ``data:`` events in ``buffer`` (consumed), as dicts."""
+    while (end := buffer.find(b"\n\n")) >= 0:
+        event, buffer[:] = bytes(buffer[:end]), buffer[end + 2:]
+        for line in event.split(b"\n"):
+            if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
+                yield json.loads(line[6:])
+            elif line.startswith(b"error: "):
+                err = json.loads(line[7:]).get("error", {})
+                raise RequestFailed("", "HTTP 500", err.get("message", "stream failed"))
+
+
+def _events(stream: Stream) -> Iterator[dict[str, Any]]:
+    buffer = bytearray()
+    try:
+        for chunk in stream:
+            buffer += chunk
+            yield from _sse(buffer)
+    finally:
+        stream.abandon()
+
+
+async def _aevents(stream: Stream) -> AsyncIterator[dict[str, Any]]:
+    buffer = bytearray()
     try:
         while chunks := await stream.anext_batch():
             for chunk in chunks:
-                yield chunk
+                buffer += chunk
+                for event in _sse(buffer):
+                    yield event
     finally:
         stream.abandon()

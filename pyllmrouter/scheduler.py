@@ -466,7 +466,7 @@ class Scheduler:
                     return
             cfg = rec.config
             spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set)
-            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, dict(cfg.llama_kwargs)))
+            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, cfg.args))
             reply = pending.get(self.options.load_timeout)
         except Exception as e:  # noqa: BLE001
             reply = Failed(0, type(e).__name__, str(e))

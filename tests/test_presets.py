@@ -34,6 +34,9 @@ persistent = true
 devices = CUDA0,CUDA1
 tensor-split = 3,1
 chat-template = chatml
+reasoning-format = deepseek
+temp = 0.5
+no-context-shift = true
 
 [embed]
 model = /m/bge.gguf
@@ -50,14 +53,22 @@ no-mmap = true
         ("/m/chat.gguf", 8192, -1, "q8_0", "q8_0", "on", 4)
     assert s.tensor_split == (3.0, 1.0)
     assert chat.devices == ("CUDA0", "CUDA1") and chat.persistent and chat.load_on_startup
-    assert chat.ttl == 600 and chat.stop_timeout == 3 and chat.llama_kwargs == {"chat_format": "chatml"}
+    assert chat.ttl == 600 and chat.stop_timeout == 3
+    # llama-server's other keys reach the engine as llama-server's router passes them to a child
+    # (a negated key as the negated flag), checked by llama.cpp's own parser
+    args = chat.args
+    assert args[args.index("--chat-template") + 1] == "chatml" and "--jinja" in args
+    assert args[args.index("--reasoning-format") + 1] == "deepseek" and args[args.index("--temperature") + 1] == "0.5"
+    assert "--no-context-shift" in args and "--context-shift" not in args
     # [*] gives defaults, the section overrides them
     assert embed.spec.n_ctx == 512 and embed.spec.n_gpu_layers == 8 and embed.spec.embedding
     assert embed.spec.use_mmap is False
 
 
 @pytest.mark.parametrize("text, message", [
-    ("[a]\nmodel = x.gguf\nwarp-speed = 9\n", r"models.ini:3: unknown key 'warp-speed' in \[a\]"),
+    ("[a]\nmodel = x.gguf\nwarp-speed = 9\n", r"models.ini:3: key 'warp-speed' in \[a\]: unknown key"),
+    ("[a]\nmodel = x.gguf\ntemp = hot\n", r"models.ini:3: key 'temp' in \[a\]: argument --temp"),
+    ("[a]\nmodel = x.gguf\nreasoning-format = loud\n", r"models.ini:3: key 'reasoning-format' in \[a\]"),
     ("[a]\nmodel = x.gguf\nc = lots\n", r"models.ini:3: key 'c': invalid literal"),
     ("[a]\nmodel = x.gguf\nctk = q3\n", r"models.ini:3: key 'ctk': expected one of"),
     ("[a]\nmodel = x.gguf\nflash-attn = maybe\n", r"models.ini:3: key 'flash-attn'"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import signal
 import struct
 import subprocess
@@ -93,14 +92,13 @@ def test_streamed_usage_matches_the_unstreamed_request(client):
     kw = dict(model="b", prompt="the usage of", max_tokens=7, temperature=0)  # b: the batched path
     whole = client.completions.create(**kw)
     chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
-    last, finish = chunks[-1], chunks[-2]
-    assert last.choices == [] and last.usage is not None  # OpenAI's usage chunk
+    last = chunks[-1]
+    assert last.usage is not None  # llama-server's usage chunk
     assert last.usage.completion_tokens == whole.usage.completion_tokens
     assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    finish = next(c for c in reversed(chunks) if c.choices and c.choices[0].finish_reason)
     assert finish.choices[0].finish_reason == whole.choices[0].finish_reason
-    assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text
-    plain = list(client.completions.create(**kw, stream=True))  # no usage chunk unless asked for
-    assert plain[-1].choices and plain[-1].choices[0].finish_reason
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
 
 
 def test_a_client_that_leaves_a_stream_stops_generation_and_frees_the_model(server, http):
@@ -147,22 +145,17 @@ def test_load_unload_and_per_model_memory(http):
 def test_props_health_metrics(http, server):
     assert httpx.get(server[0] + "/health").json() == {"status": "ok"}  # no key needed
     assert http.get("/props").json()["role"] == "router"
-    props = http.get("/props", params={"model": "a"}).json()
-    assert props["model"] == "a" and props["spec"]["n_ctx"] == 2048
+    props = http.get("/props", params={"model": "a"}).json()  # llama-server's, from a's engine
+    assert props["default_generation_settings"]["n_ctx"] == 2048 and props["model_alias"] == "a"
+    assert props["model_path"].endswith("tiny-llama.gguf")
     http.post("/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2})
     text = http.get("/metrics").text
     assert "pyllmrouter_loads_total" in text and 'pyllmrouter_device_capacity_bytes{device="GPU0"}' in text
-    assert 'pyllmrouter_request_seconds_count{endpoint="completions",model="a",status="200"}' in text
+    assert 'pyllmrouter_request_seconds_count{endpoint="/v1/completions",model="a",status="200"}' in text
     assert "pyllmrouter_queue_wait_seconds_count" in text
-    # decode counters of a model with parallel slots (b; a has one slot: llama_cpp's own loop)
-    used = http.post("/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 3,
-                                              "logit_bias": {"2": -100, "4": -100}}).json()["usage"]
-    text = http.get("/metrics").text
-    counters = dict(re.findall(r'^pyllmrouter_model_(\w+)_total\{model="b"\} (\S+)$', text, re.M))
-    assert float(counters["tokens_predicted"]) >= used["completion_tokens"] == 3
-    assert float(counters["decode_calls"]) >= 3 and float(counters["requests_batched"]) >= 1
-    assert 0 < float(counters["send_seconds"]) < float(counters["step_seconds"])
-    assert 'pyllmrouter_model_tokens_predicted_total{model="a"}' not in text
+    slots = http.get("/slots", params={"model": "a"}).json()  # per-model GET endpoints
+    assert len(slots) == 1 and slots[0]["n_ctx"] == 2048
+    assert http.get("/slots").status_code == 400  # which model's?
 
 
 def test_auth(server):
@@ -179,8 +172,8 @@ def test_auth(server):
     (b"{not json", 400, "not valid JSON"),
     (b"[1, 2]", 400, "JSON object"),
     (json.dumps({"messages": HI}).encode(), 400, "'model' is required"),
-    (json.dumps({"model": "a", "messages": "hi"}).encode(), 400, "'messages' must be a non-empty list"),
-    (json.dumps({"model": "a", "messages": HI, "n": 0}).encode(), 400, "'n' must be a positive integer"),
+    (json.dumps({"model": "a", "messages": "hi"}).encode(), 400, "'messages'"),  # llama.cpp's checks
+    (json.dumps({"model": "a", "messages": HI, "n": 0}).encode(), 400, "'n'"),
     (json.dumps({"model": "zzz", "messages": HI}).encode(), 404, "unknown model 'zzz'"),
 ])
 def test_bad_requests_get_openai_errors(http, body, status, fragment):
@@ -189,17 +182,9 @@ def test_bad_requests_get_openai_errors(http, body, status, fragment):
     assert fragment in r.json()["error"]["message"]
 
 
-def test_a_bad_parameter_is_400_naming_it(http):
-    r = http.post("/v1/completions", json={"model": "b", "prompt": "x", "logit_bias": {"x": 1}, "stream": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
-    r = http.post("/v1/chat/completions", json={"model": "b", "messages": HI, "temperature": "hot"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    assert "'temperature' must be a number" in r.json()["error"]["message"]
-
-
-@pytest.mark.parametrize("model", ["a", "b"])  # llama_cpp's streaming, and the batch
+@pytest.mark.parametrize("model", ["a", "b"])  # one slot, and several
 def test_a_stream_refused_before_its_first_chunk_gets_an_error_status(client, model):
-    with pytest.raises(openai.BadRequestError, match="exceed context window"):
+    with pytest.raises(openai.BadRequestError, match="exceeds the available context size"):
         list(client.completions.create(model=model, prompt="hello " * 3000, max_tokens=2, stream=True))
     assert list(client.completions.create(model=model, prompt="x", max_tokens=2, stream=True))
 
@@ -212,7 +197,7 @@ def test_text_parts_of_a_message_read_as_its_text(client):
     joined = client.chat.completions.create(messages=[{"role": "user", "content": "hi\nthere"}], **kw)
     assert parts.choices[0].message.content == joined.choices[0].message.content
     assert parts.usage.prompt_tokens == joined.usage.prompt_tokens != plain.usage.prompt_tokens
-    with pytest.raises(openai.BadRequestError, match="text only"):
+    with pytest.raises(openai.APIStatusError, match="image input is not supported"):  # no projector
         client.chat.completions.create(messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}], **kw)
 
@@ -228,7 +213,7 @@ def test_embeddings_as_floats_or_base64(client, http):
     got = client.embeddings.create(model="e", input=["a b", "c"])  # the openai client asks for base64 itself
     assert [d.embedding for d in got.data] == [pytest.approx(f, rel=1e-6) for f in floats]
     r = http.post("/v1/embeddings", json={**body, "encoding_format": "int8"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "encoding_format"
+    assert r.status_code == 400 and "float or base64" in r.json()["error"]["message"]
 
 
 def test_one_model_by_id_or_alias(client):
@@ -238,45 +223,9 @@ def test_one_model_by_id_or_alias(client):
         client.models.retrieve("nope")
 
 
-def test_several_prompts_and_n_choices_in_one_request(client):
-    kw = dict(model="b", max_tokens=5, temperature=0, logit_bias={"2": -100, "4": -100})  # b: the batch
-    prompts = ["hello world", "the model"]
-    alone = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
-    together = client.completions.create(prompt=prompts, **kw)
-    assert [(c.index, c.text) for c in together.choices] == list(enumerate(alone))
-    assert together.usage.completion_tokens == 10
-    chunks = list(client.completions.create(prompt=prompts, stream=True, stream_options={"include_usage": True},
-                                            **kw))
-    texts = ["", ""]
-    for chunk in chunks:
-        for c in chunk.choices:
-            texts[c.index] += c.text
-    assert texts == alone
-    assert len({c.id for c in chunks}) == 1 and chunks[-1].usage.completion_tokens == 10
-    three = client.chat.completions.create(model="b", messages=HI, n=3, max_tokens=4, temperature=0)
-    assert [c.index for c in three.choices] == [0, 1, 2]
-    assert len({c.message.content for c in three.choices}) == 1  # greedy: one answer, three times
-    with pytest.raises(openai.BadRequestError, match="limit of 64"):
-        client.completions.create(prompt=prompts, n=40, **kw)
-
-
-def test_one_refused_choice_refuses_the_request_and_frees_the_others(server, client):
-    kw = dict(model="b", prompt=["hi", "hello " * 3000], max_tokens=300, temperature=0,
-              logit_bias={"2": -100, "4": -100})
-    for stream in (False, True):
-        with pytest.raises(openai.BadRequestError, match="exceed context window"):
-            list(client.completions.create(stream=True, **kw)) if stream else client.completions.create(**kw)
-    t0 = time.perf_counter()  # the choice that was accepted is stopped, its lease returned
-    while server[1].status()["models"]["b"]["leases"] and time.perf_counter() - t0 < 10:
-        time.sleep(0.01)
-    assert server[1].status()["models"]["b"]["leases"] == 0
-
-
-def test_wrong_endpoint_for_the_model_is_400(client, http):
-    with pytest.raises(openai.BadRequestError, match="embedding model"):
+def test_wrong_endpoint_for_the_model_is_llama_servers_error(client):
+    with pytest.raises(openai.APIStatusError, match="does not support logits"):  # as llama-server answers
         client.completions.create(model="e", prompt="x")
-    r = http.post("/v1/embeddings", json={"model": "a", "input": "x"})
-    assert r.status_code == 400 and "not an embedding model" in r.json()["error"]["message"]
 
 
 def test_unknown_model_through_openai(client):
@@ -311,11 +260,10 @@ def test_autoload_off_per_request(http):
 
 
 def test_queue_timeout_is_503_with_retry_after(server, http, client):
-    # a holds GPU0 with a request in flight; b (also GPU0) cannot be admitted in time
-    stream = client.completions.create(model="a", prompt="hello", max_tokens=1800, stream=True,
-                                       logit_bias={"2": -100, "4": -100})  # no end-of-sequence: stays busy
-    chunks = iter(stream)  # kept: dropping it would close the connection
-    next(chunks)
+    # a holds GPU0 with a stream in flight whose end nobody has read; b (also GPU0)
+    # cannot be admitted in time
+    body = json.dumps({"model": "a", "prompt": "hello", "max_tokens": 8, "stream": True}).encode()
+    _, stream = server[1].call("a", "POST", "/v1/completions", body)
     r = http.post("/v1/completions", json={"model": "b", "prompt": "x"})
     assert r.status_code == 503 and r.headers["Retry-After"]
     stream.close()

@@ -1,18 +1,18 @@
-"""The HTTP server: OpenAI endpoints, llama-server's router API, and our own.
+"""The HTTP server: every llama-server endpoint of a model, llama-server's router API, and ours.
 
-    client ──HTTP──▶ middleware (API key, body limit) ──▶ route ──▶ Router.arequest (leased in
-                                                           │          the loop when the model can
-                                                           │          take it, else in a thread)
-                                                           └─ SSE (sse.py): chunks awaited in the
-                                                              event loop, one write per decode step;
-                                                              a client that leaves cancels
+    client ──HTTP──▶ middleware (API key, body limit) ──▶ per-model route: the model named by the
+                     body's "model" (POST) or ?model= (GET), as llama-server's router picks it
+                       ──▶ Router.acall(model, method, path, body) ──▶ the model's engine
+                       ◀── llama.cpp's status, headers and body, written unchanged; a stream
+                           chunk by chunk as the engine yields it; a client that leaves cancels
 
 | endpoint                          | what                                              |
 | GET  /health                      | liveness (no API key needed)                      |
 | GET  /v1/models[/{id}]            | OpenAI model list, one model                      |
-| POST /v1/chat/completions         | OpenAI chat, SSE with "stream": true              |
-| POST /v1/completions              | OpenAI completions (several prompts, n choices)   |
-| POST /v1/embeddings               | OpenAI embeddings (float or base64)               |
+| POST (ENGINE_POST paths)          | llama-server's handler of the model: OpenAI chat, |
+|                                   | completions, responses, embeddings; Anthropic     |
+|                                   | messages; rerank, tokenize, infill, slots...      |
+| GET  /props, /slots, /lora-adapters, /metrics ?model= | the same, for one model       |
 | GET  /models                      | llama-server router list: status, memory per device |
 | POST /models/load, /models/unload | llama-server router control                       |
 | GET  /props[?model=]              | router or model properties                        |
@@ -24,46 +24,35 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
 import json
-import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response, StreamingResponse
 
 from ..errors import RouterError, UnknownModel
 from ..router import Router
 from .errors import ApiError, error_response, from_router_error
-from .fanout import MergedStream, merge, split
 from .metrics import Metrics
-from .sse import EventStream
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "ENGINE_POST", "ENGINE_GET"]
 
 PUBLIC = frozenset({"/health"})
-# OpenAI fields forwarded to llama_cpp, per endpoint; others are ignored
-_SAMPLING = {"temperature", "top_p", "top_k", "min_p", "stop", "seed", "max_tokens", "presence_penalty",
-             "frequency_penalty", "repeat_penalty", "logit_bias", "logprobs", "typical_p", "mirostat_mode",
-             "mirostat_tau", "mirostat_eta", "tfs_z"}
-ALLOWED = {
-    "chat": _SAMPLING | {"messages", "response_format", "tools", "tool_choice", "top_logprobs", "functions",
-                         "function_call"},
-    "complete": _SAMPLING | {"prompt", "suffix", "echo", "response_format"},
-    "embed": {"input"},
-}
-
-
-def _to_base64(result: dict[str, Any]) -> None:
-    """OpenAI's ``encoding_format: base64``: each vector as little-endian float32 bytes."""
-    for item in result.get("data", []):
-        vec = item.get("embedding")
-        if isinstance(vec, list) and all(isinstance(x, (int, float)) for x in vec):
-            item["embedding"] = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
+# llama-server's per-model POST endpoints (tools/server/server.cpp), served by the model's engine
+ENGINE_POST = (
+    "/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion",
+    "/v1/chat/completions/control", "/v1/responses", "/responses", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/embeddings", "/embeddings", "/embedding", "/v1/rerank", "/v1/reranking", "/rerank", "/reranking",
+    "/infill", "/tokenize", "/detokenize", "/apply-template", "/chat/completions/input_tokens",
+    "/v1/chat/completions/input_tokens", "/responses/input_tokens", "/v1/responses/input_tokens",
+    "/v1/audio/transcriptions", "/audio/transcriptions", "/lora-adapters", "/slots/{id_slot}", "/props",
+)
+# and GET endpoints, for the model named by ?model= (without it: the router's own, if any)
+ENGINE_GET = ("/props", "/slots", "/lora-adapters", "/metrics")
 
 
 def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
@@ -125,81 +114,50 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         except RouterError as e:
             raise from_router_error(e) from None
 
-    async def run(model: str, method: str, subs: list[dict[str, Any]], stream: bool, autoload: bool | None):
-        """One router request, or one per choice (several prompts, n > 1) merged into one reply."""
-        if len(subs) == 1:
-            return await router.arequest(model, method, subs[0], stream, autoload=autoload)
-        if not stream:
-            replies = await asyncio.gather(*(router.arequest(model, method, p, False, autoload=autoload)
-                                             for p in subs), return_exceptions=True)
-            failed = next((r for r in replies if isinstance(r, BaseException)), None)
-            if failed is not None:
-                raise failed
-            return merge(replies)
-        streams = []
-        try:
-            for p in subs:
-                streams.append(await router.arequest(model, method, p, True, autoload=autoload))
-        except BaseException:
-            for st in streams:
-                st.abandon()
-            raise
-        return MergedStream(streams)
-
-    async def serve(request: Request, method: str, endpoint: str):
+    async def forward(request: Request, model: str, raw: bytes) -> Response:
+        """The request to ``model``'s engine; its reply unchanged."""
         t0 = time.perf_counter()
+        endpoint = request.url.path
+        query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
+        try:
+            reply, stream = await router.acall(model, request.method, endpoint, raw, query,
+                                               autoload=autoload_param(request))
+        except RouterError as e:
+            err = from_router_error(e)
+            metrics.latency.labels(model, endpoint, str(err.status)).observe(time.perf_counter() - t0)
+            raise err from None
+        headers = {k: v for k, v in reply.headers.items() if k.lower() != "content-type"}
+        if stream is None:
+            metrics.latency.labels(model, endpoint, str(reply.status)).observe(time.perf_counter() - t0)
+            return Response(reply.body, status_code=reply.status, media_type=reply.content_type, headers=headers)
+
+        async def body_chunks():
+            code = str(reply.status)
+            try:
+                while chunks := await stream.anext_batch():
+                    yield b"".join(chunks)
+            except RouterError as e:
+                code = str(from_router_error(e).status)
+            finally:
+                stream.abandon()  # a client that left stops generation
+                metrics.latency.labels(model, endpoint, code).observe(time.perf_counter() - t0)
+
+        return StreamingResponse(body_chunks(), status_code=reply.status, media_type=reply.content_type,
+                                 headers=headers)
+
+    async def engine_post(request: Request) -> Response:
         data = await body(request)
         model = data.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
-        if "max_completion_tokens" in data and "max_tokens" not in data:
-            data["max_tokens"] = data["max_completion_tokens"]
-        params = {k: v for k, v in data.items() if k in ALLOWED[method]}  # checked by the router
-        stream = bool(data.get("stream")) and method != "embed"
-        options = data.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise ApiError(400, "'stream_options' must be an object", param="stream_options")
-        include_usage = stream and bool(options.get("include_usage"))
-        encoding = data.get("encoding_format") or "float"
-        if method == "embed" and encoding not in ("float", "base64"):
-            raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", param="encoding_format")
-        subs = [params] if method == "embed" else split(method, params, data.get("n", 1))
-        status = "200"
-        try:
-            result = await run(model, method, subs, stream, autoload_param(request))
-        except RouterError as e:
-            err = from_router_error(e)
-            status = str(err.status)
-            raise err from None
-        finally:
-            if not stream or status != "200":
-                metrics.latency.labels(model, endpoint, status).observe(time.perf_counter() - t0)
-        if not stream:
-            result["model"] = model
-            if method == "embed" and encoding == "base64":
-                _to_base64(result)
-            return JSONResponse(result)
-        return EventStream(result, model, include_usage, lambda code: metrics.latency.labels(
-            model, endpoint, code).observe(time.perf_counter() - t0))
+        return await forward(request, model, await request.body())
+
+    for path in ENGINE_POST:
+        app.add_api_route(path, engine_post, methods=["POST"], include_in_schema=False)
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
-
-    @app.post("/v1/chat/completions")
-    @app.post("/chat/completions")
-    async def chat(request: Request):
-        return await serve(request, "chat", "chat")
-
-    @app.post("/v1/completions")
-    @app.post("/completions")
-    async def completions(request: Request):
-        return await serve(request, "complete", "completions")
-
-    @app.post("/v1/embeddings")
-    @app.post("/embeddings")
-    async def embeddings(request: Request):
-        return await serve(request, "embed", "embeddings")
 
     def _openai_model(name: str, m: dict[str, Any]) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "pyllmrouter",
@@ -244,14 +202,20 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     @app.get("/props")
     async def props(request: Request):
         name = request.query_params.get("model")
+        if name is not None:
+            return await forward(request, name, b"")
         st = router.status()
-        if name is None:
-            return {"role": "router", "models": len(st["models"]), "max_models": router.options.max_models,
-                    "autoload": router.options.autoload, "margin_bytes": router.options.margin}
-        rec = await call(router.scheduler.resolve, name)
-        m = st["models"][rec.name]
-        return {"model": rec.name, "model_path": rec.config.spec.path, "spec": rec.config.spec.to_dict(),
-                "status": m["state"], "memory": {"requirement": m["requirement"], "live": m["live"]}}
+        return {"role": "router", "models": len(st["models"]), "max_models": router.options.max_models,
+                "autoload": router.options.autoload, "margin_bytes": router.options.margin}
+
+    async def engine_get(request: Request) -> Response:
+        name = request.query_params.get("model")
+        if not name:
+            raise ApiError(400, "'?model=' is required: which model's " + request.url.path, param="model")
+        return await forward(request, name, b"")
+
+    for path in ENGINE_GET[1:-1]:
+        app.add_api_route(path, engine_get, methods=["GET"], include_in_schema=False)
 
     @app.get("/devices")
     async def devices():
@@ -266,9 +230,10 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
                          for t, what, name, where in evs]}
 
     @app.get("/metrics")
-    async def prometheus():
-        engines = await asyncio.to_thread(router.engine_stats)
-        return Response(metrics.render(engines), media_type="text/plain; version=0.0.4")
+    async def prometheus(request: Request):
+        if request.query_params.get("model"):
+            return await engine_get(request)  # llama-server's own counters (needs --metrics)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
 

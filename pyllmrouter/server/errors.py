@@ -47,6 +47,8 @@ def from_router_error(e: Exception) -> ApiError:
     if isinstance(e, LoadFailed):
         return ApiError(500, str(e), "server_error", "load_failed")
     if isinstance(e, RequestFailed):
+        if e.kind.startswith("HTTP "):
+            return ApiError(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error")
         if e.kind in _CLIENT_KINDS:
             return ApiError(400, e.message, code="invalid_request")
         return ApiError(500, str(e), "server_error")
