@@ -20,11 +20,11 @@ confidence interval: the rounds are paired), p50/p99 time to first token over
 all rounds' requests (and the per-round p50 ratios, likewise), and CPU seconds
 per 1000 tokens of each server's process tree (ours includes its workers),
 split into its decode threads (the --threads busiest) and the others, and of
-the benchmark's own clients; and from each server's /metrics (llama-server
-with --metrics) how it batched: llama_decode calls per 1000 tokens and busy
-slots per call, and for ours where a step's time goes (inside llama_decode,
-and the rest: batch, sampling, text, sending; and of the rest, sending the
-chunks to the router).  Writes JSON (default
+the benchmark's own clients; and from each engine's /metrics (both are
+llama-server's engine, with --metrics; ours at /metrics?model=) how it
+batched: llama_decode calls per 1000 tokens and busy slots per call.  Both
+servers run the same engine, so the difference is the path around it: our
+HTTP layer, the router and the worker pipe.  Writes JSON (default
 bench/results/concurrency_bench.json).
 """
 
@@ -132,20 +132,17 @@ def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, f
 
 
 def decode_counters(base: str, server: str, model: str) -> dict[str, float]:
-    """The server's decode counters from its /metrics: llama_decode calls and busy slots
-    summed over them (both servers); seconds inside llama_decode, in whole steps and in
-    the steps' sending (ours)."""
+    """The engine's decode counters from llama-server's /metrics (ours: the model's engine
+    is llama-server's, at /metrics?model=): llama_decode calls and busy slots summed
+    over them."""
+    url = base + "/metrics" + (f"?model={model}" if server == "pyllmrouter" else "")
     values = {}
-    for line in httpx.get(base + "/metrics", timeout=60).text.splitlines():
+    for line in httpx.get(url, timeout=60).text.splitlines():
         name, _, value = line.rpartition(" ")
         if name and not line.startswith("#"):
             values[name] = float(value)
-    if server == "llama-server":
-        n = values["llamacpp:n_decode_total"]
-        return {"decodes": n, "busy_slots": values["llamacpp:n_busy_slots_per_decode"] * n}
-    return {k: values[f'pyllmrouter_model_{m}_total{{model="{model}"}}'] for k, m in (
-        ("decodes", "decode_calls"), ("busy_slots", "decode_busy_slots"), ("decode_s", "decode_seconds"),
-        ("step_s", "step_seconds"), ("send_s", "send_seconds"))}
+    n = values["llamacpp:n_decode_total"]
+    return {"decodes": n, "busy_slots": values["llamacpp:n_busy_slots_per_decode"] * n}
 
 
 def run_level(base: str, model: str, clients: int, per_client: int, tokens: int, pid: int,
@@ -176,10 +173,6 @@ def summary(rounds: list[dict]) -> dict:
     calls = max(1.0, decode["decodes"])
     batching = {"decodes_per_1k_tokens": 1e3 * decode["decodes"] / max(1, sum(r["tokens"] for r in rounds)),
                 "busy_slots_per_decode": decode["busy_slots"] / calls}
-    if "step_s" in decode:
-        batching.update(decode_ms_per_call=1e3 * decode["decode_s"] / calls,
-                        rest_of_step_ms_per_call=1e3 * (decode["step_s"] - decode["decode_s"]) / calls,
-                        sending_ms_per_call=1e3 * decode["send_s"] / calls)
     return {**batching, "clients": rounds[0]["clients"], "tok_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
             "round_tok_s": [r["tok_s"] for r in rounds], "retries": sum(r["retries"] for r in rounds),
             "round_ttft_p50_ms": [percentile(r["ttft_s"], 0.5) * 1e3 for r in rounds],
@@ -237,7 +230,7 @@ def main() -> None:
         preset = Path(tmp) / "bench.ini"
         preset.write_text(f"[m]\nmodel = {model}\nc = {args.ctx}\nnp = {args.parallel}\n"
                           f"kv-unified = {str(args.kv_unified).lower()}\n"
-                          f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\n")
+                          f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\nmetrics = true\n")
         theirs_port = free_port()
         env = dict(os.environ, PYLLMROUTER_CACHE=str(Path(tmp) / "cache"))
         ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"], env=env)
@@ -286,8 +279,7 @@ def main() -> None:
                      f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
         batch_rows.append([ours_r["clients"], f"{ours_r['decodes_per_1k_tokens']:.0f}",
                            f"{theirs_r['decodes_per_1k_tokens']:.0f}", f"{ours_r['busy_slots_per_decode']:.2f}",
-                           f"{theirs_r['busy_slots_per_decode']:.2f}", f"{ours_r['decode_ms_per_call']:.2f}",
-                           f"{ours_r['rest_of_step_ms_per_call']:.2f}", f"{ours_r['sending_ms_per_call']:.2f}"])
+                           f"{theirs_r['busy_slots_per_decode']:.2f}"])
         cpu_rows.append([ours_r["clients"]] + [f"{r[k]:.2f}" for r in (ours_r, theirs_r)
                                                for k in ("compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens",
                                                          "client_cpu_s_per_1k_tokens")])
@@ -298,12 +290,10 @@ def main() -> None:
           "(HTTP, routing), and the benchmark's clients")
     print(render(["clients", "ours decode", "ours other", "clients of ours", "llama-server decode",
                   "llama-server other", "clients of llama-server"], cpu_rows))
-    print("\nBatching, from each server's /metrics: llama_decode calls per 1000 generated tokens, busy slots per "
-          "call; ours: ms per call inside llama_decode, the rest of the step (batch, sampling, text, sending), "
-          "and of that rest, sending the step's chunks to the router (pickle and pipe write)")
+    print("\nBatching, from each engine's llama-server /metrics (ours: /metrics?model=): llama_decode calls "
+          "per 1000 generated tokens, busy slots per call")
     print(render(["clients", "ours decodes/1k tok", "llama-server decodes/1k tok", "ours slots/decode",
-                  "llama-server slots/decode", "ours llama_decode ms", "ours rest of step ms", "of which sending ms"],
-                 batch_rows))
+                  "llama-server slots/decode"], batch_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "concurrency", "model": args.model, "parallel": args.parallel,
                                     "tokens": args.tokens,

