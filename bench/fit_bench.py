@@ -28,9 +28,10 @@ from pyllmrouter import ModelSpec, probe, tinymodels
 from pyllmrouter._llama import native
 from pyllmrouter.config import GiB
 from pyllmrouter.fit import fit_here
-from pyllmrouter.params import _BuftOverride, build
 from pyllmrouter.loopback import RpcServers
 from pyllmrouter.tables import mib, render
+
+from _llama_params import _BuftOverride, build
 
 
 FIT_SYMBOL = ("_Z17common_fit_paramsPKcP18llama_model_paramsP20llama_context_paramsPfP32llama_model_tensor_"

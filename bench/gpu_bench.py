@@ -30,10 +30,10 @@ SMALL = tinymodels.Shape("llama", n_embd=1024, n_layer=8, n_head=16, n_head_kv=4
 CHILD = """
 import json, os, subprocess, time
 from pyllmrouter import ModelSpec, probe
-from pyllmrouter.loader import load
+from pyllmrouter.loader import load, request
 spec = ModelSpec({path!r}, n_ctx={n_ctx}, n_gpu_layers=-1)
 t0 = time.perf_counter(); est = probe(spec, use_cache=False); probe_s = time.perf_counter() - t0
-t0 = time.perf_counter(); llm = load(spec); llm.create_completion("hi", max_tokens=2); load_s = time.perf_counter() - t0
+t0 = time.perf_counter(); llm = load(spec); request(llm, "/v1/completions", {{"prompt": "hi", "max_tokens": 2}}); load_s = time.perf_counter() - t0
 out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                      capture_output=True, text=True).stdout
 used = sum(int(l.split(",")[1]) for l in out.splitlines() if int(l.split(",")[0]) == os.getpid()) << 20

@@ -1,22 +1,28 @@
 #!/usr/bin/env python3
-"""HTTP overhead: direct llama_cpp.Llama vs the Python API vs HTTP, in one run.
+"""Per-request overhead, in one run: the engine in-process, our Python API, our HTTP
+server, llama-server, and llama-server in router mode (the same job as ours: models
+behind one address, one hop to the engine).
 
-    python bench/http_bench.py [--requests N] [--out FILE]
+    scripts/build_llama_tools.sh llama-server    # once: llama.cpp of the pinned sdist
+    python bench/http_bench.py [--requests N] [--rounds R] [--out FILE]
 
-Short completions (8 tokens) on the tiny llama, at 1 and 16 concurrent clients.
-Direct calls share one Llama behind a lock (a Llama serves one request at a
-time, as a worker's model does).  The HTTP server runs as ``pyllmrouter
-serve`` in its own process; clients use one httpx connection each.  Prints a
-table and writes JSON (default bench/results/http_bench.json).
+Short completions (8 tokens, greedy) on the tiny llama, with the same llama-server
+arguments everywhere (4 slots), at 1 and 16 concurrent clients; each path is
+measured in every round, in an order that rotates, so all paths see the same
+machine.  HTTP clients use one httpx connection each.  Prints a table (p50/p99
+per request and requests/s, and the ratio of our HTTP p50 to each llama-server's,
+per round and as a geometric mean) and writes JSON (default
+bench/results/http_bench.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
 import httpx
@@ -25,12 +31,13 @@ from _load import percentile, run_clients
 from pyllmrouter import ModelSpec, tinymodels
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.loader import load
-from pyllmrouter.loopback import start_serve
+from pyllmrouter.loader import engine_args, load, request
+from pyllmrouter.loopback import free_port, llama_tool, start_serve, wait_healthy
 from pyllmrouter.router import Router
 from pyllmrouter.tables import render
 
-KW = dict(max_tokens=8, temperature=0.0)
+BODY = {"prompt": "hello", "max_tokens": 8, "temperature": 0.0}
+PATHS = ("engine in-process", "python API", "HTTP", "llama-server", "llama-server router")
 
 
 def measure(fn, clients: int, per_client: int) -> dict:
@@ -39,59 +46,83 @@ def measure(fn, clients: int, per_client: int) -> dict:
             "req_s": len(run.seconds) / run.wall}
 
 
+def http_calls(base: str):
+    def make(_i):
+        c = httpx.Client(base_url=base, timeout=60)
+        return lambda: c.post("/v1/completions", json={"model": "m", **BODY}).raise_for_status()
+    return make
+
+
+def gmean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=160, help="requests per concurrency level")
+    ap.add_argument("--requests", type=int, default=96, help="requests per path, level and round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--llama-server", type=Path, default=llama_tool("llama-server"))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "http_bench.json")
     args = ap.parse_args()
-    rows = []
+    if not args.llama_server.exists():
+        raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
+    results: dict[tuple[int, str], list[dict]] = {}
+    procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PYLLMROUTER_CACHE"] = str(Path(tmp) / "cache")
         path = tinymodels.write_tiny_set(Path(tmp) / "models")["tiny-llama"]
         spec = ModelSpec(path, n_ctx=1024)
-
-        llm, llm_lock = load(spec), threading.Lock()
-
-        def direct(_i):
-            def call():
-                with llm_lock:
-                    llm.create_completion("hello", **KW)
-            return call
-
-        router = Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 1 << 40}), margin=0)
-        router.complete("m", "hello", **KW)
-
-        def api(_i):
-            return lambda: router.complete("m", "hello", **KW)
-
         preset = Path(tmp) / "p.ini"
-        preset.write_text(f"[m]\nmodel = {path}\nc = 1024\n")
-        server, base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"])
+        preset.write_text(f"[m]\nmodel = {path}\nc = 1024\nnp = 4\nkv-unified = true\nfit = off\n"
+                          "load-on-startup = true\n")
+        engine = load(spec, name="m")
+        router = Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 1 << 40}), margin=0)
         try:
-            httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hello", **KW}, timeout=60)
-
-            def http(_i):
-                c = httpx.Client(base_url=base, timeout=60)
-                return lambda: c.post("/v1/completions", json={"model": "m", "prompt": "hello", **KW}).raise_for_status()
-
-            for clients in (1, 16):
-                per = max(1, args.requests // clients)
-                for name, fn in (("direct llama_cpp", direct), ("python API", api), ("HTTP", http)):
-                    rows.append({"path": name, "clients": clients, **measure(fn, clients, per)})
+            ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"])
+            procs.append(ours)
+            single_port, router_port = free_port(), free_port()
+            procs.append(subprocess.Popen([str(args.llama_server), *engine_args(spec, "m"), "--host", "127.0.0.1",
+                                           "--port", str(single_port)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            procs.append(subprocess.Popen([str(args.llama_server), "--models-preset", str(preset), "--host",
+                                           "127.0.0.1", "--port", str(router_port), "--models-max", "1"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            bases = {"HTTP": ours_base, "llama-server": f"http://127.0.0.1:{single_port}",
+                     "llama-server router": f"http://127.0.0.1:{router_port}"}
+            wait_healthy(bases["llama-server"], procs[1])
+            wait_healthy(bases["llama-server router"], procs[2])
+            calls = {
+                "engine in-process": lambda _i: lambda: request(engine, "/v1/completions", BODY),
+                "python API": lambda _i: lambda: router.complete("m", "hello", max_tokens=8, temperature=0.0),
+                **{name: http_calls(base) for name, base in bases.items()},
+            }
+            for name, make in calls.items():  # warm: models loaded, slots used once
+                measure(make, 4, 2)
+            for rnd in range(args.rounds):
+                for clients in (1, 16):
+                    per = max(1, args.requests // clients)
+                    order = PATHS[rnd % len(PATHS):] + PATHS[:rnd % len(PATHS)]
+                    for name in order:
+                        results.setdefault((clients, name), []).append(measure(calls[name], clients, per))
         finally:
-            server.terminate()
-            server.wait(30)
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(30)
             router.close()
-            llm.close()
-    base_rows = {(r["clients"], r["path"]): r for r in rows}
-    for r in rows:
-        d = base_rows[(r["clients"], "direct llama_cpp")]
-        a = base_rows[(r["clients"], "python API")]
-        r["added_vs_direct_p50_ms"] = r["p50_ms"] - d["p50_ms"]
-        r["added_vs_api_p50_ms"] = r["p50_ms"] - a["p50_ms"]
-    print(render(["path", "clients", "p50 ms", "p99 ms", "req/s", "+p50 vs direct ms", "+p50 vs API ms"],
-                 [[r["path"], r["clients"], f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['req_s']:.1f}",
-                   f"{r['added_vs_direct_p50_ms']:.2f}", f"{r['added_vs_api_p50_ms']:.2f}"] for r in rows]))
+            engine.close()
+    rows, table = [], []
+    for (clients, name), rounds in results.items():
+        ours = results[(clients, "HTTP")]
+        row = {"path": name, "clients": clients,
+               "p50_ms": gmean([r["p50_ms"] for r in rounds]), "p99_ms": max(r["p99_ms"] for r in rounds),
+               "req_s": gmean([r["req_s"] for r in rounds]),
+               "our_http_p50_ratio": gmean([o["p50_ms"] / r["p50_ms"] for o, r in zip(ours, rounds)]),
+               "rounds": rounds}
+        rows.append(row)
+        table.append([name, clients, f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", f"{row['req_s']:.1f}",
+                      f"{row['our_http_p50_ratio']:.2f}"])
+    print(render(["path", "clients", "p50 ms", "p99 ms (max)", "req/s", "our HTTP p50 / this p50"], table))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "http", "rows": rows}, indent=2))
     print(f"\nwrote {args.out}")

@@ -53,7 +53,7 @@ def bench_model(name: str, spec: ModelSpec, repeat: int, real_load: bool) -> dic
         "total_bytes": est.total, "load_ms_p50": None,
     }
     if real_load:
-        loads, _ = timed(lambda: load(spec), max(1, repeat // 2))
+        loads, _ = timed(lambda: load(spec).close(), max(1, repeat // 2))
         row["load_ms_p50"] = statistics.median(loads) * 1e3
     return row
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Router overhead against llama_cpp.Llama called directly, in one run.
+"""Router overhead against the same llama.cpp server engine called in-process, in one run.
 
     python bench/router_bench.py [--requests N] [--out FILE]
 
@@ -7,7 +7,7 @@ For each model size (tiny, and a ~100M-parameter "small" model whose tokens
 take milliseconds), measures with the same spec and prompts:
   - p50/p99 latency of short completions (8 tokens), direct vs through the router;
   - streaming tokens/s (64 tokens), direct vs router;
-  - time to first token on a cold model: direct (load + first token in-process)
+  - time to first token on a cold model: direct (engine load + first token in-process)
     vs router (worker start + load + first token).
 Then, on two models that cannot be co-resident (models-max 1): loads per
 request under alternating traffic, sequential and with 4 concurrent clients
@@ -30,7 +30,7 @@ from _load import percentile
 from pyllmrouter import ModelSpec, probe, tinymodels
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.loader import load
+from pyllmrouter.loader import load, request
 from pyllmrouter.router import Router
 from pyllmrouter.tables import render
 
@@ -48,8 +48,19 @@ def latencies(fn, n: int) -> list[float]:
 
 def stream_rate(chunks) -> float:
     t0 = time.perf_counter()
-    n = sum(1 for c in chunks if c["choices"][0].get("text"))
+    n = sum(1 for c in chunks if c["choices"] and c["choices"][0].get("text"))
     return n / (time.perf_counter() - t0)
+
+
+def engine_stream(engine, body: dict):
+    """The events of a streamed request to an engine in this process (as dicts)."""
+    reply = engine.handle("POST", "/v1/completions", {}, {}, json.dumps({**body, "stream": True}).encode())
+    more = True
+    while more:
+        more, chunk = reply.next()
+        for line in chunk.decode().splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
 
 
 def bench_size(name: str, spec: ModelSpec, n: int) -> dict:
@@ -58,14 +69,14 @@ def bench_size(name: str, spec: ModelSpec, n: int) -> dict:
     inv = EmulatedInventory({"GPU0": 1 << 40})
 
     def stream_direct():
-        return stream_rate(llm.create_completion("hello", stream=True, max_tokens=64, temperature=0.0))
+        return stream_rate(engine_stream(llm, {"prompt": "hello", "max_tokens": 64, "temperature": 0.0}))
 
     def stream_routed():
         return stream_rate(router.complete("m", "hello", stream=True, max_tokens=64, temperature=0.0))
 
     t0 = time.perf_counter()
     llm = load(spec)
-    next(iter(llm.create_completion("hello", stream=True, **kw)))
+    next(engine_stream(llm, {"prompt": "hello", **kw}))
     direct_cold = time.perf_counter() - t0
     with Router([ModelConfig("m", spec)], inventory=inv, margin=0) as router:
         t0 = time.perf_counter()
@@ -73,7 +84,7 @@ def bench_size(name: str, spec: ModelSpec, n: int) -> dict:
         router_cold = time.perf_counter() - t0
         direct, routed = [], []
         for _ in range(n):
-            direct += latencies(lambda: llm.create_completion("hello", **kw), 1)
+            direct += latencies(lambda: request(llm, "/v1/completions", {"prompt": "hello", **kw}), 1)
             routed += latencies(lambda: router.complete("m", "hello", **kw), 1)
         rates_direct, rates_routed = [], []
         for _ in range(5):

@@ -1,6 +1,7 @@
 // llama.cpp's server engine for one model: see engine.h.
 #include "engine.h"
 
+#include <chrono>
 #include <cstdio>
 #include <mutex>
 #include <set>
@@ -15,6 +16,7 @@
 #include "server-context.h"
 #include "server-http.h"
 #include "server-stream.h"
+#include "speculative.h"
 
 namespace pyllmrouter {
 namespace {
@@ -157,6 +159,56 @@ void check_args(int argc, char ** argv) {
 
 }  // namespace
 
+common_params parse_server_args(const std::vector<std::string> & args) {
+    std::vector<std::string> full = {"llama-server"};
+    full.insert(full.end(), args.begin(), args.end());
+    std::vector<char *> argv;
+    for (auto & a : full) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const int argc = static_cast<int>(full.size());
+    check_args(argc, argv.data());
+    common_params params;
+    if (!common_params_parse(argc, argv.data(), params, LLAMA_EXAMPLE_SERVER)) {
+        throw engine_args_error("llama.cpp's parser refused the arguments");
+    }
+    // what llama_server() does to params before it builds the context
+    if (params.embedding && params.n_batch > params.n_ubatch) {
+        params.n_batch = params.n_ubatch;
+    }
+    if (params.n_parallel < 0) {
+        params.n_parallel = 4;
+        params.kv_unified = true;
+    }
+    const bool ctx_pool_auto_sized = params.kv_unified_per_slot > 0 && params.n_ctx == 0 &&
+                                     (uint32_t) params.fit_params_min_ctx != UINT32_MAX;
+    if (ctx_pool_auto_sized) {
+        params.n_ctx = params.n_parallel * params.kv_unified_per_slot;
+    }
+    auto model_name = params.model.get_name();
+    if (params.model_alias.empty() && !model_name.empty()) {
+        params.model_alias.insert(model_name);
+    }
+    return params;
+}
+
+ProbeResult probe_server(const std::vector<std::string> & args) {
+    common_params params = parse_server_args(args);
+    // the output limits server_context::load_model sets (server_output_limits, server-context.cpp)
+    if (params.embedding ||
+        (params.pooling_type != LLAMA_POOLING_TYPE_UNSPECIFIED && params.pooling_type != LLAMA_POOLING_TYPE_NONE)) {
+        params.n_outputs_max = params.n_batch;
+        params.n_outputs_max_per_seq = 1;
+    } else {
+        auto limits = common_speculative_get_output_limits(params.n_batch, params.n_parallel,
+                                                           common_speculative_n_max(&params.speculative));
+        params.n_outputs_max = std::max<int32_t>(1, limits.total);
+        params.n_outputs_max_per_seq = std::max<int32_t>(1, limits.per_seq);
+    }
+    const llama_model_params mp = common_model_params_to_llama(params);
+    const llama_context_params cp = common_context_params_to_llama(params);
+    return probe_file(params.model.path, mp, cp, static_cast<std::uint32_t>(params.n_outputs_max));
+}
+
 std::vector<std::string> preset_args(const std::vector<std::pair<std::string, std::string>> & keys) {
     common_preset_context ctx(LLAMA_EXAMPLE_SERVER);
     common_preset preset;
@@ -224,35 +276,8 @@ bool EngineReply::next(std::string & chunk) {
 
 // -- Engine -----------------------------------------------------------------
 
-Engine::Engine(const std::vector<std::string> & args) : params_(new common_params()) {
+Engine::Engine(const std::vector<std::string> & args) : params_(new common_params(parse_server_args(args))) {
     init_process();
-    std::vector<std::string> full = {"llama-server"};
-    full.insert(full.end(), args.begin(), args.end());
-    std::vector<char *> argv;
-    for (auto & a : full) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const int argc = static_cast<int>(full.size());
-    check_args(argc, argv.data());
-    if (!common_params_parse(argc, argv.data(), *params_, LLAMA_EXAMPLE_SERVER)) {
-        throw engine_args_error("llama.cpp's parser refused the arguments");
-    }
-    // what llama_server() does to params before it builds the context
-    if (params_->embedding && params_->n_batch > params_->n_ubatch) {
-        params_->n_batch = params_->n_ubatch;
-    }
-    if (params_->n_parallel < 0) {
-        params_->n_parallel = 4;
-        params_->kv_unified = true;
-    }
-    const bool ctx_pool_auto_sized = params_->kv_unified_per_slot > 0 && params_->n_ctx == 0 &&
-                                     (uint32_t) params_->fit_params_min_ctx != UINT32_MAX;
-    if (ctx_pool_auto_sized) {
-        params_->n_ctx = params_->n_parallel * params_->kv_unified_per_slot;
-    }
-    auto model_name = params_->model.get_name();
-    if (params_->model_alias.empty() && !model_name.empty()) {
-        params_->model_alias.insert(model_name);
-    }
     ctx_.reset(new server_context());
     routes_.reset(new server_routes(*params_, *ctx_));
 }
@@ -268,7 +293,11 @@ void Engine::load() {
     routes_->update_meta(*ctx_);
     loaded_ = true;
     server_context * ctx = ctx_.get();
-    loop_ = std::thread([ctx] { ctx->start_loop(); });
+    loop_ended_.store(false);
+    loop_ = std::thread([this, ctx] {
+        ctx->start_loop();
+        loop_ended_.store(true);
+    });
 }
 
 std::unique_ptr<EngineReply> Engine::handle(const std::string & method, const std::string & path,
@@ -309,7 +338,12 @@ std::unique_ptr<EngineReply> Engine::handle(const std::string & method, const st
 void Engine::close() {
     if (ctx_) {
         if (loaded_) {
-            ctx_->terminate();
+            // start_loop() sets its running flag when it starts: a terminate() that comes
+            // first is lost, so it is repeated until the loop has ended
+            while (!loop_ended_.load()) {
+                ctx_->terminate();
+                std::this_thread::sleep_for(std::chrono::milliseconds(5));
+            }
             if (loop_.joinable()) loop_.join();
         }
         routes_.reset();
@@ -326,6 +360,9 @@ std::vector<BufferRow> Engine::breakdown() const {
 }
 
 int Engine::n_parallel() const { return params_->n_parallel; }
-int Engine::n_ctx() const { return params_->n_ctx; }
+int Engine::n_ctx() const {
+    const llama_context * lctx = loaded_ && ctx_ ? ctx_->get_llama_context() : nullptr;
+    return lctx ? static_cast<int>(llama_n_ctx(lctx)) : params_->n_ctx;
+}
 
 }  // namespace pyllmrouter

@@ -76,6 +76,15 @@ class EngineReply {
 // An unknown key throws engine_args_error naming it.
 std::vector<std::string> preset_args(const std::vector<std::pair<std::string, std::string>> & keys);
 
+// llama-server's arguments as llama-server's main and server_context::load_model
+// resolve them (llama.cpp's parser; bad ones throw engine_args_error naming them).
+common_params parse_server_args(const std::vector<std::string> & args);
+
+// What loading a model with these llama-server arguments allocates, probed with
+// no_alloc from the very llama params the engine builds from them
+// (common_model_params_to_llama, common_context_params_to_llama).
+ProbeResult probe_server(const std::vector<std::string> & args);
+
 class Engine {
   public:
     // args as llama-server takes them (without the program name); parsed now.
@@ -102,6 +111,7 @@ class Engine {
     std::unique_ptr<server_context> ctx_;
     std::unique_ptr<server_routes> routes_;
     std::thread loop_;
+    std::atomic<bool> loop_ended_{true};
     bool loaded_ = false;
 };
 

@@ -31,6 +31,8 @@ py::list rows_list(const std::vector<BufferRow> & rows) {
     return out;
 }
 
+py::dict probe_dict(const ProbeResult & r);
+
 py::dict probe(const std::string & path, std::uintptr_t model_params, std::uintptr_t context_params,
                std::uint32_t n_outputs) {
     if (model_params == 0 || context_params == 0) {
@@ -43,6 +45,10 @@ py::dict probe(const std::string & path, std::uintptr_t model_params, std::uintp
         py::gil_scoped_release release;
         r = probe_file(path, mp, cp, n_outputs);
     }
+    return probe_dict(r);
+}
+
+py::dict probe_dict(const ProbeResult & r) {
     py::dict facts;
     facts["architecture"] = r.facts.architecture;
     facts["name"] = r.facts.name;
@@ -159,6 +165,15 @@ void bind_engine(py::module_ & m) {
              "The per-buffer-type breakdown of the engine's llama_context.")
         .def_property_readonly("n_parallel", &Engine::n_parallel)
         .def_property_readonly("n_ctx", &Engine::n_ctx);
+    m.def("probe_server", [](const std::vector<std::string> & args) {
+              ProbeResult r;
+              {
+                  py::gil_scoped_release release;
+                  r = probe_server(args);
+              }
+              return probe_dict(r);
+          }, py::arg("args"),
+          "probe() of what llama-server's engine allocates for these arguments (ValueError: bad arguments).");
     m.def("preset_args", &preset_args, py::arg("keys"),
           "llama-server preset (key, value) pairs as the arguments its router passes a child; "
           "ValueError names an unknown key.");

@@ -1,67 +1,46 @@
-"""Load a ModelSpec as a ``llama_cpp.Llama`` with exactly the probed parameters.
+"""Load a ModelSpec as llama.cpp's server engine, with exactly the probed arguments.
 
-llama_cpp.Llama builds its own parameter structs from its keyword arguments and
-cannot express some fields (devices, tensor buffer-type overrides, flash
-attention ``auto``, n_seq_max, kv_unified).  ``load`` passes it the equivalent
-keywords, and while it constructs, hands llama.cpp's two constructors
-(``llama_model_load_from_file``, ``llama_init_from_model``) the structs that
-``params.build`` made for the probe.  So probe and load share one parameter
-path, and whatever the probe measured is what gets allocated.
+    ModelSpec ──to_args()──▶ engine_args(spec, name, extra) ──▶ _native.Engine: llama.cpp's parser
+                                                               ──load()──▶ the slot loop running
+
+The probe parses ``spec.to_args()`` with the same parser and builds the same
+llama params from them (``_native.probe_server``), so what it measured is what
+the engine allocates.  This module imports llama.cpp: only worker and probe
+processes, the CLI and the tests use it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Iterator
+import json
+from typing import Any, Iterable
 
-from ._llama import llama_cpp_module, native
-from .params import LlamaParams, build
+from ._llama import native
 from .spec import ModelSpec
 
-__all__ = ["load"]
-
-# Construction swaps two module attributes of llama_cpp: one load at a time.
-_LOAD_LOCK = threading.Lock()
+__all__ = ["engine_args", "load", "request"]
 
 
-@contextlib.contextmanager
-def _exact_structs(p: LlamaParams) -> Iterator[None]:
-    lc = llama_cpp_module()
-    load_model, init_context = lc.llama_model_load_from_file, lc.llama_init_from_model
+def engine_args(spec: ModelSpec, name: str | None = None, extra: Iterable[str] = ()) -> list[str]:
+    """llama-server's arguments for ``spec``: its own, the model's name as its alias (what
+    replies call the model), llama.cpp's console log off, then ``extra`` (a preset's keys)."""
+    return [*spec.to_args(), *(["--alias", name] if name else []), "--log-disable", *extra]
 
-    def load_with_spec(path_model, _params):
-        return load_model(path_model, p.model)
 
-    def init_with_spec(model, _params):
-        return init_context(model, p.context)
-
-    lc.llama_model_load_from_file, lc.llama_init_from_model = load_with_spec, init_with_spec
+def load(spec: ModelSpec, *extra: str, name: str | None = None) -> Any:
+    """A loaded ``_native.Engine`` for ``spec``; ``close()`` frees it."""
+    engine = native().Engine(engine_args(spec, name, extra))
     try:
-        yield
-    finally:
-        lc.llama_model_load_from_file, lc.llama_init_from_model = load_model, init_context
+        engine.load()
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
-def load(spec: ModelSpec, *, verbose: bool = False, **llama_kwargs: Any):
-    """A ``llama_cpp.Llama`` for ``spec``; extra keywords (chat_format, seed...) pass through.
-
-    Memory-relevant settings come from the spec only: a keyword that would
-    contradict it is an error.
-    """
-    import llama_cpp  # noqa: PLC0415
-
-    n_ctx_train = None
-    if spec.n_ctx == 0:
-        meta = native().metadata(spec.path)
-        n_ctx_train = meta.get(f"{meta.get('general.architecture')}.context_length")
-    p = build(spec, n_ctx_train)
-    clash = sorted(set(llama_kwargs) & set(p.llama_kwargs))
-    if clash:
-        raise TypeError(f"{', '.join(clash)}: set these on the ModelSpec, not as load() keywords")
-    with _LOAD_LOCK, _exact_structs(p):
-        llm = llama_cpp.Llama(spec.path, verbose=verbose, **p.llama_kwargs, **llama_kwargs)
-    # Llama keeps its own copies for bookkeeping; make them the structs in use.
-    llm.model_params, llm.context_params = p.model, p.context
-    llm._pyllmrouter_params = p  # noqa: SLF001 - keeps override strings and arrays alive
-    return llm
+def request(engine: Any, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> dict[str, Any]:
+    """One whole (not streamed) request to a loaded engine, in this process: its JSON reply."""
+    reply = engine.handle(method, path, {}, {}, json.dumps(body or {}).encode())
+    data = json.loads(reply.data)
+    if reply.status >= 400:
+        raise RuntimeError(f"{path}: HTTP {reply.status}: {data}")
+    return data

@@ -2,8 +2,13 @@
 
     probe(spec) ─┬─ cache hit? ──> MemoryEstimate (from JSON, no llama.cpp import)
                  └─ checks the file (exists, GGUF magic)
-                    params.build(spec) ──> _native.probe(no_alloc model + context)
+                    spec.to_args() ──> _native.probe_server: llama.cpp's parser, the
+                    engine's own llama params (common_model_params_to_llama,
+                    common_context_params_to_llama), no_alloc model + context
                     ──> MemoryEstimate ──> cache
+
+The arguments are the ones the worker gives the model's engine, so the probe
+measures the very structs the engine loads with.
 
 Rows come per backend buffer type, straight from llama.cpp's own
 ``llama_get_memory_breakdown`` plus the host output (logits) buffer it leaves
@@ -292,23 +297,16 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
         if hit is not None:
             return hit
 
-    from . import params as _params  # imports llama_cpp: only on a cache miss
-
-    nat = native()
-    n_ctx_train = None
-    if spec.n_ctx == 0:
-        try:
-            meta = nat.metadata(spec.path)
-        except nat.LlamaError as e:
-            raise ProbeError(spec.path, str(e).split(": ", 1)[-1]) from None
-        n_ctx_train = meta.get(f"{meta.get('general.architecture')}.context_length")
-        if not isinstance(n_ctx_train, int):
-            raise ProbeError(spec.path, "n_ctx=0 but the file has no <arch>.context_length")
+    nat = native()  # imports llama_cpp: only on a cache miss
     try:
-        p = _params.build(spec, n_ctx_train)
-        raw = nat.probe(spec.path, p.model_address, p.context_address, p.n_outputs)
+        raw = nat.probe_server(spec.to_args())
     except nat.LlamaError as e:
         raise ProbeError(spec.path, str(e).removeprefix(spec.path + ": ")) from None
+    except ValueError as e:  # llama.cpp's parser refused an argument
+        reason = str(e)
+        if "invalid device" in reason:
+            reason += "; devices here: " + ", ".join(d["name"] for d in nat.devices())
+        raise ProbeError(spec.path, reason) from None
     forward_log(raw["log"])
     facts = dict(raw["facts"])
     facts["devices"] = tuple(facts["devices"])
@@ -324,9 +322,7 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
     return est
 
 
-def live_breakdown(llm: Any) -> tuple[BufferUse, ...]:
-    """The buffer rows of a loaded ``llama_cpp.Llama`` (without the output buffer)."""
-    import ctypes
-
-    ctx = llm._ctx.ctx  # noqa: SLF001 - the llama_context the Llama owns
-    return _rows(native().live_breakdown(ctypes.cast(ctx, ctypes.c_void_p).value))
+def live_breakdown(engine: Any) -> tuple[BufferUse, ...]:
+    """The buffer rows of a loaded engine's llama_context (``loader.load``; without the
+    output buffer)."""
+    return _rows(engine.breakdown())

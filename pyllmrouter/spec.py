@@ -118,12 +118,12 @@ class ModelSpec:
             a.append("--embedding")
         if self.pooling >= 0:
             a += ["--pooling", ("none", "mean", "cls", "last", "rank")[self.pooling]]
+        if self.tensor_overrides:  # before the MoE rules: llama.cpp takes the first pattern that matches
+            a += ["-ot", ",".join(f"{pattern}={buft}" for pattern, buft in self.tensor_overrides)]
         if self.cpu_moe:
             a.append("--cpu-moe")
         if self.n_cpu_moe:
             a += ["--n-cpu-moe", str(self.n_cpu_moe)]
-        if self.tensor_overrides:
-            a += ["-ot", ",".join(f"{pattern}={buft}" for pattern, buft in self.tensor_overrides)]
         if self.n_threads is not None:
             a += ["-t", str(self.n_threads)]
         if self.n_threads_batch is not None:

@@ -51,20 +51,16 @@ class _Worker:
 
     def _load(self, msg: LoadModel) -> None:
         from ._llama import native  # noqa: PLC0415
-        from .probe import _rows, aggregate  # noqa: PLC0415
+        from .loader import load  # noqa: PLC0415
+        from .probe import aggregate, live_breakdown  # noqa: PLC0415
 
         try:
             with self.models_lock:
                 if msg.name in self.models:
                     raise RuntimeError(f"model {msg.name!r} is already loaded in this worker")
             t0 = time.perf_counter()
-            engine = native().Engine([*msg.spec.to_args(), "--alias", msg.name, "--log-disable", *msg.args])
-            try:
-                engine.load()
-            except BaseException:
-                engine.close()
-                raise
-            pools = {d.device: d.total for d in aggregate(_rows(engine.breakdown()))}
+            engine = load(msg.spec, *msg.args, name=msg.name)
+            pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
             with self.models_lock:
                 self.models[msg.name] = EngineHost(msg.name, engine, native().StopFlag, self.send)
             self.send(Loaded(msg.req_id, msg.name, pools, time.perf_counter() - t0))

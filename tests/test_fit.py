@@ -21,7 +21,7 @@ FIT_AND_LOAD = """
     from pyllmrouter._llama import native
     from pyllmrouter import ModelSpec, probe
     from pyllmrouter.fit import fit_here, FitError
-    from pyllmrouter.loader import load
+    from pyllmrouter.loader import load, request
     from pyllmrouter.probe import aggregate, live_breakdown
     native().add_rpc_servers({endpoints!r})
     spec = ModelSpec({path!r}, n_ctx=1024, use_mmap=False)
@@ -35,7 +35,7 @@ FIT_AND_LOAD = """
         llm = load(plan.spec)
         live = {{d.device: (d.weights, d.kv, d.compute) for d in aggregate(live_breakdown(llm))}}
         est = {{d.device: (d.weights, d.kv, d.compute) for d in probe(plan.spec).devices}}
-        text = llm("hello", max_tokens=4)["choices"][0]["text"]
+        text = request(llm, "/v1/completions", {{"prompt": "hello", "max_tokens": 4}})["choices"][0]["text"]
         llm.close()
         out.append({{"grants": grants, "per_device": plan.per_device, "layers": plan.layers,
                     "experts_on_host": plan.experts_on_host, "probes": plan.probes, "live": live, "est": est,

@@ -114,13 +114,13 @@ def test_probing_while_another_thread_loads_and_generates(tiny):
     out = _run(f"""
         import threading
         from pyllmrouter import ModelSpec, ProbeError, probe
-        from pyllmrouter.loader import load
+        from pyllmrouter.loader import load, request
         path = {str(tiny["tiny-llama"])!r}
         stop = []
         def busy():
             while not stop:
                 llm = load(ModelSpec(path, n_ctx=256))
-                llm.create_completion("hello", max_tokens=4)
+                request(llm, "/v1/completions", {{"prompt": "hello", "max_tokens": 4}})
                 llm.close()
         t = threading.Thread(target=busy)
         t.start()

@@ -29,7 +29,8 @@ from pyllmrouter.router import Router
 from pyllmrouter.server import create_app
 
 LLAMA_SERVER = llama_tool("llama-server")
-VOLATILE = {"id", "created", "system_fingerprint", "timings", "created_at", "id_slot"}
+VOLATILE = {"id", "created", "system_fingerprint", "timings", "created_at", "id_slot",
+            "media_marker"}  # a random marker per server process
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
 SHARE_PROBE_CACHE = True
 
@@ -143,7 +144,7 @@ def test_anthropic_and_openai_clients(servers):
     texts = []
     for base in servers:
         a = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
-        msg = a.messages.create(model="m", max_tokens=12, temperature=0,
+        msg = a.messages.create(model="m", max_tokens=12, extra_body={"temperature": 0},
                                 messages=[{"role": "user", "content": "Say hello."}])
         o = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         chat = o.chat.completions.create(model="m", max_tokens=12, temperature=0,

@@ -66,5 +66,5 @@ def test_missing_shard_is_named(tmp_path):
 
 
 def test_unknown_device_lists_the_known_ones(tiny):
-    with pytest.raises(ProbeError, match="unknown device 'CUDA7' .*CPU"):
+    with pytest.raises(ProbeError, match="invalid device: CUDA7; devices here: .*CPU"):
         probe(ModelSpec(tiny["tiny-llama"], devices=("CUDA7",)))

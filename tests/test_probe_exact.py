@@ -1,4 +1,5 @@
-"""The probe predicts, byte for byte, what a real load allocates."""
+"""The probe predicts, byte for byte, what a real load allocates: the model's llama.cpp
+server engine, loaded from the same arguments."""
 
 import itertools
 
@@ -21,38 +22,51 @@ def _without_output(devices):
     return [(d.device, d.weights, d.kv, d.compute) for d in devices]
 
 
+@pytest.fixture()
+def loaded():
+    """load(spec) -> (the live buffer rows, the context size) of an engine loaded for spec."""
+    engines = []
+
+    def rows(spec):
+        engines.append(load(spec))
+        return live_breakdown(engines[-1]), engines[-1].n_ctx
+
+    yield rows
+    for e in engines:
+        e.close()
+
+
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
 @pytest.mark.parametrize("settings", GRID, ids=lambda s: "-".join(f"{v}" for v in s.values()))
-def test_decoder_probe_equals_live_allocation(tiny, model, settings):
+def test_decoder_probe_equals_live_allocation(tiny, loaded, model, settings):
     spec = ModelSpec(tiny[model], **settings)
     est = probe(spec)
-    llm = load(spec)
-    assert _without_output(est.devices) == _without_output(aggregate(live_breakdown(llm)))
-    assert (est.n_ctx, est.n_seq_max) == (llm.n_ctx(), llm.context_params.n_seq_max)
-    assert est.n_seq_max == settings["n_seq_max"]
+    live, n_ctx = loaded(spec)
+    assert _without_output(est.devices) == _without_output(aggregate(live))
+    assert est.n_seq_max == settings["n_seq_max"] and est.n_ctx == n_ctx
 
 
 @pytest.mark.parametrize("fa", ["on", "off"])
 @pytest.mark.parametrize("n_ctx", [128, 512])
-def test_embedding_probe_equals_live_allocation(tiny, fa, n_ctx):
+def test_embedding_probe_equals_live_allocation(tiny, loaded, fa, n_ctx):
     spec = ModelSpec(tiny["tiny-bert"], n_ctx=n_ctx, embedding=True, flash_attn=fa)
     est = probe(spec)
-    assert _without_output(est.devices) == _without_output(aggregate(live_breakdown(load(spec))))
+    assert _without_output(est.devices) == _without_output(aggregate(loaded(spec)[0]))
     assert est.devices[0].kv == 0  # an encoder keeps no KV cache
 
 
 @pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe", "tiny-bert"])
-def test_buffer_types_match_exactly_without_mmap(tiny, model):
+def test_buffer_types_match_exactly_without_mmap(tiny, loaded, model):
     spec = ModelSpec(tiny[model], n_ctx=512, use_mmap=False, embedding=model == "tiny-bert")
     est = probe(spec)
-    live = live_breakdown(load(spec))
+    live = loaded(spec)[0]
     probed = {b.buffer_type: (b.model, b.context, b.compute) for b in est.buffers if b.buffer_type != "output"}
     assert probed == {b.buffer_type: (b.model, b.context, b.compute) for b in live}
 
 
-def test_mmap_moves_weights_to_a_mapped_buffer_of_the_same_size(tiny):
+def test_mmap_moves_weights_to_a_mapped_buffer_of_the_same_size(tiny, loaded):
     spec = ModelSpec(tiny["tiny-llama"], n_ctx=512)
-    live = {b.buffer_type: b for b in live_breakdown(load(spec))}
+    live = {b.buffer_type: b for b in loaded(spec)[0]}
     est = probe(spec)
     assert live["CPU_Mapped"].model == sum(b.model for b in est.buffers)
 
@@ -85,3 +99,26 @@ def test_quantized_v_cache_without_flash_attention_is_a_clear_error(tiny):
     with pytest.raises(ProbeError, match="tiny-llama.gguf: cannot create a context: .*flash") as e:
         probe(spec)
     assert e.value.path == str(tiny["tiny-llama"])
+
+
+ENGINE_GRID = [dict(n_seq_max=1, kv_unified=False), dict(n_seq_max=4, kv_unified=True),
+               dict(n_seq_max=4, kv_unified=False)]
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-moe"])
+@pytest.mark.parametrize("fa", ["on", "off"])
+@pytest.mark.parametrize("settings", ENGINE_GRID,
+                         ids=lambda s: f"np{s['n_seq_max']}-{'kvu' if s['kv_unified'] else 'slots'}")
+def test_probe_equals_the_engines_allocation_per_slot_layout(tiny, model, fa, settings):
+    """llama-server's -np 1, -np 4 with a unified KV cache and with one per slot."""
+    from pyllmrouter._llama import native
+
+    spec = ModelSpec(tiny[model], n_ctx=1024, flash_attn=fa, **settings)
+    est = probe(spec)
+    engine = native().Engine([*spec.to_args(), "--log-disable"])
+    try:
+        engine.load()
+        assert _without_output(est.devices) == _without_output(aggregate(live_breakdown(engine)))
+        assert engine.n_parallel == settings["n_seq_max"] == est.n_seq_max
+    finally:
+        engine.close()

@@ -39,14 +39,14 @@ def test_probe_equals_allocation_on_rpc_devices(rpc_servers, tiny, model, extra)
         import json
         from pyllmrouter._llama import native
         from pyllmrouter import ModelSpec, probe
-        from pyllmrouter.loader import load
+        from pyllmrouter.loader import load, request
         from pyllmrouter.probe import live_breakdown
         names = native().add_rpc_servers({rpc_servers[:2]!r})
         spec = ModelSpec({str(tiny[model])!r}, n_ctx=512, use_mmap=False, {extra})
         est = probe(spec, use_cache=False)
         llm = load(spec)
         live = live_breakdown(llm)  # as allocated by the load (a decode may shrink compute buffers later)
-        text = llm("hello", max_tokens=4)["choices"][0]["text"]
+        text = request(llm, "/v1/completions", {{"prompt": "hello", "max_tokens": 4}})["choices"][0]["text"]
         row = lambda b: [b.device, b.host, b.model, b.context, b.compute]
         print(json.dumps({{"names": names, "probe": sorted(row(b) for b in est.buffers if b.buffer_type != "output"),
                           "live": sorted(row(b) for b in live), "text": text}}))

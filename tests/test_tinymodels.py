@@ -3,28 +3,44 @@ import os
 import pytest
 
 from pyllmrouter import ModelSpec, probe, tinymodels
-from pyllmrouter.loader import load
+from pyllmrouter.loader import load, request
 
 
-def test_dense_and_moe_generate(tiny):
+@pytest.fixture()
+def engine():
+    engines = []
+
+    def make(spec):
+        engines.append(load(spec))
+        return engines[-1]
+
+    yield make
+    for e in engines:
+        e.close()
+
+
+def test_dense_and_moe_generate(tiny, engine):
     for name in ("tiny-llama", "tiny-moe"):
-        llm = load(ModelSpec(tiny[name], n_ctx=256), seed=1)
-        out = llm("hello world", max_tokens=6, temperature=0.0)
+        e = engine(ModelSpec(tiny[name], n_ctx=256))
+        body = {"prompt": "hello world", "max_tokens": 6, "temperature": 0.0, "cache_prompt": False}
+        out = request(e, "/v1/completions", body)
         assert out["usage"]["completion_tokens"] > 0
         # greedy decoding of the same prompt is deterministic
-        assert llm("hello world", max_tokens=6, temperature=0.0)["choices"][0]["text"] == out["choices"][0]["text"]
+        assert request(e, "/v1/completions", body)["choices"][0]["text"] == out["choices"][0]["text"]
 
 
-def test_chat_template_is_applied(tiny):
-    llm = load(ModelSpec(tiny["tiny-llama"], n_ctx=256))
-    out = llm.create_chat_completion([{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0)
+def test_chat_template_is_applied(tiny, engine):
+    e = engine(ModelSpec(tiny["tiny-llama"], n_ctx=256))
+    out = request(e, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert out["choices"][0]["message"]["role"] == "assistant"
     assert out["usage"]["prompt_tokens"] > 3  # ChatML markers + content
+    prompt = request(e, "/apply-template", {"messages": [{"role": "user", "content": "hi"}]})["prompt"]
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_bert_embeds(tiny):
-    llm = load(ModelSpec(tiny["tiny-bert"], n_ctx=512, embedding=True))
-    a, b = llm.embed(["hello world", "the model"])
+def test_bert_embeds(tiny, engine):
+    e = engine(ModelSpec(tiny["tiny-bert"], n_ctx=512, embedding=True))
+    a, b = (d["embedding"] for d in request(e, "/v1/embeddings", {"input": ["hello world", "the model"]})["data"])
     assert len(a) == tinymodels.BERT.n_embd
     assert a != b
 

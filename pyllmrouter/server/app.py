@@ -126,10 +126,12 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             err = from_router_error(e)
             metrics.latency.labels(model, endpoint, str(err.status)).observe(time.perf_counter() - t0)
             raise err from None
-        headers = {k: v for k, v in reply.headers.items() if k.lower() != "content-type"}
+        # llama.cpp's content type as it is (Starlette would add a charset to a media_type)
+        headers = {**{k: v for k, v in reply.headers.items() if k.lower() != "content-type"},
+                   "content-type": reply.content_type}
         if stream is None:
             metrics.latency.labels(model, endpoint, str(reply.status)).observe(time.perf_counter() - t0)
-            return Response(reply.body, status_code=reply.status, media_type=reply.content_type, headers=headers)
+            return Response(reply.body, status_code=reply.status, headers=headers)
 
         async def body_chunks():
             code = str(reply.status)
@@ -142,8 +144,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
                 stream.abandon()  # a client that left stops generation
                 metrics.latency.labels(model, endpoint, code).observe(time.perf_counter() - t0)
 
-        return StreamingResponse(body_chunks(), status_code=reply.status, media_type=reply.content_type,
-                                 headers=headers)
+        return StreamingResponse(body_chunks(), status_code=reply.status, headers=headers)
 
     async def engine_post(request: Request) -> Response:
         data = await body(request)

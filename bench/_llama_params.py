@@ -1,14 +1,7 @@
-"""ModelSpec -> llama.cpp parameter structs: the one conversion for probe and load.
-
-    ModelSpec ──build()──> LlamaParams ──┬──> _native.probe(path, &model, &context)
-                                         └──> loader.load(): llama_cpp.Llama, whose
-                                              two C calls receive these very structs
-
-llama_cpp.Llama computes a few values itself (n_batch <= n_ctx, n_ubatch <=
-n_batch, a context of n_ctx_train when n_ctx is 0, many sequences for
-embedding models); build() applies the same rules so that Llama's own Python
-bookkeeping and the structs agree.  This module imports llama_cpp: only
-processes that run llama.cpp (workers, probe processes, the CLI) use it.
+"""ModelSpec -> llama_cpp's parameter structs, for handing a spec to llama.cpp's own
+``common_fit_params`` in the fit benchmark (which takes those structs).  The
+product builds its llama params from llama-server arguments instead
+(``ModelSpec.to_args``, parsed by llama.cpp in ``_native``).
 """
 
 from __future__ import annotations
@@ -18,8 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._llama import llama_cpp_module, native
-from .spec import FLASH_ATTN, KV_TYPES, SPLIT_MODES, ModelSpec
+from pyllmrouter._llama import llama_cpp_module, native
+from pyllmrouter.spec import FLASH_ATTN, KV_TYPES, SPLIT_MODES, ModelSpec
 
 __all__ = ["LlamaParams", "build", "EXPERT_TENSORS"]
 
