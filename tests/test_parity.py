@@ -9,6 +9,7 @@ times, timings, the build's fingerprint).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import threading
@@ -24,8 +25,10 @@ import uvicorn
 from pyllmrouter import ModelSpec
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.loader import engine_args
 from pyllmrouter.loopback import free_port, llama_tool, wait_healthy
 from pyllmrouter.router import Router
+from pyllmrouter.scripted import THINK_SCRIPT, THINK_TEMPLATE, TOOL_SCRIPT, TOOL_TEMPLATE, write_scripted
 from pyllmrouter.server import create_app
 
 LLAMA_SERVER = llama_tool("llama-server")
@@ -56,17 +59,16 @@ def gemma(tmp_path_factory):
     return pkg.assemble()
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "gemma-270m"])
-def servers(request, tiny, gemma, module_cache):
+@contextlib.contextmanager
+def _pair(spec: ModelSpec, args: tuple[str, ...] = ()):
     """(ours, llama-server's) base URLs, the same model and arguments behind both."""
     if not LLAMA_SERVER.exists():
         pytest.fail(f"{LLAMA_SERVER} is missing: scripts/setup.sh --test builds it")
-    path = tiny["tiny-llama"] if request.param == "tiny-llama" else gemma
-    spec = ModelSpec(path, n_ctx=2048, n_seq_max=2, n_threads=2)
     port = free_port()
-    theirs = subprocess.Popen([str(LLAMA_SERVER), *spec.to_args(), "--alias", "m", "--host", "127.0.0.1",
+    theirs = subprocess.Popen([str(LLAMA_SERVER), *engine_args(spec, "m", args), "--host", "127.0.0.1",
                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    router = Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 4 << 30}), margin=0)
+    router = Router([ModelConfig("m", spec, args=args)], inventory=EmulatedInventory({"GPU0": 4 << 30}),
+                    margin=0)
     ours_port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=ours_port,
                                         log_level="warning"))
@@ -83,6 +85,23 @@ def servers(request, tiny, gemma, module_cache):
         t.join(30)
         theirs.terminate()
         theirs.wait(10)
+        router.close()
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "gemma-270m"])
+def servers(request, tiny, gemma, module_cache):
+    path = tiny["tiny-llama"] if request.param == "tiny-llama" else gemma
+    with _pair(ModelSpec(path, n_ctx=2048, n_seq_max=2, n_threads=2)) as bases:
+        yield bases
+
+
+@pytest.fixture(scope="module", params=["tools", "thinking"])
+def scripted(request, tmp_path_factory, module_cache):
+    """A model whose greedy answer is a tool call, or reasoning then an answer (scripted.py)."""
+    template, script = (TOOL_TEMPLATE, TOOL_SCRIPT) if request.param == "tools" else (THINK_TEMPLATE, THINK_SCRIPT)
+    path = write_scripted(tmp_path_factory.mktemp("scripted") / f"{request.param}.gguf", template, script)
+    with _pair(ModelSpec(path, n_ctx=1024, n_seq_max=2, n_threads=2), ("--jinja",)) as bases:
+        yield request.param, bases
 
 
 def both(servers, method: str, path: str, **kw) -> tuple[httpx.Response, httpx.Response]:
@@ -169,3 +188,52 @@ def test_eight_concurrent_streams_all_complete_unmixed(servers):
     assert all(len(ids) == 1 for ids, _ in results)  # each stream is one completion's
     assert len({next(iter(ids)) for ids, _ in results}) == 8  # and no two share one
     assert all(n >= 1 for _, n in results)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "none"])
+def test_tool_calls_and_reasoning_are_llama_servers(scripted, tool_choice, stream):
+    kind, bases = scripted
+    body = {"model": "m", "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+            "max_tokens": 48, "temperature": 0, "stream": stream}
+    if kind == "tools":
+        body.update(tools=TOOLS, tool_choice=tool_choice)
+    elif tool_choice != "auto":
+        pytest.skip("no tools: one case")
+    ours, theirs = both(bases, "POST", "/v1/chat/completions", json=body)
+    assert ours.status_code == theirs.status_code == 200
+    if stream:
+        assert _events(ours.text) == _events(theirs.text)
+        return
+    assert _strip(ours.json()) == _strip(theirs.json())
+    message = ours.json()["choices"][0]["message"]
+    if kind == "thinking":  # reasoning parsed out of the answer
+        assert message["reasoning_content"].strip() == THINK_SCRIPT[1].strip()
+        assert message["content"] == THINK_SCRIPT[3].strip()
+    elif tool_choice != "none":  # the model's call, parsed: a name and JSON arguments
+        (call,) = message["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    else:
+        assert "tool_calls" not in message and "<tool_call>" in message["content"]
+
+
+def test_tool_calls_through_the_openai_and_anthropic_sdks(scripted):
+    kind, bases = scripted
+    if kind != "tools":
+        pytest.skip("the tool-calling model")
+    o = openai.OpenAI(base_url=bases[0] + "/v1", api_key="none", max_retries=0)
+    out = o.chat.completions.create(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                    tools=TOOLS, temperature=0, max_tokens=48)
+    assert out.choices[0].message.tool_calls[0].function.name == "get_weather"
+    a = anthropic.Anthropic(base_url=bases[0], api_key="none", max_retries=0)
+    msg = a.messages.create(model="m", max_tokens=48, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                            tools=[{"name": "get_weather", "description": "The weather in a city",
+                                    "input_schema": TOOLS[0]["function"]["parameters"]}])
+    use = next(b for b in msg.content if b.type == "tool_use")
+    assert (use.name, use.input, msg.stop_reason) == ("get_weather", {"city": "Paris"}, "tool_use")
