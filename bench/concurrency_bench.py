@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Concurrent streaming clients: pyllmrouter serve vs llama-server, side by side.
+"""Concurrent streaming clients: pyllmrouter serve vs llama-server and llama-server's
+router mode (the same model behind --models-preset, its proxy hop included), side by side.
 
     scripts/build_llama_tools.sh llama-server    # once: llama.cpp of the pinned sdist
     python bench/concurrency_bench.py [--clients 1,4,8,16] [--tokens 64] [--rounds 5] [--out FILE]
     python bench/concurrency_bench.py --prompt-words 300 --ctx 16384 --tokens 8   # long distinct prompts
     python bench/concurrency_bench.py --model tiny    # steps as cheap as serving them (overhead-bound)
 
-Both servers load the same generated model file with the same parallel slots,
-context, batch sizes and threads, and are measured alternately at each
-concurrency level, in several rounds (the order flips each time), after one
+All three load the same generated model file with the same parallel slots,
+context, batch sizes and threads (the routers from one preset file), and are
+measured in turn at each concurrency level, in several rounds (the order
+rotates each time), after one
 unmeasured request per client at the highest level.  Every request
 streams a fixed number of tokens (end of sequence biased away) at temperature 0;
 its prompt is a short fixed one (reused from a slot's cache after the first
@@ -69,6 +71,9 @@ def prompt_source(words: int) -> Callable[[], str]:
         rnd = random.Random(n)
         return f"{n} " + " ".join(rnd.choice(vocabulary) for _ in range(words))
     return distinct
+
+
+SERVERS = ("pyllmrouter", "llama-server", "llama-server router")
 
 
 def one_request(client: httpx.Client, model: str, tokens: int, retries: list[int] | None = None,
@@ -132,10 +137,9 @@ def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, f
 
 
 def decode_counters(base: str, server: str, model: str) -> dict[str, float]:
-    """The engine's decode counters from llama-server's /metrics (ours: the model's engine
-    is llama-server's, at /metrics?model=): llama_decode calls and busy slots summed
-    over them."""
-    url = base + "/metrics" + (f"?model={model}" if server == "pyllmrouter" else "")
+    """The engine's decode counters from llama-server's /metrics (a router's, ours or
+    llama-server's, at /metrics?model=): llama_decode calls and busy slots summed over them."""
+    url = base + "/metrics" + (f"?model={model}" if server != "llama-server" else "")
     values = {}
     for line in httpx.get(url, timeout=60).text.splitlines():
         name, _, value = line.rpartition(" ")
@@ -223,38 +227,48 @@ def main() -> None:
         raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
     levels = [int(x) for x in args.clients.split(",")]
     prompt = prompt_source(args.prompt_words)
-    runs: dict[str, dict[int, list[dict]]] = {"pyllmrouter": {c: [] for c in levels},
-                                              "llama-server": {c: [] for c in levels}}
+    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in SERVERS}
     with tempfile.TemporaryDirectory() as tmp:
         model = tinymodels.write_llama(Path(tmp) / "bench-llama.gguf", SHAPES[args.model])
-        preset = Path(tmp) / "bench.ini"
+        preset = Path(tmp) / "bench.ini"  # read by ours and by llama-server's router mode
         preset.write_text(f"[m]\nmodel = {model}\nc = {args.ctx}\nnp = {args.parallel}\n"
                           f"kv-unified = {str(args.kv_unified).lower()}\n"
                           f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\nmetrics = true\n")
-        theirs_port = free_port()
+        single_port, router_port = free_port(), free_port()
         env = dict(os.environ, PYLLMROUTER_CACHE=str(Path(tmp) / "cache"))
         ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"], env=env)
-        theirs = subprocess.Popen([args.llama_server, "-m", str(model), "-c", str(args.ctx), "-np", str(args.parallel),
-                                   "-t", str(args.threads), "-tb", str(args.threads), "--port", str(theirs_port),
-                                   "--host", "127.0.0.1", "-a", "m", "--no-webui", "--metrics"]
-                                  + (["-kvu"] if args.kv_unified else []),
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs = {"pyllmrouter": ours}
+        procs["llama-server"] = subprocess.Popen(
+            [args.llama_server, "-m", str(model), "-c", str(args.ctx), "-np", str(args.parallel),
+             "-t", str(args.threads), "-tb", str(args.threads), "--port", str(single_port),
+             "--host", "127.0.0.1", "-a", "m", "--no-webui", "--metrics"] + (["-kvu"] if args.kv_unified else []),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs["llama-server router"] = subprocess.Popen(
+            [args.llama_server, "--models-preset", str(preset), "--port", str(router_port), "--host", "127.0.0.1",
+             "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            bases = {"pyllmrouter": ours_base, "llama-server": f"http://127.0.0.1:{theirs_port}"}
-            pids = {"pyllmrouter": ours.pid, "llama-server": theirs.pid}  # CPU: ours counts its workers
-            wait_healthy(bases["llama-server"], theirs)
-            for name, base in bases.items():  # warm both: loaded, and every slot has decoded before round 1
+            bases = {"pyllmrouter": ours_base, "llama-server": f"http://127.0.0.1:{single_port}",
+                     "llama-server router": f"http://127.0.0.1:{router_port}"}
+            for name in SERVERS[1:]:
+                wait_healthy(bases[name], procs[name])
+            for name, base in bases.items():  # warm all: loaded, and every slot has decoded before round 1
                 with httpx.Client(base_url=base, timeout=600) as c:
-                    one_request(c, "m", 8)
-                run_level(base, "m", max(levels), 1, args.tokens, pids[name], args.threads, prompt, name)
+                    for _ in range(600):  # a router loads its model in the background
+                        try:
+                            one_request(c, "m", 8)
+                            break
+                        except httpx.HTTPStatusError:
+                            time.sleep(0.1)
+                run_level(base, "m", max(levels), 1, args.tokens, procs[name].pid, args.threads, prompt, name)
             for rnd in range(args.rounds):
                 for clients in levels:
-                    order = ["pyllmrouter", "llama-server"] if (clients + rnd) % 2 else ["llama-server", "pyllmrouter"]
-                    for name in order:
+                    k = (clients + rnd) % len(SERVERS)
+                    for name in SERVERS[k:] + SERVERS[:k]:  # every order in turn
                         runs[name][clients].append(run_level(bases[name], "m", clients, args.requests_per_client,
-                                                             args.tokens, pids[name], args.threads, prompt, name))
+                                                             args.tokens, procs[name].pid, args.threads, prompt,
+                                                             name))
         finally:
-            for p in (ours, theirs):
+            for p in procs.values():
                 p.terminate()
                 p.wait(30)
     for name, by_level in runs.items():
@@ -264,36 +278,32 @@ def main() -> None:
                 print(f"{name}, {clients} clients: {len(errors)} failed requests: {errors[0]}")
     results = {name: [summary(rs) for rs in by_level.values()] for name, by_level in runs.items()}
     rows, cpu_rows, batch_rows = [], [], []
-    for ours_r, theirs_r in zip(results["pyllmrouter"], results["llama-server"]):
-        per_round = [a / b for a, b in zip(ours_r["round_tok_s"], theirs_r["round_tok_s"])]
-        gmean, low, high = ratio_interval(ours_r["round_tok_s"], theirs_r["round_tok_s"])
-        ttft = ratio_interval(ours_r["round_ttft_p50_ms"], theirs_r["round_ttft_p50_ms"])
-        ours_r["round_ratio_gmean"], ours_r["round_ratio_ci95"] = gmean, [low, high]
-        ours_r["round_ttft_ratio_gmean"], ours_r["round_ttft_ratio_ci95"] = ttft[0], list(ttft[1:])
-        rows.append([ours_r["clients"], f"{ours_r['tok_s']:.1f}", f"{theirs_r['tok_s']:.1f}",
-                     f"{ours_r['tok_s'] / theirs_r['tok_s']:.2f}", f"{min(per_round):.2f}-{max(per_round):.2f}",
-                     f"{gmean:.2f} [{low:.2f}, {high:.2f}]",
-                     f"{ours_r['ttft_p50_ms']:.0f}", f"{theirs_r['ttft_p50_ms']:.0f}",
-                     f"{ours_r['ttft_p50_ms'] / theirs_r['ttft_p50_ms']:.2f}",
-                     f"{ttft[0]:.2f} [{ttft[1]:.2f}, {ttft[2]:.2f}]",
-                     f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
-        batch_rows.append([ours_r["clients"], f"{ours_r['decodes_per_1k_tokens']:.0f}",
-                           f"{theirs_r['decodes_per_1k_tokens']:.0f}", f"{ours_r['busy_slots_per_decode']:.2f}",
-                           f"{theirs_r['busy_slots_per_decode']:.2f}"])
-        cpu_rows.append([ours_r["clients"]] + [f"{r[k]:.2f}" for r in (ours_r, theirs_r)
-                                               for k in ("compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens",
-                                                         "client_cpu_s_per_1k_tokens")])
-    print(render(["clients", "ours tok/s", "llama-server tok/s", "ratio", "per round", "round mean [95% CI]",
-                  "ours TTFT p50 ms", "llama-server TTFT p50 ms", "TTFT ratio", "round TTFT mean [95% CI]",
-                  "ours TTFT p99 ms", "llama-server TTFT p99 ms"], rows))
+    for i, ours_r in enumerate(results["pyllmrouter"]):
+        for peer in SERVERS[1:]:
+            theirs_r = results[peer][i]
+            gmean, low, high = ratio_interval(ours_r["round_tok_s"], theirs_r["round_tok_s"])
+            ttft = ratio_interval(ours_r["round_ttft_p50_ms"], theirs_r["round_ttft_p50_ms"])
+            ours_r.setdefault("vs", {})[peer] = {"tok_s_ratio": [gmean, low, high], "ttft_p50_ratio": list(ttft)}
+            rows.append([ours_r["clients"], peer, f"{ours_r['tok_s']:.1f}", f"{theirs_r['tok_s']:.1f}",
+                         f"{gmean:.2f} [{low:.2f}, {high:.2f}]",
+                         f"{ours_r['ttft_p50_ms']:.0f}", f"{theirs_r['ttft_p50_ms']:.0f}",
+                         f"{ttft[0]:.2f} [{ttft[1]:.2f}, {ttft[2]:.2f}]",
+                         f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
+        for name in SERVERS:
+            r = results[name][i]
+            batch_rows.append([r["clients"], name, f"{r['decodes_per_1k_tokens']:.0f}",
+                               f"{r['busy_slots_per_decode']:.2f}"])
+            cpu_rows.append([r["clients"], name] + [f"{r[k]:.2f}" for k in (
+                "compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens", "client_cpu_s_per_1k_tokens")])
+    print(render(["clients", "peer", "ours tok/s", "peer tok/s", "round mean ratio [95% CI]",
+                  "ours TTFT p50 ms", "peer TTFT p50 ms", "TTFT ratio [95% CI]", "ours TTFT p99 ms",
+                  "peer TTFT p99 ms"], rows))
     print("\nCPU seconds per 1000 tokens: the server's decode threads (its --threads busiest), its other threads "
-          "(HTTP, routing), and the benchmark's clients")
-    print(render(["clients", "ours decode", "ours other", "clients of ours", "llama-server decode",
-                  "llama-server other", "clients of llama-server"], cpu_rows))
-    print("\nBatching, from each engine's llama-server /metrics (ours: /metrics?model=): llama_decode calls "
+          "(HTTP, routing, and for routers their children's), and the benchmark's clients")
+    print(render(["clients", "server", "decode", "other", "clients"], cpu_rows))
+    print("\nBatching, from each engine's llama-server /metrics (routers: /metrics?model=): llama_decode calls "
           "per 1000 generated tokens, busy slots per call")
-    print(render(["clients", "ours decodes/1k tok", "llama-server decodes/1k tok", "ours slots/decode",
-                  "llama-server slots/decode"], batch_rows))
+    print(render(["clients", "server", "decodes/1k tok", "slots/decode"], batch_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "concurrency", "model": args.model, "parallel": args.parallel,
                                     "tokens": args.tokens,
