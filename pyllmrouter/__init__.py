@@ -6,14 +6,13 @@ free of any GPU context; workers, probes and the CLI import ``llama_cpp``
 """
 
 from .config import ModelConfig, RouterOptions
-from .errors import (BadRequest, LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterError,
+from .errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterError,
                      UnknownModel, WorkerDied)
 from .probe import BufferUse, DeviceUse, MemoryEstimate, ModelFacts, ProbeError, probe
 from .router import Router
 from .spec import ModelSpec, SpecError
 
 __all__ = [
-    "BadRequest",
     "BufferUse",
     "DeviceUse",
     "LoadFailed",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
-    "RouterClosed", "NotLoaded", "BadRequest",
+    "RouterClosed", "NotLoaded",
 ]
 
 
@@ -56,19 +56,12 @@ class WorkerDied(RouterError):
 
 
 class RequestFailed(RouterError):
-    """The model raised while serving a request."""
+    """A request failed: llama.cpp's error status and message (``kind`` "HTTP <status>"),
+    or the model's worker failed while serving it."""
 
     def __init__(self, name: str, kind: str, message: str, status: int = 500):
         super().__init__(f"model {name!r}: {kind}: {message}")
         self.name, self.kind, self.message, self.status = name, kind, message, status
-
-
-class BadRequest(RouterError, ValueError):
-    """A request parameter the model cannot be asked for; ``param`` names it."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 class RouterClosed(RouterError):

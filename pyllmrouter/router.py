@@ -1,13 +1,15 @@
-"""The Python API: ``Router`` serves OpenAI-shaped requests over the scheduler.
+"""The Python API: ``Router`` sends llama-server requests to models over the scheduler.
 
-    app ──chat/complete/embed──▶ Router ──lease──▶ Scheduler (admission, eviction)
-                                   │                   │ background: probe, load, unload
-                                   └──Run──▶ WorkerHandle ──pipe──▶ worker process
-                                   ◀──Chunk* Result | Failed──┘
+    app ──call/acall(model, method, path, body)──▶ Router ──lease──▶ Scheduler (admission, eviction)
+        chat/complete/embed: OpenAI bodies          │                   │ background: probe, load, unload
+                                                    └──Call──▶ WorkerHandle ──pipe──▶ worker: the
+                                                    ◀──Result(HttpReply) | Chunk(head) Chunk(bytes)*
+                                                       Result | Failed──┘      model's llama.cpp engine
 
     with Router([ModelConfig("chat", ModelSpec("chat.gguf"))]) as router:
-        router.chat("chat", [{"role": "user", "content": "hi"}])
+        router.chat("chat", [{"role": "user", "content": "hi"}])   # llama-server's JSON
         for chunk in router.complete("chat", "Once", stream=True): ...
+        reply, stream = router.call("chat", "POST", "/tokenize", b'{"content": "hi"}')
         router.status()   # per model state and per device requirement, used and free
 
 Every call ends with a result or an exception (UnknownModel, NeverFits,
@@ -189,13 +191,13 @@ class Router:
     def _openai(self, model: str, path: str, params: dict[str, Any], stream: bool, timeout: float | None,
                 autoload: bool | None):
         reply, chunks = self.call(model, "POST", path, _body(model, params, stream), None, timeout, autoload)
-        return _events(chunks) if chunks is not None else _json(model, reply)
+        return _events(model, chunks) if chunks is not None else _json(model, reply)
 
     async def _aopenai(self, model: str, path: str, params: dict[str, Any], stream: bool,
                        timeout: float | None, autoload: bool | None):
         reply, chunks = await self.acall(model, "POST", path, _body(model, params, stream), None, timeout,
                                          autoload)
-        return _aevents(chunks) if chunks is not None else _json(model, reply)
+        return _aevents(model, chunks) if chunks is not None else _json(model, reply)
 
 
 class Stream:
@@ -329,8 +331,9 @@ def _json(model: str, reply: HttpReply) -> dict[str, Any]:
     return data
 
 
-def _sse(buffer: bytearray) -> Iterator[dict[str, Any]]:
-    """The complete ``data:`` events in ``buffer`` (consumed), as dicts."""
+def _sse(model: str, buffer: bytearray) -> Iterator[dict[str, Any]]:
+    """The complete ``data:`` events in ``buffer`` (consumed), as dicts; an ``error:`` event
+    raises RequestFailed."""
     while (end := buffer.find(b"\n\n")) >= 0:
         event, buffer[:] = bytes(buffer[:end]), buffer[end + 2:]
         for line in event.split(b"\n"):
@@ -338,26 +341,26 @@ def _sse(buffer: bytearray) -> Iterator[dict[str, Any]]:
                 yield json.loads(line[6:])
             elif line.startswith(b"error: "):
                 err = json.loads(line[7:]).get("error", {})
-                raise RequestFailed("", "HTTP 500", err.get("message", "stream failed"))
+                raise RequestFailed(model, "HTTP 500", err.get("message", "stream failed"))
 
 
-def _events(stream: Stream) -> Iterator[dict[str, Any]]:
+def _events(model: str, stream: Stream) -> Iterator[dict[str, Any]]:
     buffer = bytearray()
     try:
         for chunk in stream:
             buffer += chunk
-            yield from _sse(buffer)
+            yield from _sse(model, buffer)
     finally:
         stream.abandon()
 
 
-async def _aevents(stream: Stream) -> AsyncIterator[dict[str, Any]]:
+async def _aevents(model: str, stream: Stream) -> AsyncIterator[dict[str, Any]]:
     buffer = bytearray()
     try:
         while chunks := await stream.anext_batch():
             for chunk in chunks:
                 buffer += chunk
-                for event in _sse(buffer):
+                for event in _sse(model, buffer):
                     yield event
     finally:
         stream.abandon()

@@ -6,13 +6,10 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from ..errors import (BadRequest, LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed,
+from ..errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed,
                       UnknownModel, WorkerDied)
 
 __all__ = ["ApiError", "error_response", "from_router_error"]
-
-# exception kinds raised inside a worker for a bad request, not a broken server
-_CLIENT_KINDS = {"ValueError", "TypeError", "KeyError", "Cancelled", "BadRequest"}
 
 
 class ApiError(Exception):
@@ -31,8 +28,6 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 def from_router_error(e: Exception) -> ApiError:
-    if isinstance(e, BadRequest):
-        return ApiError(400, str(e), code="invalid_request", param=e.param)
     if isinstance(e, UnknownModel):
         return ApiError(404, str(e), code="model_not_found", param="model")
     if isinstance(e, NotLoaded):
@@ -47,9 +42,7 @@ def from_router_error(e: Exception) -> ApiError:
     if isinstance(e, LoadFailed):
         return ApiError(500, str(e), "server_error", "load_failed")
     if isinstance(e, RequestFailed):
-        if e.kind.startswith("HTTP "):
+        if e.kind.startswith("HTTP "):  # llama.cpp's answer, through the Python API
             return ApiError(e.status, e.message, "server_error" if e.status >= 500 else "invalid_request_error")
-        if e.kind in _CLIENT_KINDS:
-            return ApiError(400, e.message, code="invalid_request")
         return ApiError(500, str(e), "server_error")
     return ApiError(500, f"{type(e).__name__}: {e}", "server_error")
