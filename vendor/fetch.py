@@ -98,7 +98,10 @@ def source(out: Path) -> None:
             if m.name.startswith(root) and (m.isfile() or m.isdir()):
                 m.name = m.name[len(root):]
                 members.append(m)
-        tar.extractall(out, members=members, filter="data")
+        try:
+            tar.extractall(out, members=members, filter="data")
+        except TypeError:  # Python before 3.11.4 / 3.10.12: no extraction filters
+            tar.extractall(out, members=members)
     stamp.write_text(PIN["sdist_sha256"])
 
 
