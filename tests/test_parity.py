@@ -91,7 +91,7 @@ def _pair(spec: ModelSpec, args: tuple[str, ...] = ()):
 @pytest.fixture(scope="module", params=["tiny-llama", "gemma-270m"])
 def servers(request, tiny, gemma, module_cache):
     path = tiny["tiny-llama"] if request.param == "tiny-llama" else gemma
-    with _pair(ModelSpec(path, n_ctx=2048, n_seq_max=2, n_threads=2)) as bases:
+    with _pair(ModelSpec(path, n_ctx=2048, n_seq_max=2, n_threads=2), ("--metrics",)) as bases:
         yield bases
 
 
@@ -141,6 +141,8 @@ def test_chat_and_its_stream_are_llama_servers(servers, stream):
     ("/completion", {"prompt": "Hello", "n_predict": 8, "temperature": 0}),
     ("/v1/completions", {"prompt": "hello " * 3000, "max_tokens": 2}),  # longer than the context: 400
     ("/v1/chat/completions", {"messages": "hi"}),  # a bad request, in llama.cpp's words
+    ("/infill", {"input_prefix": "def f(", "input_suffix": "):"}),  # no FIM tokens: llama.cpp's refusal
+    ("/v1/rerank", {"query": "a", "documents": ["b", "c"]}),  # not a reranker: likewise
 ])
 def test_other_endpoints_and_errors_are_llama_servers(servers, path, body):
     ours, theirs = both(servers, "POST", path, json={"model": "m", **body})
@@ -149,6 +151,12 @@ def test_other_endpoints_and_errors_are_llama_servers(servers, path, body):
 
 
 def test_per_model_gets_are_llama_servers(servers):
+    ours, theirs = both(servers, "GET", "/lora-adapters?model=m")
+    assert ours.status_code == theirs.status_code and ours.json() == theirs.json()
+    ours, theirs = both(servers, "GET", "/metrics?model=m")  # llama-server's counters (--metrics)
+    assert ours.status_code == theirs.status_code == 200
+    assert {line.split()[0] for line in ours.text.splitlines() if line.startswith("llamacpp:")} == \
+        {line.split()[0] for line in theirs.text.splitlines() if line.startswith("llamacpp:")} != set()
     ours, theirs = both(servers, "GET", "/slots?model=m")
     assert ours.status_code == theirs.status_code == 200
     assert len(ours.json()) == len(theirs.json()) == 2
@@ -173,21 +181,30 @@ def test_anthropic_and_openai_clients(servers):
     assert texts[0] == texts[1] and texts[0][0]
 
 
-def test_eight_concurrent_streams_all_complete_unmixed(servers):
-    ours = servers[0]
+def test_eight_concurrent_streams_all_complete_unmixed(servers, request):
+    """Eight streams at once through our server: each completes, and each is its own
+    request's (on the real model, each goes on counting from its own number: a
+    continuation that batching does not change)."""
+    ours, real = servers[0], request.node.callspec.params["servers"] == "gemma-270m"
 
     def one(i):
-        body = {"model": "m", "prompt": PROMPTS[i % 4], "max_tokens": 20, "temperature": 0, "stream": True}
+        start = 10 * i + 1
+        body = {"model": "m", "prompt": ", ".join(str(k) for k in range(start, start + 6)) + ",",
+                "max_tokens": 12, "temperature": 0, "stream": True}
         with httpx.Client(timeout=120) as c:
             events = [json.loads(line[6:]) for line in c.post(ours + "/v1/completions", json=body).text.splitlines()
                       if line.startswith("data: ") and line[6:] != "[DONE]"]
-        return {e["id"] for e in events}, sum(1 for e in events for ch in e["choices"] if ch.get("text"))
+        text = "".join(ch.get("text") or "" for e in events for ch in e["choices"])
+        return start, {e["id"] for e in events}, text
 
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(one, range(8)))
-    assert all(len(ids) == 1 for ids, _ in results)  # each stream is one completion's
-    assert len({next(iter(ids)) for ids, _ in results}) == 8  # and no two share one
-    assert all(n >= 1 for _, n in results)
+    assert all(len(ids) == 1 for _, ids, _ in results)  # each stream is one completion's
+    assert len({next(iter(ids)) for _, ids, _ in results}) == 8  # and no two share one
+    assert all(text for _, _, text in results)
+    if real:
+        for start, _, text in results:
+            assert text.startswith(f" {start + 6}, {start + 7}, {start + 8},"), (start, text)
 
 
 TOOLS = [{"type": "function", "function": {
