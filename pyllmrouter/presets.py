@@ -104,6 +104,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(("no-mmap",), None, "spec.use_mmap", lambda v: not _bool(v)),
     Option(("swa-full",), "LLAMA_ARG_SWA_FULL", "spec.swa_full", _bool),
     Option(("fit",), "LLAMA_ARG_FIT", "spec.fit", _bool),
+    Option(("cache-ram", "cram"), "LLAMA_ARG_CACHE_RAM", "spec.cache_ram", int),
     Option(("threads", "t"), "LLAMA_ARG_THREADS", "spec.n_threads", int),
     Option(("threads-batch", "tb"), None, "spec.n_threads_batch", int),
     Option(("device", "dev", "devices"), "LLAMA_ARG_DEVICE", "config.devices", _names),

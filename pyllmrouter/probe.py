@@ -48,6 +48,7 @@ __all__ = [
 ]
 
 HOST = "CPU"  # the pool name of system memory, as ggml names the CPU device
+MIB = 1 << 20
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
@@ -71,6 +72,7 @@ class BufferUse:
     context: int = 0
     compute: int = 0
     output: int = 0
+    cache: int = 0  # the engine's host prompt cache, at its cap (llama-server's --cache-ram)
 
     @property
     def pool(self) -> str:
@@ -78,7 +80,7 @@ class BufferUse:
 
     @property
     def total(self) -> int:
-        return self.model + self.context + self.compute + self.output
+        return self.model + self.context + self.compute + self.output + self.cache
 
 
 @dataclass(frozen=True)
@@ -90,10 +92,11 @@ class DeviceUse:
     kv: int = 0
     compute: int = 0
     output: int = 0
+    cache: int = 0  # host prompt cache cap
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.output
+        return self.weights + self.kv + self.compute + self.output + self.cache
 
 
 @dataclass(frozen=True)
@@ -116,11 +119,12 @@ def aggregate(buffers: Iterable[BufferUse]) -> tuple[DeviceUse, ...]:
     """Fold buffer rows into one row per pool: devices by name (CUDA2 before CUDA10), host last."""
     sums: dict[str, list[int]] = {}
     for b in buffers:
-        s = sums.setdefault(b.pool, [0, 0, 0, 0])
+        s = sums.setdefault(b.pool, [0, 0, 0, 0, 0])
         s[0] += b.model
         s[1] += b.context
         s[2] += b.compute
         s[3] += b.output
+        s[4] += b.cache
     def key(name: str) -> tuple:
         stem = name.rstrip("0123456789")
         return stem, int(name[len(stem):] or -1)
@@ -310,10 +314,13 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
     forward_log(raw["log"])
     facts = dict(raw["facts"])
     facts["devices"] = tuple(facts["devices"])
+    buffers = _rows(raw["rows"])
+    if spec.cache_ram:  # llama-server's host prompt cache, counted at its cap
+        buffers += (BufferUse("prompt_cache", "CPU", True, cache=spec.cache_ram * MIB),)
     est = MemoryEstimate(
         spec=spec,
         facts=ModelFacts(file_size=sum(st.st_size for st in stats), **facts),
-        buffers=_rows(raw["rows"]),
+        buffers=buffers,
         n_ctx=raw["n_ctx"],
         n_seq_max=raw["n_seq_max"],
     )

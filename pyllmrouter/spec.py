@@ -62,6 +62,9 @@ class ModelSpec:
     tensor_overrides: tuple[tuple[str, str], ...] = ()  # (regex, buffer type) pairs
     fit: bool = True  # the router may move layers / MoE experts to the host to fit a device (llama-server --fit)
     use_mmap: bool = True
+    # host prompt cache cap in MiB (llama-server's --cache-ram), counted as host memory at
+    # its cap; 0 (ours by default, llama-server's is 8192 per model) keeps it off
+    cache_ram: int = 0
     n_threads: int | None = None
     n_threads_batch: int | None = None
 
@@ -91,6 +94,8 @@ class ModelSpec:
         need(self.flash_attn in FLASH_ATTN, "flash_attn", f"must be one of {sorted(FLASH_ATTN)}")
         need(self.n_cpu_moe >= 0, "n_cpu_moe", "must be >= 0")
         need(self.main_gpu >= 0, "main_gpu", "must be >= 0")
+        need(self.cache_ram >= 0, "cache_ram",
+             "must be >= 0 MiB: an unlimited prompt cache (-1) cannot be admitted; give its cap in MiB")
         if self.tensor_split is not None:
             need(all(x >= 0 for x in self.tensor_split) and sum(self.tensor_split) > 0,
                  "tensor_split", "needs non-negative proportions with a positive sum")
@@ -103,7 +108,8 @@ class ModelSpec:
              "-np", str(self.n_seq_max), "--kv-unified" if self.kv_unified else "--no-kv-unified",
              "-ngl", "all" if self.n_gpu_layers < 0 else str(self.n_gpu_layers),
              "-sm", self.split_mode, "-mg", str(self.main_gpu), "-ctk", self.type_k, "-ctv", self.type_v,
-             "-fa", self.flash_attn, "-lm", "mmap" if self.use_mmap else "none", "--fit", "off"]
+             "-fa", self.flash_attn, "-lm", "mmap" if self.use_mmap else "none", "--fit", "off",
+             "--cache-ram", str(self.cache_ram)]
         if self.tensor_split is not None:
             a += ["-ts", ",".join(f"{x:g}" for x in self.tensor_split)]
         if self.devices is not None:

@@ -122,3 +122,17 @@ def test_probe_equals_the_engines_allocation_per_slot_layout(tiny, model, fa, se
         assert engine.n_parallel == settings["n_seq_max"] == est.n_seq_max
     finally:
         engine.close()
+
+
+def test_the_host_prompt_cache_is_counted_at_its_cap(tiny, loaded):
+    """llama-server's --cache-ram: host memory the engine may fill with prompt states, so
+    admission reserves its cap; the engine gets the very same cap."""
+    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512)
+    plain, cached = probe(spec), probe(spec.replace(cache_ram=64))
+    assert cached.devices[-1].cache == 64 << 20 and plain.devices[-1].cache == 0
+    assert cached.total - plain.total == 64 << 20
+    assert "--cache-ram" in spec.to_args() and spec.to_args()[spec.to_args().index("--cache-ram") + 1] == "0"
+    live, _ = loaded(spec.replace(cache_ram=64))  # the engine loads with it (the cache fills later)
+    assert _without_output(aggregate(live)) == _without_output(plain.devices)
+    with pytest.raises(ValueError, match="unlimited prompt cache"):
+        ModelSpec(tiny["tiny-llama"], cache_ram=-1)
