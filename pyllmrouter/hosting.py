@@ -47,7 +47,7 @@ class EngineHost:
             self._stops[msg.req_id] = flag
             t = threading.Thread(target=self._serve, args=(msg, flag), name=f"call-{self.name}", daemon=True)
             self._threads[msg.req_id] = t
-        t.start()
+            t.start()  # under the lock: close() never joins a thread that has not started
 
     def cancel(self, req_id: int) -> bool:
         with self._lock:
