@@ -274,6 +274,38 @@ bool EngineReply::next(std::string & chunk) {
     return !ended_;
 }
 
+// -- Outbox and pumps ------------------------------------------------------
+
+void Outbox::push(Item item) {
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        items_.push_back(std::move(item));
+    }
+    cv_.notify_one();
+}
+
+std::vector<Outbox::Item> Outbox::take(double timeout_s) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return !items_.empty(); });
+    std::vector<Item> out;
+    out.swap(items_);
+    return out;
+}
+
+void pump(std::shared_ptr<EngineReply> reply, std::int64_t req_id, std::shared_ptr<Outbox> out) {
+    std::thread([reply = std::move(reply), req_id, out = std::move(out)]() mutable {
+        std::string chunk;
+        bool more = true;
+        while (more) {
+            more = reply->next(chunk);
+            if (!chunk.empty()) out->push({req_id, std::move(chunk), false});
+            chunk = std::string();
+        }
+        reply.reset();  // on_complete, as llama-server's connection ends, before the last item
+        out->push({req_id, std::string(), true});
+    }).detach();
+}
+
 // -- Engine -----------------------------------------------------------------
 
 Engine::Engine(const std::vector<std::string> & args) : params_(new common_params(parse_server_args(args))) {
@@ -300,7 +332,7 @@ void Engine::load() {
     });
 }
 
-std::unique_ptr<EngineReply> Engine::handle(const std::string & method, const std::string & path,
+std::shared_ptr<EngineReply> Engine::handle(const std::string & method, const std::string & path,
                                             const std::map<std::string, std::string> & query,
                                             const std::map<std::string, std::string> & headers,
                                             const std::string & body, const std::string & query_string,
@@ -314,7 +346,7 @@ std::unique_ptr<EngineReply> Engine::handle(const std::string & method, const st
             break;
         }
     }
-    auto reply = std::make_unique<EngineReply>(std::move(params), headers, path, query_string, body,
+    auto reply = std::make_shared<EngineReply>(std::move(params), headers, path, query_string, body,
                                                 std::move(stop));
     if (handler == nullptr || !loaded_) {
         reply->res_ = error_reply(handler == nullptr ? "File Not Found" : "Loading model",

@@ -13,9 +13,12 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -85,6 +88,31 @@ common_params parse_server_args(const std::vector<std::string> & args);
 // (common_model_params_to_llama, common_context_params_to_llama).
 ProbeResult probe_server(const std::vector<std::string> & args);
 
+// Where the streams of one worker's engines leave their chunks: pumps push
+// (request id, chunk, last) as llama.cpp yields them, and one reader takes all
+// that is there in one go, so a decode step's chunks of every stream leave the
+// process together.
+class Outbox {
+  public:
+    struct Item {
+        std::int64_t req_id;
+        std::string chunk;
+        bool last;
+    };
+    void push(Item item);
+    // Everything queued, waiting up to timeout_s for the first item; empty on timeout.
+    std::vector<Item> take(double timeout_s);
+
+  private:
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    std::vector<Item> items_;
+};
+
+// Reads a streamed reply to its end on a thread of its own, into the outbox;
+// the last item (last = true) comes after the reply is complete and released.
+void pump(std::shared_ptr<EngineReply> reply, std::int64_t req_id, std::shared_ptr<Outbox> out);
+
 class Engine {
   public:
     // args as llama-server takes them (without the program name); parsed now.
@@ -94,7 +122,7 @@ class Engine {
     // Loads the model and starts the slot loop; throws std::runtime_error.
     void load();
     // The reply of the handler llama-server has for (method, path); 404 if none.
-    std::unique_ptr<EngineReply> handle(const std::string & method, const std::string & path,
+    std::shared_ptr<EngineReply> handle(const std::string & method, const std::string & path,
                                         const std::map<std::string, std::string> & query,
                                         const std::map<std::string, std::string> & headers,
                                         const std::string & body, const std::string & query_string,

@@ -125,7 +125,7 @@ void bind_engine(py::module_ & m) {
         .def(py::init<>())
         .def("set", &StopFlag::set)
         .def_property_readonly("is_set", [](const StopFlag & f) { return f.value.load(); });
-    py::class_<EngineReply>(m, "EngineReply",
+    py::class_<EngineReply, std::shared_ptr<EngineReply>>(m, "EngineReply",
                             "One reply of an Engine: status, headers and body, or a stream read by next().")
         .def_property_readonly("status", &EngineReply::status)
         .def_property_readonly("content_type", &EngineReply::content_type)
@@ -143,6 +143,24 @@ void bind_engine(py::module_ & m) {
              },
              "(more, chunk): the stream's next chunk; more is False once it has ended.")
         .def("cancel", &EngineReply::cancel, "Make the handler's should_stop true (a closed connection).");
+    py::class_<Outbox, std::shared_ptr<Outbox>>(m, "Outbox",
+                                                "Chunks of streamed replies, taken all at once by one reader.")
+        .def(py::init<>())
+        .def("take", [](Outbox & o, double timeout) {
+                 std::vector<Outbox::Item> items;
+                 {
+                     py::gil_scoped_release release;
+                     items = o.take(timeout);
+                 }
+                 py::list out;
+                 for (auto & it : items) out.append(py::make_tuple(it.req_id, py::bytes(it.chunk), it.last));
+                 return out;
+             }, py::arg("timeout"),
+             "[(req_id, chunk, last)] queued, waiting up to timeout seconds for the first.")
+        .def("wake", [](Outbox & o) { o.push({-1, std::string(), true}); },
+             "Wake the reader with an item of request id -1 (its signal to look at its state).");
+    m.def("pump", &pump, py::arg("reply"), py::arg("req_id"), py::arg("outbox"),
+          "Read a streamed reply to its end on a thread of its own, into the outbox.");
     py::class_<Engine>(m, "Engine", "llama.cpp's server engine for one model (llama-server without HTTP).")
         .def(py::init<const std::vector<std::string> &>(), py::arg("args"),
              "Parse llama-server arguments (ValueError names a bad one).")

@@ -3,13 +3,17 @@
     worker main thread ── Call ──▶ EngineHost.call ──▶ one thread per request:
         engine.handle(method, path, query, headers, body, stop)     [GIL released]
           plain reply ─▶ Result(HttpReply)
-          stream      ─▶ Chunk(HttpReply head), Chunk(bytes)* as next() yields, Result(None)
+          stream      ─▶ Chunk(HttpReply head), then _native.pump: a C++ thread reads the
+                         stream as llama.cpp yields it into the model's Outbox
+    sender thread: Outbox.take() ─▶ every chunk there, of every stream, in one pipe message
+                   (Batch of Chunk(bytes)*, Result(None) at a stream's end)
     Cancel ──────▶ EngineHost.cancel: the request's StopFlag (llama.cpp's should_stop)
-    UnloadModel ─▶ EngineHost.close: stop every request, wait for it, free the engine
+    UnloadModel ─▶ EngineHost.close: stop every request, wait for its end, free the engine
 
 The engine is llama-server's own (``csrc/engine.cpp``): its slot loop runs on a
 thread of its own and batches the requests of every request thread, as
-llama-server's HTTP threads do.  Nothing here reads a request body.
+llama-server's HTTP threads do; the chunks of one decode step leave the worker
+together.  Nothing here reads a request body.
 """
 
 from __future__ import annotations
@@ -17,29 +21,30 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable
 
-from .protocol import Call, Chunk, Failed, HttpReply, Result
+from .protocol import Batch, Call, Chunk, Failed, HttpReply, Result
 
 __all__ = ["EngineHost"]
 
 
 class EngineHost:
-    """One model's engine and its requests in flight (owned by the worker's main thread;
-    the request threads touch only their own entry of ``_stops`` under the lock)."""
+    """One model's engine and its requests in flight.  ``_stops`` (a request's StopFlag,
+    until its last reply is sent), ``_threads`` and ``_closing`` change under ``_lock``."""
 
-    stats = None  # llama-server's /metrics has the engine's counters
-
-    def __init__(self, name: str, engine: Any, stop_flag: Callable[[], Any], send: Callable[[Any], None]):
+    def __init__(self, name: str, engine: Any, native: Any, send: Callable[[Any], None]):
         self.name = name
         self.engine = engine
-        self._stop_flag = stop_flag
+        self._native = native
         self._send = send
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._stops: dict[int, Any] = {}  # req_id -> StopFlag of a request in flight
         self._threads: dict[int, threading.Thread] = {}
         self._closing = False
+        self._outbox = native.Outbox()
+        self._sender = threading.Thread(target=self._send_chunks, name=f"send-{name}", daemon=True)
+        self._sender.start()
 
     def call(self, msg: Call) -> None:
-        flag = self._stop_flag()
+        flag = self._native.StopFlag()
         with self._lock:
             if self._closing:
                 self._send(Failed(msg.req_id, "ModelNotLoaded", f"model {self.name!r} is unloading"))
@@ -57,37 +62,49 @@ class EngineHost:
         return flag is not None
 
     def _serve(self, msg: Call, flag: Any) -> None:
-        rid = msg.req_id
+        rid, streaming = msg.req_id, False
         try:
             reply = self.engine.handle(msg.method, msg.path, msg.query, msg.headers, msg.body, "", flag)
             head = HttpReply(reply.status, reply.content_type, dict(reply.headers), reply.data, reply.is_stream)
             if not head.stream:
                 self._send(Result(rid, head))
                 return
-            self._send(Chunk(rid, head))
-            more = True
-            while more:
-                more, chunk = reply.next()
-                if chunk:
-                    self._send(Chunk(rid, chunk))
-                if flag.is_set:
-                    break
-            del reply  # on_complete, as llama-server's connection ends
-            self._send(Result(rid, None))
+            self._send(Chunk(rid, head))  # before any chunk: the pump starts after this send
+            self._native.pump(reply, rid, self._outbox)
+            del reply  # the pump's now: it releases it before the stream's last item
+            streaming = True
         except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
             self._send(Failed(rid, "InternalError", f"{type(e).__name__}: {e}"))
         finally:
             with self._lock:
-                self._stops.pop(rid, None)
                 self._threads.pop(rid, None)
+                if not streaming:
+                    self._stops.pop(rid, None)
+                    self._lock.notify_all()
+
+    def _send_chunks(self) -> None:
+        """The sender thread: what the pumps left, in one message per take."""
+        while True:
+            items = self._outbox.take(5.0)
+            if any(rid < 0 for rid, _, _ in items):  # woken by close(): every stream has ended
+                return
+            if not items:
+                continue
+            msgs = [Result(rid, None) if last else Chunk(rid, chunk) for rid, chunk, last in items]
+            self._send(msgs[0] if len(msgs) == 1 else Batch(msgs))
+            with self._lock:
+                for rid, _, last in items:
+                    if last:
+                        self._stops.pop(rid, None)
+                self._lock.notify_all()
 
     def close(self) -> None:
-        """Stop every request in flight, wait for their threads, free the engine."""
+        """Stop every request in flight, wait for its last reply, free the engine."""
         with self._lock:
             self._closing = True
-            threads = list(self._threads.values())
             for flag in self._stops.values():
                 flag.set()
-        for t in threads:
-            t.join()
+            self._lock.wait_for(lambda: not self._stops)
+        self._outbox.wake()
+        self._sender.join()
         self.engine.close()

@@ -20,7 +20,7 @@ from .spec import ModelSpec
 
 __all__ = [
     "LoadModel", "UnloadModel", "Call", "HttpReply", "Cancel", "Probe", "Fit", "Shutdown",
-    "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "FINAL",
+    "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "Batch", "FINAL",
 ]
 
 
@@ -127,6 +127,13 @@ class Failed:
     req_id: int
     kind: str  # exception class name
     message: str
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Several replies in one pipe message (the chunks of a decode step): one pickle, one write."""
+
+    messages: list[Any]
 
 
 FINAL = (Loaded, Unloaded, Result, Failed)

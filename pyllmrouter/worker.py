@@ -62,7 +62,7 @@ class _Worker:
             engine = load(msg.spec, *msg.args, name=msg.name)
             pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
             with self.models_lock:
-                self.models[msg.name] = EngineHost(msg.name, engine, native().StopFlag, self.send)
+                self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send)
             self.send(Loaded(msg.req_id, msg.name, pools, time.perf_counter() - t0))
         except Exception as e:  # noqa: BLE001
             self.send(Failed(msg.req_id, type(e).__name__, str(e)))

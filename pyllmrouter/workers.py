@@ -20,7 +20,7 @@ from collections import deque
 from typing import Any, Callable
 
 from .errors import WorkerDied
-from .protocol import FINAL, Cancel, Failed, Ready, Shutdown
+from .protocol import FINAL, Batch, Cancel, Failed, Ready, Shutdown
 from .worker import worker_main
 
 __all__ = ["WorkerHandle", "Pending"]
@@ -170,12 +170,15 @@ class WorkerHandle:
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
-            with self._lock:
-                pending = self._pending.get(msg.req_id)
-                if isinstance(msg, FINAL):
-                    self._pending.pop(msg.req_id, None)
-            if pending is not None:
-                _deliver([(pending, msg)])
+            deliveries = []
+            for m in msg.messages if isinstance(msg, Batch) else (msg,):
+                with self._lock:
+                    pending = self._pending.get(m.req_id)
+                    if isinstance(m, FINAL):
+                        self._pending.pop(m.req_id, None)
+                if pending is not None:
+                    deliveries.append((pending, m))
+            _deliver(deliveries)
         self._died()
 
     def _died(self) -> None:
