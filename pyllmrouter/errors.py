@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
-    "RouterClosed", "NotLoaded",
+    "RouterClosed", "NotLoaded", "Withdrawn",
 ]
 
 
@@ -35,6 +35,15 @@ class QueueTimeout(RouterError):
     def __init__(self, name: str, waited: float, why: str):
         super().__init__(f"model {name!r} not admitted within {waited:.1f} s: {why}")
         self.name, self.waited = name, waited
+
+
+class Withdrawn(RouterError):
+    """The caller left while its request waited for the model: it took no lease and
+    caused no load and no eviction."""
+
+    def __init__(self, name: str):
+        super().__init__(f"model {name!r}: the caller left while waiting")
+        self.name = name
 
 
 class LoadFailed(RouterError):

@@ -23,11 +23,11 @@ import asyncio
 import json
 import threading
 import time
-from typing import Any, AsyncIterator, Iterable, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from .config import ModelConfig, RouterOptions
 from .devices import Inventory, SystemInventory
-from .errors import RequestFailed, RouterError, WorkerDied
+from .errors import RequestFailed, RouterError, WorkerDied, Withdrawn
 from .protocol import Call, Chunk, Failed, HttpReply
 from .scheduler import Record, Scheduler
 
@@ -150,22 +150,47 @@ class Router:
 
     async def acall(self, model: str, method: str, path: str, body: bytes = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
-                    autoload: bool | None = None) -> "tuple[HttpReply, Stream | None]":
+                    autoload: bool | None = None,
+                    gone: Callable[[], Awaitable[Any]] | None = None) -> "tuple[HttpReply, Stream | None]":
         """``call`` from a coroutine.  A model that can take the request now is leased in
         the event loop (no thread hop before the worker has it); otherwise the lease is
-        waited for in a thread.  A caller that leaves cancels the request."""
-        rec = self._sched.try_lease(model)
-        if rec is None:
-            rec = await asyncio.to_thread(self._sched.lease, model, timeout, autoload)
-        pending = self._send(rec, method, path, body, query)
+        waited for in a thread.  A caller that leaves (the coroutine is cancelled, or
+        ``gone()`` returns: an HTTP client that disconnected) withdraws a wait for the
+        model (Withdrawn: no lease, no load, no eviction) and cancels a request in flight."""
+        watch = asyncio.ensure_future(gone()) if gone is not None else None
         try:
-            while (first := pending.get_nowait()) is None:
-                await pending.wait_async()
-        except BaseException:  # the caller left: stop the request; the lease ends with its reply
-            pending.cancel()
-            threading.Thread(target=self._release_after, args=(rec, pending), daemon=True).start()
+            rec = self._sched.try_lease(model)
+            if rec is None:
+                rec = await self._await_lease(model, timeout, autoload, watch)
+            pending = self._send(rec, method, path, body, query)
+            try:
+                while (first := pending.get_nowait()) is None:
+                    await _unless_gone(pending.wait_async(), watch, model)
+            except BaseException:  # the caller left: stop the request; the lease ends with its reply
+                pending.cancel()
+                threading.Thread(target=self._release_after, args=(rec, pending), daemon=True).start()
+                raise
+            return self._opened(rec, pending, first)
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _await_lease(self, model: str, timeout: float | None, autoload: bool | None,
+                           watch: "asyncio.Future | None") -> Record:
+        """A lease waited for in a thread; withdrawn if the caller leaves meanwhile (a lease
+        the thread took all the same is released when it returns)."""
+        left = threading.Event()
+        fut = asyncio.get_running_loop().run_in_executor(None, self._sched.lease, model, timeout, autoload, left)
+        try:
+            return await _unless_gone(asyncio.shield(fut), watch, model)
+        except BaseException:
+            self._sched.withdraw(left)
+            fut.add_done_callback(self._release_if_leased)
             raise
-        return self._opened(rec, pending, first)
+
+    def _release_if_leased(self, fut: "asyncio.Future") -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._sched.release(fut.result())
 
     def _send(self, rec: Record, method: str, path: str, body: bytes, query: dict[str, str] | None):
         """Send the request to the leased model's worker (the lease is released if that fails)."""
@@ -300,6 +325,22 @@ class Stream:
 
     def __del__(self) -> None:
         self.abandon()
+
+
+async def _unless_gone(work: Awaitable[Any], watch: "asyncio.Future | None", model: str) -> Any:
+    """``work``'s result, or Withdrawn if ``watch`` (the caller left) completes first."""
+    if watch is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    if not task.done():
+        task.cancel()
+        raise Withdrawn(model)
+    return task.result()
 
 
 def _value(rec: Record, reply: Any) -> Any:

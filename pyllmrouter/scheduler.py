@@ -35,7 +35,7 @@ from typing import Any
 from . import placement
 from .config import ModelConfig, RouterOptions
 from .devices import HOST, Inventory
-from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel
+from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel, Withdrawn
 from .fits import Fits, Fitted, mib
 from .measure import Measurer, worker_spec
 from .protocol import Failed, LoadModel, Loaded, UnloadModel
@@ -190,8 +190,11 @@ class Scheduler:
 
     # -- leases ----------------------------------------------------------------
 
-    def lease(self, name: str, timeout: float | None = None, autoload: bool | None = None) -> Record:
-        """Block until ``name`` is LOADED and take a lease on it."""
+    def lease(self, name: str, timeout: float | None = None, autoload: bool | None = None,
+              gone: threading.Event | None = None) -> Record:
+        """Block until ``name`` is LOADED and take a lease on it.  Once ``gone`` is set
+        (``withdraw``) the wait ends with Withdrawn: the ticket leaves the queue, and what
+        it alone asked for (a load, a drain of a busy model) does not happen."""
         rec = self.resolve(name)
         timeout = self.options.queue_timeout if timeout is None else timeout
         autoload = self.options.autoload if autoload is None else autoload
@@ -207,6 +210,8 @@ class Scheduler:
                 while True:
                     if self._closed:
                         raise RouterClosed("router is closed")
+                    if gone is not None and gone.is_set():
+                        raise Withdrawn(rec.name)
                     if rec.error_epoch > ticket.epoch:
                         raise LoadFailed(rec.name, rec.reason or "unknown reason")
                     if rec.state is State.LOADED and self._may_lease(rec, ticket):
@@ -224,6 +229,12 @@ class Scheduler:
                     if r.drain is not None and r.drain[1] == ticket.seq:
                         r.drain = None  # its waiter is gone; a later waiter sets its own
                 self._cond.notify_all()
+
+    def withdraw(self, gone: threading.Event) -> None:
+        """The caller of a waiting ``lease(..., gone=gone)`` has left: end its wait now."""
+        with self._cond:
+            gone.set()
+            self._cond.notify_all()
 
     def try_lease(self, name: str) -> Record | None:
         """A lease on ``name`` if it can be taken at once (LOADED, not draining for an

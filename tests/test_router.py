@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -381,3 +382,39 @@ def test_async_request_left_by_its_caller_stops_and_keeps_its_lease_until_the_wo
             held, freed_after = asyncio.run(left(r, whole))
         assert held == 1  # the model stays busy (not evictable) until the worker's reply
         assert r.complete("a", "x", max_tokens=2)["choices"]
+
+
+def _busy_stream(router, model):
+    """A streamed request whose end nobody reads: the model stays busy until it is closed."""
+    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 4, "stream": True}).encode()
+    return router.call(model, "POST", "/v1/completions", body)[1]
+
+
+def test_a_waiter_whose_caller_left_changes_nothing(specs):
+    """llama-server's router tests' "waiter disconnect": with room for one model, a request
+    for another model waits while the first is busy; its caller leaves; when the busy
+    request ends, nothing is evicted and nothing is loaded."""
+    import asyncio
+
+    with make(specs, ["a", "b"], {"GPU0": 1 << 30}, max_models=1, turn=0.2) as r:
+        r.load("a")
+        stream = _busy_stream(r, "a")
+
+        async def leave():
+            task = asyncio.create_task(r.acomplete("b", "hi", max_tokens=2))
+            await asyncio.sleep(1.0)  # waiting for a's memory (a is busy)
+            assert r.status()["models"]["b"]["state"] == "unloaded"
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            seen = len(r.scheduler.events)
+            stream.close()  # a's request ends
+            await asyncio.sleep(1.0)
+            st = r.status()["models"]
+            assert st["a"]["state"] == "loaded" and st["b"]["state"] == "unloaded"
+            assert st["a"]["leases"] == st["b"]["leases"] == 0
+            assert list(r.scheduler.events)[seen:] == []  # no eviction, no load
+
+        asyncio.run(leave())
+        assert r.complete("b", "hi", max_tokens=2)["choices"]  # b is served when asked again
+        r.scheduler.check_invariant()

@@ -326,3 +326,22 @@ def test_serve_cli_drains_on_sigterm_and_leaves_no_process(tiny, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_client_that_leaves_while_its_model_waits_changes_nothing(server, http):
+    """a and b cannot share GPU0: a client asks for b while a is busy and disconnects
+    before a's request ends; then nothing is evicted, nothing loaded."""
+    url, router = server
+    http.post("/models/load", json={"model": "a"}).raise_for_status()
+    body = json.dumps({"model": "a", "prompt": "hello", "max_tokens": 4, "stream": True}).encode()
+    _, stream = router.call("a", "POST", "/v1/completions", body)  # a stays busy until closed
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=1.0) as c:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            c.post("/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 2})
+    time.sleep(0.3)
+    seen = len(router.scheduler.events)
+    stream.close()
+    time.sleep(1.0)
+    st = router.status()["models"]
+    assert st["a"]["state"] == "loaded" and st["b"]["state"] == "unloaded" and st["a"]["leases"] == 0
+    assert [(what, name) for _, what, name, _ in list(router.scheduler.events)[seen:]] == []

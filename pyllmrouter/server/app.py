@@ -121,7 +121,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
         try:
             reply, stream = await router.acall(model, request.method, endpoint, raw, query,
-                                               autoload=autoload_param(request))
+                                               autoload=autoload_param(request),
+                                               gone=lambda: _disconnected(request))
         except RouterError as e:
             err = from_router_error(e)
             metrics.latency.labels(model, endpoint, str(err.status)).observe(time.perf_counter() - t0)
@@ -237,6 +238,12 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection (the body is read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class _Guard:

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from ..errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed,
-                      UnknownModel, WorkerDied)
+                      UnknownModel, WorkerDied, Withdrawn)
 
 __all__ = ["ApiError", "error_response", "from_router_error"]
 
@@ -28,6 +28,8 @@ def error_response(e: ApiError) -> JSONResponse:
 
 
 def from_router_error(e: Exception) -> ApiError:
+    if isinstance(e, Withdrawn):  # nobody reads it: the client is gone
+        return ApiError(499, str(e), "client_closed_request", "client_closed_request")
     if isinstance(e, UnknownModel):
         return ApiError(404, str(e), code="model_not_found", param="model")
     if isinstance(e, NotLoaded):
