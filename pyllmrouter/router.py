@@ -29,7 +29,7 @@ from .config import ModelConfig, RouterOptions
 from .devices import Inventory, SystemInventory
 from .errors import RequestFailed, RouterError, WorkerDied, Withdrawn
 from .protocol import Call, Chunk, Failed, HttpReply
-from .scheduler import Record, Scheduler
+from .scheduler import Lease, Scheduler
 
 __all__ = ["Router"]
 
@@ -85,10 +85,13 @@ class Router:
 
     def load(self, name: str, timeout: float | None = None) -> None:
         """Load ``name`` (evicting idle models if needed) and return once LOADED."""
-        rec = self._sched.lease(name, timeout, autoload=True)
-        self._sched.release(rec)
+        self._sched.release(self._sched.lease(name, timeout, autoload=True))
 
-    def unload(self, name: str, wait: float | None = 30.0) -> bool:
+    def unload(self, name: str, wait: float | None = None) -> bool:
+        """Unload ``name`` once its requests in flight end, waiting at most ``wait`` seconds
+        (default: the model's stop_timeout); False if it was not loaded."""
+        if wait is None:
+            wait = self._sched.resolve(name).config.stop_timeout
         return self._sched.unload(name, wait)
 
     def status(self) -> dict[str, Any]:
@@ -176,7 +179,7 @@ class Router:
                 watch.cancel()
 
     async def _await_lease(self, model: str, timeout: float | None, autoload: bool | None,
-                           watch: "asyncio.Future | None") -> Record:
+                           watch: "asyncio.Future | None") -> Lease:
         """A lease waited for in a thread; withdrawn if the caller leaves meanwhile (a lease
         the thread took all the same is released when it returns)."""
         left = threading.Event()
@@ -192,22 +195,23 @@ class Router:
         if not fut.cancelled() and fut.exception() is None:
             self._sched.release(fut.result())
 
-    def _send(self, rec: Record, method: str, path: str, body: bytes, query: dict[str, str] | None):
-        """Send the request to the leased model's worker (the lease is released if that fails)."""
+    def _send(self, rec: Lease, method: str, path: str, body: bytes, query: dict[str, str] | None):
+        """Send the request to the worker the lease was taken on (the lease is released if
+        that fails: a worker that died since raises WorkerDied)."""
         try:
             return rec.worker.call(lambda rid: Call(rid, rec.name, method, path, body, dict(query or {})))
         except BaseException:
             self._sched.release(rec)
             raise
 
-    def _opened(self, rec: Record, pending, first: Any) -> "tuple[HttpReply, Stream | None]":
+    def _opened(self, rec: Lease, pending, first: Any) -> "tuple[HttpReply, Stream | None]":
         """The first reply of a Call: a whole reply, or a stream's head."""
         if isinstance(first, Chunk) and isinstance(first.value, HttpReply):
             return first.value, Stream(rec, pending, self._sched.release)
         self._sched.release(rec)
         return _value(rec, first), None
 
-    def _release_after(self, rec: Record, pending) -> None:
+    def _release_after(self, rec: Lease, pending) -> None:
         try:
             pending.get()
         finally:
@@ -232,7 +236,7 @@ class Stream:
     arrives, whether the stream was read to its end, closed or cancelled.
     """
 
-    def __init__(self, rec: Record, pending, release):
+    def __init__(self, rec: Lease, pending, release):
         self._rec = rec
         self._pending = pending
         self._release = release
@@ -343,13 +347,13 @@ async def _unless_gone(work: Awaitable[Any], watch: "asyncio.Future | None", mod
     return task.result()
 
 
-def _value(rec: Record, reply: Any) -> Any:
+def _value(rec: Lease, reply: Any) -> Any:
     if isinstance(reply, Failed):
         raise _error(rec, reply)
     return reply.value
 
 
-def _error(rec: Record, reply: Failed) -> RouterError:
+def _error(rec: Lease, reply: Failed) -> RouterError:
     if reply.kind == "WorkerDied":
         return WorkerDied(f"model {rec.name!r}: {reply.message}")
     return RequestFailed(rec.name, reply.kind, reply.message)

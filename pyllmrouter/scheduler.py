@@ -1,14 +1,17 @@
 """The scheduler: owns every model's state, the admission queue and the workers.
 
     lease(name) ──▶ ticket joins the FIFO queue ──▶ wait on the condition until
-        LOADED and may lease ─────────────────────────────────▶ leases += 1, return
+        LOADED and may lease ─────────────────────────────▶ leases += 1, return a Lease
         UNLOADED, our turn ──▶ requirement known? ── no ──▶ background probe (masked)
                                plan = placement.choose(...)
                                  never fits  ──▶ NeverFits (at once)
                                  victims idle ──▶ background unloads, wait
                                  victims busy ──▶ mark them draining (turns), wait
                                  fits        ──▶ LOADING + reservation ──▶ background load
-    release(record) ──▶ leases -= 1, notify
+    release(lease) ──▶ leases -= 1, notify
+
+Callers hold a ``Lease`` (the model's name and the worker captured when the lease
+was taken), never a ``Record``: records change under the lock only.
 
 All state lives under one lock (``self._cond``).  Nothing blocks on I/O while
 holding it: probes, worker starts, loads and unloads run in background threads
@@ -72,6 +75,16 @@ class Record:
     @property
     def name(self) -> str:
         return self.config.name
+
+
+@dataclass(frozen=True, eq=False)
+class Lease:
+    """A request's hold on a LOADED model: its name and the worker that hosted it when
+    the lease was taken (captured under the lock).  If that worker dies, a call on it
+    raises WorkerDied.  ``Scheduler.release`` ends it, once."""
+
+    name: str
+    worker: WorkerHandle
 
 
 @dataclass(eq=False)
@@ -191,7 +204,7 @@ class Scheduler:
     # -- leases ----------------------------------------------------------------
 
     def lease(self, name: str, timeout: float | None = None, autoload: bool | None = None,
-              gone: threading.Event | None = None) -> Record:
+              gone: threading.Event | None = None) -> Lease:
         """Block until ``name`` is LOADED and take a lease on it.  Once ``gone`` is set
         (``withdraw``) the wait ends with Withdrawn: the ticket leaves the queue, and what
         it alone asked for (a load, a drain of a busy model) does not happen."""
@@ -236,7 +249,7 @@ class Scheduler:
             gone.set()
             self._cond.notify_all()
 
-    def try_lease(self, name: str) -> Record | None:
+    def try_lease(self, name: str) -> Lease | None:
         """A lease on ``name`` if it can be taken at once (LOADED, not draining for an
         earlier waiter), else None; never waits, never starts a load."""
         rec = self.resolve(name)
@@ -246,15 +259,16 @@ class Scheduler:
             ticket = _Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
             return self._take(rec, ticket) if self._may_lease(rec, ticket) else None
 
-    def _take(self, rec: Record, ticket: _Ticket) -> Record:
+    def _take(self, rec: Record, ticket: _Ticket) -> Lease:
         rec.leases += 1
         rec.last_used = time.monotonic()
         if self.on_wait is not None:
             self.on_wait(rec.name, rec.last_used - ticket.created)
-        return rec
+        return Lease(rec.name, rec.worker)
 
-    def release(self, rec: Record) -> None:
+    def release(self, lease: Lease) -> None:
         with self._cond:
+            rec = self._records[lease.name]
             rec.leases -= 1
             rec.last_used = time.monotonic()
             self._cond.notify_all()

@@ -418,3 +418,29 @@ def test_a_waiter_whose_caller_left_changes_nothing(specs):
         asyncio.run(leave())
         assert r.complete("b", "hi", max_tokens=2)["choices"]  # b is served when asked again
         r.scheduler.check_invariant()
+
+
+def test_a_worker_that_dies_between_lease_and_send_is_worker_died_not_a_crash(specs):
+    """The race forced: the lease is taken, then its worker dies (and the router has seen
+    it) before the request is sent. The request fails with WorkerDied (HTTP 503), and
+    the next request starts a new worker."""
+    import asyncio
+
+    with make(specs, ["a"], {"GPU0": 1 << 30}) as r:
+        r.load("a")
+        take = r.scheduler.try_lease
+
+        def lease_then_die(name):
+            lease = take(name)
+            os.kill(r.status()["workers"][0]["pid"], signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while r.status()["models"]["a"]["state"] == "loaded" and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return lease
+
+        r.scheduler.try_lease = lease_then_die
+        with pytest.raises(WorkerDied):
+            asyncio.run(r.acomplete("a", "hi", max_tokens=2))
+        r.scheduler.try_lease = take
+        assert r.status()["models"]["a"]["leases"] == 0
+        assert r.complete("a", "hi", max_tokens=2)["choices"]

@@ -197,8 +197,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     @app.post("/models/unload")
     async def unload(request: Request):
         name = await model_arg(request)
-        rec = await call(router.scheduler.resolve, name)
-        done = await call(router.unload, name, rec.config.stop_timeout)
+        done = await call(router.unload, name)
         return {"success": bool(done)}
 
     @app.get("/props")
