@@ -55,3 +55,4 @@ class RouterOptions:
     load_timeout: float = 600.0
     autoload: bool = True
     keep_idle_workers: bool = True
+    heartbeat: float = 5.0  # seconds a worker has to answer a ping before it is killed as hung; 0: off

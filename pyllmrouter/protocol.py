@@ -1,6 +1,6 @@
 """Messages between the router and a worker, over a multiprocessing pipe.
 
-    router ──LoadModel / UnloadModel / Call / Cancel / Probe / Fit / Shutdown──▶ worker
+    router ──LoadModel / UnloadModel / Call / Cancel / Probe / Fit / Ping / Shutdown──▶ worker
     router ◀──Ready / Loaded / Unloaded / Chunk / Result / Failed──────── worker
 
 Every request carries a ``req_id``; every reply names the request it answers.
@@ -19,7 +19,7 @@ from typing import Any
 from .spec import ModelSpec
 
 __all__ = [
-    "LoadModel", "UnloadModel", "Call", "HttpReply", "Cancel", "Probe", "Fit", "Shutdown",
+    "LoadModel", "UnloadModel", "Call", "HttpReply", "Cancel", "Probe", "Fit", "Ping", "Shutdown",
     "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "Batch", "FINAL",
 ]
 
@@ -69,6 +69,14 @@ class Fit:
     req_id: int
     spec: ModelSpec
     grants: dict[str, int]  # worker-local device names (and "CPU") -> bytes
+
+
+@dataclass(frozen=True)
+class Ping:
+    """The heartbeat: answered at once by the worker's main thread with Result(None) (its
+    engines decode on threads of their own, so a busy worker answers too)."""
+
+    req_id: int
 
 
 @dataclass(frozen=True)

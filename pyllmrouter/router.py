@@ -72,8 +72,24 @@ class Router:
         self._reaper.join(5)
 
     def _reap(self) -> None:
+        """Once a second: unload models idle past their ttl, and ping every worker; one that
+        does not answer within ``options.heartbeat`` seconds is killed and treated as dead."""
         while not self._stop.wait(1.0):
             self._sched.reap_idle()
+            if self.options.heartbeat > 0:
+                self._heartbeat(self.options.heartbeat)
+
+    def _heartbeat(self, bound: float) -> None:
+        pings = [(w, w.ping()) for w in self._sched.workers()]
+        deadline = time.monotonic() + bound
+        for worker, pending in pings:
+            if pending is None:
+                continue
+            try:
+                pending.get(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                if not self._stop.is_set():
+                    worker.kill()
 
     def _load_quietly(self, name: str) -> None:
         try:

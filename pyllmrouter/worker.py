@@ -7,6 +7,7 @@
                                ├─ UnloadModel ▶ unloader thread: EngineHost.close ─▶ Unloaded
                                ├─ Cancel ─────▶ the request's StopFlag
                                ├─ Probe / Fit ▶ probe thread ─▶ Result | Failed
+                               ├─ Ping ───────▶ Result(None), at once (the heartbeat)
                                └─ Shutdown / EOF (router gone) ──▶ exit
 
 Each model is llama.cpp's own server engine (a server_context with its slot
@@ -24,8 +25,8 @@ import time
 from typing import Any
 
 from .hosting import EngineHost
-from .protocol import Call, Cancel, Failed, Fit, LoadModel, Loaded, Probe, Ready, Result, Shutdown, Unloaded, \
-    UnloadModel
+from .protocol import Call, Cancel, Failed, Fit, LoadModel, Loaded, Ping, Probe, Ready, Result, Shutdown, \
+    Unloaded, UnloadModel
 
 __all__ = ["worker_main"]
 
@@ -93,7 +94,9 @@ class _Worker:
                 return  # the router is gone: so are we
             if isinstance(msg, Shutdown):
                 return
-            if isinstance(msg, Cancel):
+            if isinstance(msg, Ping):
+                self.send(Result(msg.req_id, None))
+            elif isinstance(msg, Cancel):
                 with self.models_lock:
                     hosts = list(self.models.values())
                 any(h.cancel(msg.req_id) for h in hosts)

@@ -20,7 +20,7 @@ from collections import deque
 from typing import Any, Callable
 
 from .errors import WorkerDied
-from .protocol import FINAL, Batch, Cancel, Failed, Ready, Shutdown
+from .protocol import FINAL, Batch, Cancel, Failed, Ping, Ready, Shutdown
 from .worker import worker_main
 
 __all__ = ["WorkerHandle", "Pending"]
@@ -163,6 +163,20 @@ class WorkerHandle:
                 self._pending.pop(req_id, None)
             raise WorkerDied(f"worker {self.name} is gone: {e}") from None
         return pending
+
+    def ping(self) -> Pending | None:
+        """Send the heartbeat; its Pending gets Result(None) if the worker answers (None:
+        the worker is already gone)."""
+        try:
+            return self.call(Ping)
+        except WorkerDied:
+            return None
+
+    def kill(self) -> None:
+        """End a worker that stopped answering: its reader then sees the pipe close, and the
+        worker is dead as if it had crashed (its requests fail with WorkerDied)."""
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
 
     def _read(self) -> None:
         while True:

@@ -444,3 +444,39 @@ def test_a_worker_that_dies_between_lease_and_send_is_worker_died_not_a_crash(sp
         r.scheduler.try_lease = take
         assert r.status()["models"]["a"]["leases"] == 0
         assert r.complete("a", "hi", max_tokens=2)["choices"]
+
+
+def test_a_hung_worker_is_killed_by_the_heartbeat_and_replaced(specs, tiny):
+    """A worker busy decoding keeps answering its pings; one that stops answering
+    (SIGSTOP: it hangs) is killed within the bound, its request in flight fails with
+    WorkerDied, its model is unloaded, and the next request starts a new worker."""
+    specs = dict(specs, a=ModelSpec(tiny["tiny-llama"], n_ctx=2048, n_seq_max=1, n_threads=1))
+    long = dict(max_tokens=2000, logit_bias={"2": -100, "4": -100}, temperature=0.0)
+    with make(specs, ["a"], {"GPU0": 1 << 30}, heartbeat=0.5) as r:
+        r.load("a")
+        pid = r.status()["workers"][0]["pid"]
+        t0 = time.monotonic()
+        assert r.complete("a", "hello", **long)["usage"]["completion_tokens"] == 2000
+        assert time.monotonic() - t0 > 1.0  # pinged while it decoded
+        assert r.status()["workers"][0]["pid"] == pid  # and not taken for hung
+        held = r.complete("a", "hello", stream=True, **long)
+        next(held)
+        os.kill(pid, signal.SIGSTOP)
+        outcome = []
+
+        def drain():
+            try:
+                for _ in held:
+                    pass
+                outcome.append("ended")
+            except WorkerDied:
+                outcome.append("died")
+
+        t = threading.Thread(target=drain, daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        t.join(10)
+        assert outcome == ["died"] and time.monotonic() - t0 < 5.0  # the bound plus a reaper tick
+        assert r.status()["models"]["a"]["state"] == "unloaded"
+        assert r.complete("a", "hi", max_tokens=2)["choices"]  # a new worker serves it
+        assert r.status()["workers"][0]["pid"] != pid

@@ -45,6 +45,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=int(_env("LLAMA_ARG_PORT", 8080)))
     p.add_argument("--api-key", default=_env("LLAMA_API_KEY"), help="required as Bearer token or X-Api-Key")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for its model")
+    p.add_argument("--heartbeat", type=float, default=5.0,
+                   help="seconds a worker has to answer a ping before it is killed as hung (0: off)")
     p.add_argument("--turn", type=float, default=5.0,
                    help="seconds a busy model keeps taking requests once another model waits for its memory")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (MiB)")
@@ -76,6 +78,7 @@ def router_from_args(a: argparse.Namespace) -> Router:
                                                                                                       1024 * MiB),
         budgets=parse_budgets(a.device_budget) if a.device_budget else {},
         max_models=a.models_max, queue_timeout=a.queue_timeout, turn=a.turn, autoload=a.autoload,
+        heartbeat=a.heartbeat,
     )
     return Router(models, inventory=inventory, options=options)
 
