@@ -31,6 +31,8 @@ from pyllmrouter.router import Router
 from pyllmrouter.scripted import THINK_SCRIPT, THINK_TEMPLATE, TOOL_SCRIPT, TOOL_TEMPLATE, write_scripted
 from pyllmrouter.server import create_app
 
+pytestmark = pytest.mark.slow  # llama-server and our server side by side
+
 LLAMA_SERVER = llama_tool("llama-server")
 VOLATILE = {"id", "created", "system_fingerprint", "timings", "created_at", "id_slot",
             "media_marker"}  # a random marker per server process

@@ -19,6 +19,8 @@ from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.errors import LoadFailed, NeverFits, QueueTimeout, UnknownModel, WorkerDied
 from pyllmrouter.router import Router
 
+pytestmark = pytest.mark.slow  # real worker processes
+
 HI = [{"role": "user", "content": "hi"}]
 
 

@@ -22,8 +22,9 @@ from pyllmrouter.devices import RpcInventory
 SHARE_PROBE_CACHE = True
 
 
-pytestmark = pytest.mark.skipif(not RPC_SERVER.exists(),
-                                reason="rpc-server not built: scripts/build_llama_tools.sh ggml-rpc-server")
+pytestmark = [pytest.mark.slow,  # rpc-servers and worker processes
+              pytest.mark.skipif(not RPC_SERVER.exists(),
+                                 reason="rpc-server not built: scripts/build_llama_tools.sh ggml-rpc-server")]
 
 
 

@@ -24,6 +24,8 @@ from pyllmrouter.loopback import free_port, wait_healthy
 from pyllmrouter.router import Router
 from pyllmrouter.server import create_app
 
+pytestmark = pytest.mark.slow  # a real server and worker processes
+
 KEY = "s3cret"
 HI = [{"role": "user", "content": "hi"}]
 
