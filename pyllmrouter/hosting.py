@@ -18,12 +18,15 @@ together.  Nothing here reads a request body.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Callable
 
-from .protocol import Batch, Call, Chunk, Failed, HttpReply, Result
+from .protocol import Batch, Call, Chunk, ErrorKind, Failed, HttpReply, Result
 
 __all__ = ["EngineHost"]
+
+_LOG = logging.getLogger(__name__)
 
 
 class EngineHost:
@@ -47,7 +50,7 @@ class EngineHost:
         flag = self._native.StopFlag()
         with self._lock:
             if self._closing:
-                self._send(Failed(msg.req_id, "ModelNotLoaded", f"model {self.name!r} is unloading"))
+                self._send(Failed(msg.req_id, ErrorKind.NOT_LOADED, f"model {self.name!r} is unloading"))
                 return
             self._stops[msg.req_id] = flag
             t = threading.Thread(target=self._serve, args=(msg, flag), name=f"call-{self.name}", daemon=True)
@@ -73,8 +76,9 @@ class EngineHost:
             self._native.pump(reply, rid, self._outbox)
             del reply  # the pump's now: it releases it before the stream's last item
             streaming = True
-        except Exception as e:  # noqa: BLE001 - the request fails, the worker goes on
-            self._send(Failed(rid, "InternalError", f"{type(e).__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001 - a bug: logged, the request fails, the worker goes on
+            _LOG.exception("%s %s %s", self.name, msg.method, msg.path)
+            self._send(Failed(rid, ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
             with self._lock:
                 self._threads.pop(rid, None)

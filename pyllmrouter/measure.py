@@ -18,7 +18,7 @@ from typing import Any, Callable
 from .devices import HOST, Inventory
 from .fits import Fitted
 from .probe import MemoryEstimate, ProbeError, cached_estimate
-from .protocol import Failed, Fit, Probe
+from .protocol import ErrorKind, Failed, Fit, Probe
 from .spec import ModelSpec
 from .workers import WorkerHandle
 
@@ -55,9 +55,9 @@ class Measurer:
         grants[HOST] = grant[HOST]
         reply = self._call(device_set, lambda rid: Fit(rid, spec, grants))
         if isinstance(reply, Failed):
-            if reply.kind == "FitError":
+            if reply.kind is ErrorKind.NO_FIT:
                 return Fitted(grant, error=reply.message)
-            raise RuntimeError(f"{reply.kind}: {reply.message}")
+            raise RuntimeError(f"{reply.kind.value}: {reply.message}")
         v = reply.value
         to_inv = self.inventory.to_inventory
         return Fitted(grant, ModelSpec.from_dict(v["spec"]), to_inv(device_set, v["per_device"]),

@@ -14,13 +14,14 @@ chunk llama.cpp's handler yields, then ``Result(None)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from .spec import ModelSpec
 
 __all__ = [
     "LoadModel", "UnloadModel", "Call", "HttpReply", "Cancel", "Probe", "Fit", "Ping", "Shutdown",
-    "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "Batch", "FINAL",
+    "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "ErrorKind", "Batch", "FINAL",
 ]
 
 
@@ -130,10 +131,21 @@ class HttpReply:
     stream: bool = False
 
 
+class ErrorKind(str, Enum):
+    """Why a request failed, as typed on the pipe (``Failed.kind``)."""
+
+    LOAD_FAILED = "load_failed"  # the model could not be loaded: file, arguments, llama.cpp
+    PROBE_FAILED = "probe_failed"  # the probe could not read or build the model
+    NO_FIT = "no_fit"  # nothing fits the grant
+    NOT_LOADED = "not_loaded"  # the model is not (or no longer) in this worker
+    WORKER_DIED = "worker_died"  # the worker process is gone
+    INTERNAL = "internal"  # an unexpected exception: a bug (the worker logs its traceback)
+
+
 @dataclass(frozen=True)
 class Failed:
     req_id: int
-    kind: str  # exception class name
+    kind: ErrorKind
     message: str
 
 

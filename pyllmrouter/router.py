@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from .config import ModelConfig, RouterOptions
 from .devices import Inventory, SystemInventory
 from .errors import RequestFailed, RouterError, WorkerDied, Withdrawn
-from .protocol import Call, Chunk, Failed, HttpReply
+from .protocol import Call, Chunk, ErrorKind, Failed, HttpReply
 from .scheduler import Lease, Scheduler
 
 __all__ = ["Router"]
@@ -370,9 +370,9 @@ def _value(rec: Lease, reply: Any) -> Any:
 
 
 def _error(rec: Lease, reply: Failed) -> RouterError:
-    if reply.kind == "WorkerDied":
+    if reply.kind in (ErrorKind.WORKER_DIED, ErrorKind.NOT_LOADED):  # gone under the request: 503, retry
         return WorkerDied(f"model {rec.name!r}: {reply.message}")
-    return RequestFailed(rec.name, reply.kind, reply.message)
+    return RequestFailed(rec.name, reply.kind.value, reply.message)
 
 
 def _body(model: str, params: dict[str, Any], stream: bool) -> bytes:

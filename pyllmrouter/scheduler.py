@@ -38,10 +38,10 @@ from typing import Any
 from . import placement
 from .config import ModelConfig, RouterOptions
 from .devices import HOST, Inventory
-from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel, Withdrawn
+from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel, WorkerDied, Withdrawn
 from .fits import Fits, Fitted, mib
 from .measure import Measurer, worker_spec
-from .protocol import Failed, LoadModel, Loaded, UnloadModel
+from .protocol import ErrorKind, Failed, LoadModel, Loaded, UnloadModel
 from .spec import ModelSpec
 from .state import State, check_transition, evictable, holds_memory
 from .workers import WorkerHandle
@@ -494,7 +494,8 @@ class Scheduler:
             pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, cfg.args))
             reply = pending.get(self.options.load_timeout)
         except Exception as e:  # noqa: BLE001
-            reply = Failed(0, type(e).__name__, str(e))
+            reply = Failed(0, ErrorKind.WORKER_DIED if isinstance(e, WorkerDied) else ErrorKind.INTERNAL,
+                           f"{type(e).__name__}: {e}")
         with self._cond:
             if rec.state is not State.LOADING:  # the worker died meanwhile and said so
                 return
@@ -508,7 +509,7 @@ class Scheduler:
             else:
                 loaded = False
                 rec.state, rec.need, rec.worker = State.UNLOADED, {}, None
-                rec.reason = f"{reply.kind}: {reply.message}"
+                rec.reason = reply.message
                 rec.error_epoch += 1
                 self.counters["load_failures"] += 1
                 self._event("load-failed", rec.name)

@@ -19,16 +19,19 @@ this process can only ever see (and create contexts on) its own devices.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from typing import Any
 
 from .hosting import EngineHost
-from .protocol import Call, Cancel, Failed, Fit, LoadModel, Loaded, Ping, Probe, Ready, Result, Shutdown, \
-    Unloaded, UnloadModel
+from .protocol import Call, Cancel, ErrorKind, Failed, Fit, LoadModel, Loaded, Ping, Probe, Ready, Result, \
+    Shutdown, Unloaded, UnloadModel
 
 __all__ = ["worker_main"]
+
+_LOG = logging.getLogger(__name__)
 
 
 def _rss() -> int:
@@ -65,8 +68,11 @@ class _Worker:
             with self.models_lock:
                 self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send)
             self.send(Loaded(msg.req_id, msg.name, pools, time.perf_counter() - t0))
-        except Exception as e:  # noqa: BLE001
-            self.send(Failed(msg.req_id, type(e).__name__, str(e)))
+        except (ValueError, RuntimeError, OSError) as e:  # llama.cpp's refusal: arguments, file, memory
+            self.send(Failed(msg.req_id, ErrorKind.LOAD_FAILED, f"{type(e).__name__}: {e}"))
+        except Exception as e:  # noqa: BLE001 - a bug: logged, and the load fails
+            _LOG.exception("loading %s", msg.name)
+            self.send(Failed(msg.req_id, ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"))
 
     def _unload(self, msg: UnloadModel, host: EngineHost) -> None:
         try:
@@ -75,16 +81,21 @@ class _Worker:
             self.send(Unloaded(msg.req_id, msg.name))
 
     def _probe(self, msg: Probe | Fit) -> None:
-        from .fit import fit_here  # noqa: PLC0415
-        from .probe import probe  # noqa: PLC0415
+        from .fit import FitError, fit_here  # noqa: PLC0415
+        from .probe import ProbeError, probe  # noqa: PLC0415
 
         try:
             if isinstance(msg, Fit):
                 self.send(Result(msg.req_id, fit_here(msg.spec, msg.grants).to_dict()))
             else:
                 self.send(Result(msg.req_id, probe(msg.spec).to_dict()))
-        except Exception as e:  # noqa: BLE001
-            self.send(Failed(msg.req_id, type(e).__name__, str(e)))
+        except FitError as e:
+            self.send(Failed(msg.req_id, ErrorKind.NO_FIT, str(e)))
+        except ProbeError as e:
+            self.send(Failed(msg.req_id, ErrorKind.PROBE_FAILED, str(e)))
+        except Exception as e:  # noqa: BLE001 - a bug: logged, and the request fails
+            _LOG.exception("probing %s", msg.spec.path)
+            self.send(Failed(msg.req_id, ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"))
 
     def serve(self) -> None:
         while True:
@@ -115,7 +126,7 @@ class _Worker:
                 with self.models_lock:
                     host = self.models.get(msg.name)
                 if host is None:
-                    self.send(Failed(msg.req_id, "ModelNotLoaded", f"model {msg.name!r} is not loaded here"))
+                    self.send(Failed(msg.req_id, ErrorKind.NOT_LOADED, f"model {msg.name!r} is not loaded here"))
                 else:
                     host.call(msg)
 

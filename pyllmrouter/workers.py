@@ -20,7 +20,7 @@ from collections import deque
 from typing import Any, Callable
 
 from .errors import WorkerDied
-from .protocol import FINAL, Batch, Cancel, Failed, Ping, Ready, Shutdown
+from .protocol import FINAL, Batch, Cancel, ErrorKind, Failed, Ping, Ready, Shutdown
 from .worker import worker_main
 
 __all__ = ["WorkerHandle", "Pending"]
@@ -202,7 +202,7 @@ class WorkerHandle:
         code = self._exitcode()
         if was_alive:  # the router learns first, so whoever sees the failure sees the new state
             self.on_death(self)
-        _deliver([(p, Failed(p.req_id, "WorkerDied", f"worker {self.name} (pid {self.pid}) exited with code {code}"))
+        _deliver([(p, Failed(p.req_id, ErrorKind.WORKER_DIED, f"worker {self.name} (pid {self.pid}) exited with code {code}"))
                   for p in orphans])
 
     def stop(self, timeout: float = 10.0) -> None:

@@ -482,3 +482,21 @@ def test_a_hung_worker_is_killed_by_the_heartbeat_and_replaced(specs, tiny):
         assert r.status()["models"]["a"]["state"] == "unloaded"
         assert r.complete("a", "hi", max_tokens=2)["choices"]  # a new worker serves it
         assert r.status()["workers"][0]["pid"] != pid
+
+
+def test_a_bug_inside_a_worker_is_an_internal_error_and_the_worker_goes_on(specs):
+    """An unexpected exception in a worker (here: a query value that is not text reaches
+    the engine's binding) crosses the pipe as ErrorKind.INTERNAL, a 500; the worker and
+    its model serve the next request."""
+    from pyllmrouter.errors import RequestFailed
+    from pyllmrouter.server.errors import from_router_error
+
+    with make(specs, ["a"], {"GPU0": 1 << 30}) as r:
+        r.load("a")
+        pid = r.status()["workers"][0]["pid"]
+        with pytest.raises(RequestFailed) as e:
+            r.call("a", "GET", "/slots", query={"id": 1})
+        assert e.value.kind == "internal" and "TypeError" in e.value.message
+        assert from_router_error(e.value).status == 500
+        assert r.complete("a", "hi", max_tokens=2)["choices"]
+        assert r.status()["workers"][0]["pid"] == pid
