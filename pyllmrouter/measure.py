@@ -16,11 +16,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .devices import HOST, Inventory
-from .fits import Fitted
+from .fitbook import Fitted
 from .probe import MemoryEstimate, ProbeError, cached_estimate
 from .protocol import ErrorKind, Failed, Fit, Probe
 from .spec import ModelSpec
-from .workers import WorkerHandle
+from .pool import WorkerHandle
 
 __all__ = ["Measurer", "worker_spec"]
 

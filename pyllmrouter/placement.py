@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["Resident", "Plan", "NeverFits", "shortfall", "never_fits", "pick_victims", "choose", "grant", "COUNT"]
+__all__ = ["Resident", "Plan", "Shortfall", "shortfall", "never_fits", "pick_victims", "choose", "grant", "COUNT"]
 
 COUNT = "#models"  # the pseudo-device of --models-max
 
@@ -45,7 +45,10 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class NeverFits:
+class Shortfall:
+    """A device the model can never fit on: what it needs there against what the device
+    can ever hold for models (the NeverFits error carries these figures)."""
+
     device: str
     need: int
     capacity: int
@@ -74,11 +77,11 @@ def shortfall(need: Mapping[str, int], available: Mapping[str, int]) -> dict[str
     return {d: n - available.get(d, 0) for d, n in need.items() if n > available.get(d, 0)}
 
 
-def never_fits(need: Mapping[str, int], capacity: Mapping[str, int]) -> NeverFits | None:
+def never_fits(need: Mapping[str, int], capacity: Mapping[str, int]) -> Shortfall | None:
     for d, n in need.items():
         cap = capacity.get(d, 0)
         if n > cap:
-            return NeverFits(d, n, cap)
+            return Shortfall(d, n, cap)
     return None
 
 

@@ -39,12 +39,12 @@ from . import placement
 from .config import ModelConfig, RouterOptions
 from .devices import HOST, Inventory
 from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel, WorkerDied, Withdrawn
-from .fits import Fits, Fitted, mib
+from .fitbook import Fits, Fitted, mib
 from .measure import Measurer, worker_spec
 from .protocol import ErrorKind, Failed, LoadModel, Loaded, UnloadModel
 from .spec import ModelSpec
 from .state import State, check_transition, evictable, holds_memory
-from .workers import WorkerHandle
+from .pool import WorkerHandle
 
 __all__ = ["Scheduler", "Record"]
 

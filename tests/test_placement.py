@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyllmrouter import ModelSpec, placement
-from pyllmrouter.fits import Fits, Fitted
+from pyllmrouter.fitbook import Fits, Fitted
 from pyllmrouter.placement import COUNT, Resident
 
 

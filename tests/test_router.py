@@ -343,7 +343,7 @@ def test_async_request_left_by_its_caller_stops_and_keeps_its_lease_until_the_wo
                                                                                              monkeypatch):
     import asyncio
 
-    from pyllmrouter.workers import Pending
+    from pyllmrouter.pool import Pending
 
     # llama-server's handler looks at its should_stop once a second while it waits for a
     # whole reply; one slot with a full context to generate, each request started cold
