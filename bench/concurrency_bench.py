@@ -50,8 +50,7 @@ import httpx
 from _load import percentile, run_clients
 
 from pyllmrouter import tinymodels
-from pyllmrouter.loopback import free_port, start_serve, wait_healthy
-from pyllmrouter.probe import cache_dir
+from pyllmrouter.loopback import free_port, llama_tool, start_serve, wait_healthy
 from pyllmrouter.tables import render
 
 SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048, n_ctx_train=4096)
@@ -220,7 +219,7 @@ def main() -> None:
     ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
                     help="one KV buffer for all slots in both servers (default: a KV buffer per slot, "
                          "llama-server's layout for an explicit -np)")
-    ap.add_argument("--llama-server", default=str(cache_dir() / "llama.cpp-build" / "bin" / "llama-server"))
+    ap.add_argument("--llama-server", default=str(llama_tool("llama-server")))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "concurrency_bench.json")
     args = ap.parse_args()
     if not Path(args.llama_server).exists():

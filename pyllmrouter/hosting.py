@@ -31,7 +31,8 @@ _LOG = logging.getLogger(__name__)
 
 class EngineHost:
     """One model's engine and its requests in flight.  ``_stops`` (a request's StopFlag,
-    until its last reply is sent), ``_threads`` and ``_closing`` change under ``_lock``."""
+    until its last reply is sent: the requests in flight) and ``_closing`` change under
+    ``_lock``."""
 
     def __init__(self, name: str, engine: Any, native: Any, send: Callable[[Any], None]):
         self.name = name
@@ -40,7 +41,6 @@ class EngineHost:
         self._send = send
         self._lock = threading.Condition()
         self._stops: dict[int, Any] = {}  # req_id -> StopFlag of a request in flight
-        self._threads: dict[int, threading.Thread] = {}
         self._closing = False
         self._outbox = native.Outbox()
         self._sender = threading.Thread(target=self._send_chunks, name=f"send-{name}", daemon=True)
@@ -53,9 +53,7 @@ class EngineHost:
                 self._send(Failed(msg.req_id, ErrorKind.NOT_LOADED, f"model {self.name!r} is unloading"))
                 return
             self._stops[msg.req_id] = flag
-            t = threading.Thread(target=self._serve, args=(msg, flag), name=f"call-{self.name}", daemon=True)
-            self._threads[msg.req_id] = t
-            t.start()  # under the lock: close() never joins a thread that has not started
+        threading.Thread(target=self._serve, args=(msg, flag), name=f"call-{self.name}", daemon=True).start()
 
     def cancel(self, req_id: int) -> bool:
         with self._lock:
@@ -80,9 +78,8 @@ class EngineHost:
             _LOG.exception("%s %s %s", self.name, msg.method, msg.path)
             self._send(Failed(rid, ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"))
         finally:
-            with self._lock:
-                self._threads.pop(rid, None)
-                if not streaming:
+            if not streaming:  # a stream is in flight until the sender sends its last reply
+                with self._lock:
                     self._stops.pop(rid, None)
                     self._lock.notify_all()
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from ._llama import forward_log, native
+from .config import MiB
 from .devices import MASK_VARS
 from .spec import ModelSpec
 
@@ -48,7 +49,6 @@ __all__ = [
 ]
 
 HOST = "CPU"  # the pool name of system memory, as ggml names the CPU device
-MIB = 1 << 20
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
@@ -316,7 +316,7 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
     facts["devices"] = tuple(facts["devices"])
     buffers = _rows(raw["rows"])
     if spec.cache_ram:  # llama-server's host prompt cache, counted at its cap
-        buffers += (BufferUse("prompt_cache", "CPU", True, cache=spec.cache_ram * MIB),)
+        buffers += (BufferUse("prompt_cache", "CPU", True, cache=spec.cache_ram * MiB),)
     est = MemoryEstimate(
         spec=spec,
         facts=ModelFacts(file_size=sum(st.st_size for st in stats), **facts),

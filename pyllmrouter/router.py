@@ -157,15 +157,14 @@ class Router:
         """Any llama-server request for one model (``method`` GET or POST, ``path`` as
         llama-server serves it): llama.cpp's reply, and for a stream the Stream of its
         body's chunks (bytes).  The model is loaded first if it must be."""
-        rec = self._sched.lease(model, timeout, autoload)
-        pending = self._send(rec, method, path, body, query)
+        lease = self._sched.lease(model, timeout, autoload)
+        pending = self._send(lease, method, path, body, query)
         try:
             first = pending.get()
         except BaseException:
-            pending.cancel()
-            threading.Thread(target=self._release_after, args=(rec, pending), daemon=True).start()
+            self._abandon(lease, pending)
             raise
-        return self._opened(rec, pending, first)
+        return self._opened(lease, pending, first)
 
     async def acall(self, model: str, method: str, path: str, body: bytes = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
@@ -178,18 +177,17 @@ class Router:
         model (Withdrawn: no lease, no load, no eviction) and cancels a request in flight."""
         watch = asyncio.ensure_future(gone()) if gone is not None else None
         try:
-            rec = self._sched.try_lease(model)
-            if rec is None:
-                rec = await self._await_lease(model, timeout, autoload, watch)
-            pending = self._send(rec, method, path, body, query)
+            lease = self._sched.try_lease(model)
+            if lease is None:
+                lease = await self._await_lease(model, timeout, autoload, watch)
+            pending = self._send(lease, method, path, body, query)
             try:
                 while (first := pending.get_nowait()) is None:
                     await _unless_gone(pending.wait_async(), watch, model)
-            except BaseException:  # the caller left: stop the request; the lease ends with its reply
-                pending.cancel()
-                threading.Thread(target=self._release_after, args=(rec, pending), daemon=True).start()
+            except BaseException:
+                self._abandon(lease, pending)
                 raise
-            return self._opened(rec, pending, first)
+            return self._opened(lease, pending, first)
         finally:
             if watch is not None:
                 watch.cancel()
@@ -211,27 +209,33 @@ class Router:
         if not fut.cancelled() and fut.exception() is None:
             self._sched.release(fut.result())
 
-    def _send(self, rec: Lease, method: str, path: str, body: bytes, query: dict[str, str] | None):
+    def _send(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str] | None):
         """Send the request to the worker the lease was taken on (the lease is released if
         that fails: a worker that died since raises WorkerDied)."""
         try:
-            return rec.worker.call(lambda rid: Call(rid, rec.name, method, path, body, dict(query or {})))
+            return lease.worker.call(lambda rid: Call(rid, lease.name, method, path, body, dict(query or {})))
         except BaseException:
-            self._sched.release(rec)
+            self._sched.release(lease)
             raise
 
-    def _opened(self, rec: Lease, pending, first: Any) -> "tuple[HttpReply, Stream | None]":
+    def _opened(self, lease: Lease, pending, first: Any) -> "tuple[HttpReply, Stream | None]":
         """The first reply of a Call: a whole reply, or a stream's head."""
         if isinstance(first, Chunk) and isinstance(first.value, HttpReply):
-            return first.value, Stream(rec, pending, self._sched.release)
-        self._sched.release(rec)
-        return _value(rec, first), None
+            return first.value, Stream(lease, pending, self._sched.release)
+        self._sched.release(lease)
+        return _value(lease, first), None
 
-    def _release_after(self, rec: Lease, pending) -> None:
+    def _abandon(self, lease: Lease, pending) -> None:
+        """The caller left before the first reply: stop the request; the lease ends with
+        the worker's final reply, read in the background."""
+        pending.cancel()
+        threading.Thread(target=self._release_after, args=(lease, pending), daemon=True).start()
+
+    def _release_after(self, lease: Lease, pending) -> None:
         try:
             pending.get()
         finally:
-            self._sched.release(rec)
+            self._sched.release(lease)
 
     def _openai(self, model: str, path: str, params: dict[str, Any], stream: bool, timeout: float | None,
                 autoload: bool | None):
@@ -252,8 +256,8 @@ class Stream:
     arrives, whether the stream was read to its end, closed or cancelled.
     """
 
-    def __init__(self, rec: Lease, pending, release):
-        self._rec = rec
+    def __init__(self, lease: Lease, pending, release):
+        self._lease = lease
         self._pending = pending
         self._release = release
         self._done = False
@@ -281,7 +285,7 @@ class Stream:
                 return msg.value
             self._finish(msg)
         if isinstance(msg, Failed):
-            raise _error(self._rec, msg)
+            raise _error(self._lease, msg)
         raise StopIteration
 
     async def anext_batch(self) -> list[bytes]:
@@ -305,7 +309,7 @@ class Stream:
                     continue
                 self._finish(msg)
                 if isinstance(msg, Failed):
-                    self._failure = _error(self._rec, msg)
+                    self._failure = _error(self._lease, msg)
             if out:
                 return out
             if self._failure is not None:
@@ -318,7 +322,7 @@ class Stream:
             if self._done:
                 return
             self._done = True
-        self._release(self._rec)
+        self._release(self._lease)
 
     def cancel(self) -> None:
         """Stop generation (thread-safe). Whoever reads the stream then sees its end."""
@@ -363,16 +367,16 @@ async def _unless_gone(work: Awaitable[Any], watch: "asyncio.Future | None", mod
     return task.result()
 
 
-def _value(rec: Lease, reply: Any) -> Any:
+def _value(lease: Lease, reply: Any) -> Any:
     if isinstance(reply, Failed):
-        raise _error(rec, reply)
+        raise _error(lease, reply)
     return reply.value
 
 
-def _error(rec: Lease, reply: Failed) -> RouterError:
+def _error(lease: Lease, reply: Failed) -> RouterError:
     if reply.kind in (ErrorKind.WORKER_DIED, ErrorKind.NOT_LOADED):  # gone under the request: 503, retry
-        return WorkerDied(f"model {rec.name!r}: {reply.message}")
-    return RequestFailed(rec.name, reply.kind.value, reply.message)
+        return WorkerDied(f"model {lease.name!r}: {reply.message}")
+    return RequestFailed(lease.name, reply.kind.value, reply.message)
 
 
 def _body(model: str, params: dict[str, Any], stream: bool) -> bytes:

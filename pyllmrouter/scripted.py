@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .tinymodels import finish
+
 __all__ = ["write_scripted", "TOOL_TEMPLATE", "THINK_TEMPLATE", "TOOL_SCRIPT", "THINK_SCRIPT"]
 
 # Qwen 2.5's tool-calling template (Hermes style: one JSON object per <tool_call>)
@@ -163,8 +165,4 @@ def write_scripted(path: os.PathLike | str, template: str, script: list[str]) ->
     writer.add_tensor("blk.0.ffn_gate.weight", small(n_ff, n_embd))
     writer.add_tensor("blk.0.ffn_up.weight", small(n_ff, n_embd))
     writer.add_tensor("blk.0.ffn_down.weight", np.zeros((n_embd, n_ff), dtype=np.float16))
-    writer.write_header_to_file(path)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)

@@ -141,7 +141,8 @@ class _Weights:
         self.writer.add_tensor(name, data)
 
 
-def _finish(writer, path: Path) -> Path:
+def finish(writer, path: Path) -> Path:
+    """Write a GGUFWriter's header, metadata and tensors to ``path`` and close it."""
     writer.write_header_to_file(path)
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -213,7 +214,7 @@ def _write_decoder(path: os.PathLike | str, shape: Shape, seed: int) -> Path:
             w.mat(b + "ffn_gate.weight", e, shape.n_ff)
             w.mat(b + "ffn_down.weight", shape.n_ff, e)
             w.mat(b + "ffn_up.weight", e, shape.n_ff)
-    return _finish(writer, path)
+    return finish(writer, path)
 
 
 def write_llama(path: os.PathLike | str, shape: Shape = LLAMA, seed: int = 0) -> Path:
@@ -275,7 +276,7 @@ def write_bert(path: os.PathLike | str, shape: Shape = BERT, seed: int = 0) -> P
         w.vec(b + "ffn_down.bias", e)
         w.vec(b + "layer_output_norm.weight", e, 1.0)
         w.vec(b + "layer_output_norm.bias", e, 0.0)
-    return _finish(writer, path)
+    return finish(writer, path)
 
 
 def write_shape(path: os.PathLike | str, shape: Shape = SHAPE_7B, quant: str = "Q4_0") -> Path:

@@ -59,14 +59,16 @@ class _Worker:
         from .probe import aggregate, live_breakdown  # noqa: PLC0415
 
         try:
-            with self.models_lock:
-                if msg.name in self.models:
-                    raise RuntimeError(f"model {msg.name!r} is already loaded in this worker")
             t0 = time.perf_counter()
             engine = load(msg.spec, *msg.args, name=msg.name)
             pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
             with self.models_lock:
-                self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send)
+                taken = msg.name in self.models
+                if not taken:
+                    self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send)
+            if taken:
+                engine.close()
+                raise RuntimeError(f"model {msg.name!r} is already loaded in this worker")
             self.send(Loaded(msg.req_id, msg.name, pools, time.perf_counter() - t0))
         except (ValueError, RuntimeError, OSError) as e:  # llama.cpp's refusal: arguments, file, memory
             self.send(Failed(msg.req_id, ErrorKind.LOAD_FAILED, f"{type(e).__name__}: {e}"))

@@ -51,8 +51,9 @@ ENGINE_POST = (
     "/v1/chat/completions/input_tokens", "/responses/input_tokens", "/v1/responses/input_tokens",
     "/v1/audio/transcriptions", "/audio/transcriptions", "/lora-adapters", "/slots/{id_slot}", "/props",
 )
-# and GET endpoints, for the model named by ?model= (without it: the router's own, if any)
-ENGINE_GET = ("/props", "/slots", "/lora-adapters", "/metrics")
+# and GET endpoints, for the model named by ?model= (GET /props and /metrics without it are
+# the router's own)
+ENGINE_GET = ("/slots", "/lora-adapters")
 
 
 def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
@@ -215,7 +216,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             raise ApiError(400, "'?model=' is required: which model's " + request.url.path, param="model")
         return await forward(request, name, b"")
 
-    for path in ENGINE_GET[1:-1]:
+    for path in ENGINE_GET:
         app.add_api_route(path, engine_get, methods=["GET"], include_in_schema=False)
 
     @app.get("/devices")
