@@ -1,23 +1,25 @@
 """The scheduler: owns every model's state, the admission queue and the workers.
 
-    lease(name) ──▶ ticket joins the FIFO queue ──▶ wait on the condition until
-        LOADED and may lease ─────────────────────────────▶ leases += 1, return a Lease
-        UNLOADED, our turn ──▶ requirement known? ── no ──▶ background probe (masked)
-                               plan = placement.choose(...)
-                                 never fits  ──▶ NeverFits (at once)
-                                 victims idle ──▶ background unloads, wait
-                                 victims busy ──▶ mark them draining (turns), wait
-                                 fits        ──▶ LOADING + reservation ──▶ background load
-    release(lease) ──▶ leases -= 1, notify
+    lease(name) ──▶ ticket joins the FIFO queue ──▶ until LOADED and it may lease:
+        read free memory (inventory, outside the lock)
+        under the lock: admission.decide(view, request)      (pure)
+            Admit  ──▶ LOADING + reservation ──▶ background load
+            Evict  ──▶ victims UNLOADING ──▶ background unloads
+            Wait   ──▶ maybe a background probe or fit; busy models in the way drain
+            Never  ──▶ NeverFits (at once)
+        wait on the condition
+    LOADED ──▶ leases += 1, return a Lease;  release(lease) ──▶ leases -= 1, notify
 
 Callers hold a ``Lease`` (the model's name and the worker captured when the lease
-was taken), never a ``Record``: records change under the lock only.
+was taken), never a ``Record``: records change under the lock only, and a
+model's state only in ``_move``, which checks the transition (state.py).
 
-All state lives under one lock (``self._cond``).  Nothing blocks on I/O while
-holding it: probes, worker starts, loads and unloads run in background threads
-and report back under the lock.  A decision and the state change it implies
-(reserve, mark UNLOADING) happen in the same critical section, so no other
-thread can act on a stale check.  Placement itself is pure (placement.py).
+All state lives under one lock (``self._cond``).  Nothing does I/O while
+holding it: free memory is read before the lock is taken; probes, worker
+starts, loads and unloads run in background threads and report back under the
+lock.  A decision and the state change it implies (reserve, mark UNLOADING)
+happen in the same critical section, so no other thread can act on a stale
+check.  Deciding is pure (admission.py, placement.py).
 
 FIFO: a ticket may start a load only if no earlier ticket that also waits for
 a load could use one of the same devices.  Requests for a LOADED model go
@@ -35,11 +37,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import placement
+from . import admission, placement
 from .config import ModelConfig, RouterOptions
 from .devices import HOST, Inventory
 from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel, WorkerDied, Withdrawn
-from .fitbook import Fits, Fitted, mib
+from .fitbook import Fits, Fitted
 from .measure import Measurer, worker_spec
 from .protocol import ErrorKind, Failed, LoadModel, Loaded, UnloadModel
 from .spec import ModelSpec
@@ -155,8 +157,9 @@ class Scheduler:
                 held[d] = held.get(d, 0) + n
         return held
 
-    def _available(self) -> dict[str, int]:
-        free = self.inventory.free()
+    def _available(self, free: dict[str, int]) -> dict[str, int]:
+        """Per device, what our models may still take, from ``free`` (the inventory's
+        reading, taken before the lock: it reads /proc and NVML)."""
         held = self._held()
         out = {}
         for name, dev in self._devices.items():
@@ -218,9 +221,13 @@ class Scheduler:
                 raise NotLoaded(rec.name, rec.state.value)
             ticket = _Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
             self._queue.append(ticket)
-            deadline = ticket.created + timeout
-            try:
-                while True:
+        deadline = ticket.created + timeout
+        free: dict[str, int] | None = None  # the inventory's reading since the last wait
+        try:
+            while True:
+                if free is None:
+                    free = self.inventory.free()  # I/O: never under the lock
+                with self._cond:
                     if self._closed:
                         raise RouterClosed("router is closed")
                     if gone is not None and gone.is_set():
@@ -231,12 +238,14 @@ class Scheduler:
                         return self._take(rec, ticket)
                     why = "waiting"
                     if rec.state is State.UNLOADED:
-                        why = self._admit(rec, ticket)
+                        why = self._admit(rec, ticket, free)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise QueueTimeout(rec.name, timeout, why)
                     self._cond.wait(min(remaining, 0.25))
-            finally:
+                free = None
+        finally:
+            with self._cond:
                 self._queue.remove(ticket)
                 for r in self._records.values():
                     if r.drain is not None and r.drain[1] == ticket.seq:
@@ -293,98 +302,73 @@ class Scheduler:
                 return True
         return False
 
-    def _admit(self, rec: Record, ticket: _Ticket) -> str:
-        """Move ``rec`` towards LOADING if it is this ticket's turn; say why not."""
-        if self._earlier_loader_blocks(rec, ticket):
-            return "queued behind earlier requests for the same devices"
-        if rec.requirements is None:
-            if not rec.probing:
-                rec.probing = True
-                self._spawn(self._probe_requirements, rec)
-            return "measuring its memory"
-        available = self._available()
-        candidates, specs, why, never = self._needs(rec, ticket, available)
-        if not candidates:
-            if why is None:
-                rec.error_epoch += 1
-                rec.reason = never[-1]
-                raise NeverFits(rec.name, *never)
-            return why
-        plan = placement.choose(candidates, available, self._residents(ticket))
-        if plan is None:
-            self._drain_for(candidates, available, ticket)
-            return "waiting for busy models to finish"
-        if plan.victims:
-            for v in plan.victims:
+    def _admit(self, rec: Record, ticket: _Ticket, free: dict[str, int]) -> str:
+        """Move ``rec`` towards LOADING if it is this ticket's turn; say why not.
+        ``free`` is the inventory's reading, taken before the lock."""
+        available = self._available(free)
+        decision = admission.decide(self._view(ticket, available), self._request(rec, ticket))
+        if isinstance(decision, admission.Never):
+            rec.error_epoch += 1
+            rec.reason = decision.why
+            raise NeverFits(rec.name, decision.device, decision.need, decision.capacity, decision.why)
+        if isinstance(decision, admission.Evict):
+            for v in decision.victims:
                 self._begin_unload(self._records[v], evicted=True)
             return "evicting idle models"
-        check_transition(rec.state, State.LOADING)
-        rec.state, rec.device_set, rec.need, rec.reason = State.LOADING, plan.device_set, dict(plan.need), None
-        rec.load_spec, rec.fit = specs[plan.device_set]
+        if isinstance(decision, admission.Wait):
+            if decision.probe:
+                rec.probing = True
+                self._spawn(self._probe_requirements, rec)
+            if decision.fit is not None:
+                rec.fitting = True
+                job = decision.fit
+                self._spawn(self._fit, rec, job.device_set, job.spec, dict(job.grant))
+            deadline = ticket.created + self.options.turn
+            for v in decision.drain:
+                victim = self._records[v]
+                if victim.drain is None or victim.drain[1] > ticket.seq:
+                    victim.drain = (deadline, ticket.seq)
+            return decision.why
+        self._move(rec, State.LOADING)
+        rec.device_set, rec.need, rec.reason = decision.device_set, dict(decision.need), None
+        rec.load_spec, rec.fit = decision.spec, decision.fit
         self._spawn(self._load, rec)
         return "loading"
 
-    def _needs(self, rec: Record, ticket: _Ticket, available: dict[str, int]):
-        """Per candidate device set, the bytes to place and the spec to load: the spec as
-        given if it fits the model's grant there (or fitting is off), else the spec
-        fitted into that grant.  Returns (candidates, {set: (spec, fit)}, why not yet,
-        never-fits arguments)."""
-        candidates, specs, why, never = [], {}, None, None
-        grantable = self._residents(ticket, ignore_busy=True, leaving=True)
-        for ds in self._candidates(rec):
-            full, spec = rec.requirements[ds], worker_spec(rec.config.spec, ds)
-            local = self.inventory.to_local(ds)
-            bytes_ = {d: n for d, n in full.items() if d != placement.COUNT}
-            capacity = {d: self._capacity(d) for d in bytes_}
-            worst = placement.never_fits(full, {**capacity, placement.COUNT: self.options.max_models})
-            fitting = spec.fit and bool(local)  # a fit can only move bytes off real devices
-            if worst is not None and (worst.device == placement.COUNT or not fitting):
-                never = never or (worst.device, worst.need, worst.capacity, str(worst))
-                continue
-            grant = placement.grant([*local, HOST], available, grantable) if fitting else {}
-            if not fitting or not placement.shortfall(bytes_, grant):  # the spec as given
-                candidates.append((ds, full))
-                specs[ds] = (spec, None)
-                continue
-            fitted = rec.fits.lookup(ds, grant)
-            if fitted is not None and not fitted.ok:  # nothing fits now: with nothing else held?
-                most = {d: self._capacity(d) for d in grant}
-                if grant != most:
-                    fitted, grant = rec.fits.lookup(ds, most), most
-                    if fitted is not None and fitted.ok:
-                        why = why or "waiting for memory that models which cannot be evicted hold"
-                        continue
-            if fitted is None:
-                if not rec.fitting:
-                    rec.fitting = True
-                    self._spawn(self._fit, rec, ds, spec, grant)
-                why = why or "fitting into its grant"
-                continue
-            if not fitted.ok:
-                never = never or (HOST, sum(bytes_.values()), sum(grant.values()),
-                                  f"no fit into {mib(grant)}: {fitted.error}")
-                continue
-            need = dict(fitted.need)
-            if self.options.max_models:
-                need[placement.COUNT] = 1
-            candidates.append((ds, need))
-            specs[ds] = (fitted.spec, fitted)
-        return candidates, specs, why, never
+    def _view(self, ticket: _Ticket, available: dict[str, int]) -> admission.View:
+        capacity = {d: self._capacity(d) for d in self._devices}
+        if self.options.max_models:
+            capacity[placement.COUNT] = self.options.max_models
+        return admission.View(available, capacity, tuple(self._residents(ticket)),
+                              tuple(self._residents(ticket, ignore_busy=True)),
+                              tuple(self._residents(ticket, ignore_busy=True, leaving=True)))
 
-    def _drain_for(self, candidates, available, ticket: _Ticket) -> None:
-        """Busy models stand in the way: let them take new requests for one turn only."""
-        plan = placement.choose(candidates, available, self._residents(ticket, ignore_busy=True))
-        if plan is None:
-            return  # not even idle would do: LOADING models or persistent ones, wait
-        deadline = ticket.created + self.options.turn
-        for v in plan.victims:
-            victim = self._records[v]
-            if victim.drain is None or victim.drain[1] > ticket.seq:
-                victim.drain = (deadline, ticket.seq)
+    def _request(self, rec: Record, ticket: _Ticket) -> admission.Request:
+        options = None
+        if rec.requirements is not None:
+            options = []
+            for ds in self._candidates(rec):
+                spec = worker_spec(rec.config.spec, ds)
+                local = self.inventory.to_local(ds)  # a fit can only move bytes off real devices
+                options.append(admission.Option(ds, rec.requirements[ds], spec,
+                                                (*sorted(local), HOST) if spec.fit and local else ()))
+            options = tuple(options)
+        return admission.Request(rec.name, options, rec.fits, self._earlier_loader_blocks(rec, ticket),
+                                 rec.probing, rec.fitting)
+
+    def _move(self, rec: Record, new: State, reason: str | None = None) -> None:
+        """The one place a model's state changes (lock held), checked against
+        state.TRANSITIONS.  UNLOADED holds nothing: the reservation, the worker, a
+        drain and the live bytes go with it, and ``reason`` says why, if given."""
+        check_transition(rec.state, new)
+        rec.state = new
+        if new is State.UNLOADED:
+            rec.need, rec.worker, rec.drain, rec.live = {}, None, None, {}
+            if reason is not None:
+                rec.reason = reason
 
     def _begin_unload(self, rec: Record, evicted: bool = False) -> None:
-        check_transition(rec.state, State.UNLOADING)
-        rec.state = State.UNLOADING
+        self._move(rec, State.UNLOADING)
         self._event("evict" if evicted else "unload", rec.name)
         if evicted:
             self.counters["evictions"] += 1
@@ -480,13 +464,13 @@ class Scheduler:
     def _load(self, rec: Record) -> None:
         try:
             worker = self._ensure_worker(rec.device_set)
+            free = self.inventory.free()
             with self._cond:
                 # the worker's measured overhead now counts: does the reservation still fit?
-                available = self._available()
+                available = self._available(free)
                 mine = {d: available.get(d, 0) + n for d, n in rec.need.items()}
                 if placement.shortfall(rec.need, mine):
-                    check_transition(rec.state, State.UNLOADED)
-                    rec.state, rec.need = State.UNLOADED, {}
+                    self._move(rec, State.UNLOADED)
                     self._cond.notify_all()
                     return
             cfg = rec.config
@@ -500,7 +484,8 @@ class Scheduler:
             if rec.state is not State.LOADING:  # the worker died meanwhile and said so
                 return
             if isinstance(reply, Loaded):
-                rec.state, rec.worker, rec.live = State.LOADED, worker, dict(reply.pools)
+                self._move(rec, State.LOADED)
+                rec.worker, rec.live = worker, dict(reply.pools)
                 rec.last_used = time.monotonic()
                 rec.loads += 1
                 self.counters["loads"] += 1
@@ -508,8 +493,7 @@ class Scheduler:
                 loaded = True
             else:
                 loaded = False
-                rec.state, rec.need, rec.worker = State.UNLOADED, {}, None
-                rec.reason = reply.message
+                self._move(rec, State.UNLOADED, reply.message)
                 rec.error_epoch += 1
                 self.counters["load_failures"] += 1
                 self._event("load-failed", rec.name)
@@ -526,7 +510,7 @@ class Scheduler:
                 pass
         with self._cond:
             if rec.state is State.UNLOADING:
-                rec.state, rec.need, rec.worker, rec.drain, rec.live = State.UNLOADED, {}, None, None, {}
+                self._move(rec, State.UNLOADED)
             self._cond.notify_all()
         if not self.options.keep_idle_workers and worker is not None:
             self._stop_if_idle(worker)
@@ -547,8 +531,7 @@ class Scheduler:
                 del self._workers[worker.devices]
             for r in self._records.values():
                 if r.worker is worker or (r.state is State.LOADING and r.device_set == worker.devices):
-                    r.state, r.need, r.worker, r.drain, r.live = State.UNLOADED, {}, None, None, {}
-                    r.reason = f"worker process {worker.pid} died"
+                    self._move(r, State.UNLOADED, f"worker process {worker.pid} died")
                     self._event("worker-died", r.name)
             self._cond.notify_all()
 
@@ -586,7 +569,9 @@ class Scheduler:
             workers = list(self._workers.values())
             self._workers.clear()
             for r in self._records.values():
-                r.state, r.need, r.worker, r.leases = State.UNLOADED, {}, None, 0
+                if r.state is not State.UNLOADED:
+                    self._move(r, State.UNLOADED)
+                r.leases = 0
             self._cond.notify_all()
         for w in workers:
             w.stop()
@@ -596,10 +581,10 @@ class Scheduler:
     # -- status ----------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        free = self.inventory.free()
         with self._cond:
-            available = self._available()
+            available = self._available(free)
             held = self._held()
-            free = self.inventory.free()
             models = {
                 r.name: {
                     "state": r.state.value, "aliases": list(r.config.aliases), "leases": r.leases,

@@ -24,3 +24,23 @@ print(json.dumps({{"modules": sorted(m for m in sys.modules if m.startswith(("ll
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got == {"modules": [], "libs": []}
+
+
+def test_every_state_change_goes_through_the_one_checked_transition():
+    """Only Scheduler._move assigns a model's state (and it checks the transition)."""
+    import ast
+    import inspect
+
+    from pyllmrouter import scheduler
+
+    tree = ast.parse(inspect.getsource(scheduler))
+    assigners = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                for t in targets:
+                    for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                        if isinstance(leaf, ast.Attribute) and leaf.attr == "state":
+                            assigners.append(fn.name)
+    assert assigners == ["_move"]

@@ -10,7 +10,7 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["Metrics", "ENGINE_COUNTERS"]
+__all__ = ["Metrics"]
 
 
 

@@ -1,0 +1,168 @@
+"""Admission: one pure function from a snapshot to a decision.
+
+    decide(view, request) ──▶ Admit(device set, bytes, spec, fit)   load it there now
+                              Evict(victims)                        unload these idle models first
+                              Wait(why, probe?, fit?, drain)        not yet; start a probe or a fit,
+                                                                    or let busy models drain
+                              Never(device, need, capacity, why)    no state of the router admits it
+
+The scheduler builds the ``View`` (what is available per device, which residents
+may be evicted for this request) and the ``Request`` (the model's options per
+device set, whether an earlier request goes first) under its lock, calls
+``decide`` and carries the decision out in the same critical section.  Nothing
+here reads a clock, a device or a lock; placement.py does the arithmetic.
+
+A request's option is a device set with the model's probed bytes there.  If the
+bytes do not fit what the model could be granted there (available now plus what
+evictable residents hold) and fitting is on, the option's spec is replaced by a
+fit into that grant (from the model's ``Fits``); a grant with no fit yet asks for
+one (``Wait.fit``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from . import placement
+from .devices import HOST
+from .fitbook import Fits, Fitted, mib
+from .spec import ModelSpec
+
+__all__ = ["Option", "View", "Request", "Admit", "Evict", "Wait", "Never", "FitJob", "decide"]
+
+
+@dataclass(frozen=True)
+class Option:
+    """A device set the model may use: its probed bytes there and the spec to load."""
+
+    device_set: frozenset[str]
+    need: Mapping[str, int]  # bytes per device (and placement.COUNT when models are counted)
+    spec: ModelSpec
+    fit_over: tuple[str, ...] = ()  # devices a fit may share the model over (the set's real
+    # devices and the host); empty: the spec is loaded as given
+
+    @property
+    def fitting(self) -> bool:
+        return bool(self.fit_over)
+
+
+@dataclass(frozen=True)
+class View:
+    available: Mapping[str, int]  # per device (and placement.COUNT): what our models may still take
+    capacity: Mapping[str, int]  # per device (and placement.COUNT): the most our models may ever hold
+    evictable: tuple[placement.Resident, ...]  # residents, evictable if this request may evict them
+    drainable: tuple[placement.Resident, ...]  # residents, evictable if idle and not persistent
+    grantable: tuple[placement.Resident, ...]  # as drainable, and those already leaving
+
+
+@dataclass(frozen=True)
+class Request:
+    name: str
+    options: tuple[Option, ...] | None  # None: the model's memory is not measured yet
+    fits: Fits
+    blocked: bool = False  # an earlier request that could use the same devices goes first
+    probing: bool = False  # a probe runs already
+    fitting: bool = False  # a fit runs already
+
+
+@dataclass(frozen=True)
+class Admit:
+    device_set: frozenset[str]
+    need: Mapping[str, int]
+    spec: ModelSpec
+    fit: Fitted | None  # None: the spec as given
+
+
+@dataclass(frozen=True)
+class Evict:
+    victims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FitJob:
+    device_set: frozenset[str]
+    spec: ModelSpec
+    grant: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class Wait:
+    why: str
+    probe: bool = False  # start measuring the model's memory
+    fit: FitJob | None = None  # start this fit
+    drain: tuple[str, ...] = ()  # busy models in the way: they take new requests for one turn only
+
+
+@dataclass(frozen=True)
+class Never:
+    device: str
+    need: int
+    capacity: int
+    why: str
+
+
+Decision = Admit | Evict | Wait | Never
+
+
+def decide(view: View, request: Request) -> Decision:
+    if request.blocked:
+        return Wait("queued behind earlier requests for the same devices")
+    if request.options is None:
+        return Wait("measuring its memory", probe=not request.probing)
+    ready, why, never, job = _ready(view, request)
+    if not ready:
+        if why is None and never is not None:
+            return never
+        return Wait(why or "waiting", fit=job)
+    candidates = [(o.device_set, o.need) for o, _ in ready]
+    plan = placement.choose(candidates, view.available, view.evictable)
+    if plan is None:
+        idle = placement.choose(candidates, view.available, view.drainable)
+        return Wait("waiting for busy models to finish", fit=job, drain=idle.victims if idle else ())
+    if plan.victims:
+        return Evict(plan.victims)
+    option, fit = next((o, f) for o, f in ready if o.device_set == plan.device_set)
+    return Admit(plan.device_set, plan.need, fit.spec if fit else option.spec, fit)
+
+
+def _ready(view: View, request: Request):
+    """The options that can be placed now, each as (option with the bytes to place, its
+    fit or None); why the others cannot yet; the first that can never be admitted; and a
+    fit to start."""
+    ready: list[tuple[Option, Fitted | None]] = []
+    why: str | None = None
+    never: Never | None = None
+    job: FitJob | None = None
+    for option in request.options or ():
+        worst = placement.never_fits(option.need, view.capacity)
+        if worst is not None and (worst.device == placement.COUNT or not option.fitting):
+            never = never or Never(worst.device, worst.need, worst.capacity, str(worst))
+            continue
+        bytes_ = {d: n for d, n in option.need.items() if d != placement.COUNT}
+        grant = placement.grant(option.fit_over, view.available, view.grantable) if option.fitting else {}
+        if not option.fitting or not placement.shortfall(bytes_, grant):
+            ready.append((option, None))
+            continue
+        fitted = request.fits.lookup(option.device_set, grant)
+        if fitted is not None and not fitted.ok:  # no fit now: with nothing else held?
+            most = {d: view.capacity.get(d, 0) for d in grant}
+            if grant != most:
+                fitted, grant = request.fits.lookup(option.device_set, most), most
+                if fitted is not None and fitted.ok:
+                    why = why or "waiting for memory that models which cannot be evicted hold"
+                    continue
+        if fitted is None:
+            if not request.fitting and job is None:
+                job = FitJob(option.device_set, option.spec, grant)
+            why = why or "fitting into its grant"
+            continue
+        if not fitted.ok:
+            never = never or Never(HOST, sum(bytes_.values()), sum(grant.values()),
+                                   f"no fit into {mib(grant)}: {fitted.error}")
+            continue
+        need = dict(fitted.need)
+        if placement.COUNT in option.need:
+            need[placement.COUNT] = option.need[placement.COUNT]
+        ready.append((Option(option.device_set, need, fitted.spec, option.fit_over), fitted))
+    return ready, why, never, job

@@ -1,0 +1,156 @@
+"""Admission (pure): properties of decide(view, request) over random router states."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pyllmrouter import ModelSpec, placement
+from pyllmrouter.admission import Admit, Evict, Never, Option, Request, View, Wait, decide
+from pyllmrouter.fitbook import Fits, Fitted
+from pyllmrouter.placement import Resident
+
+DEVICES = ("d0", "d1", "d2")
+SPEC = ModelSpec("model.gguf")
+
+
+@st.composite
+def states(draw):
+    """A view and a request: residents that are idle, busy or persistent, and the
+    model's options (device sets with bytes), without fitting."""
+    capacity = {d: draw(st.integers(0, 1000)) for d in DEVICES}
+    residents, kinds = [], {}
+    for i in range(draw(st.integers(0, 5))):
+        on = draw(st.lists(st.sampled_from(DEVICES), min_size=1, max_size=3, unique=True))
+        need = {d: draw(st.integers(0, 400)) for d in on}
+        kind = draw(st.sampled_from(["idle", "busy", "persistent"]))
+        residents.append((f"m{i}", need, draw(st.floats(0, 100)), kind))
+        kinds[f"m{i}"] = kind
+    external = {d: draw(st.integers(0, 200)) for d in DEVICES}
+    available = {d: capacity[d] - external[d] - sum(n.get(d, 0) for _, n, _, _ in residents) for d in DEVICES}
+    view = View(available, capacity,
+                evictable=tuple(Resident(n, need, t, k == "idle") for n, need, t, k in residents),
+                drainable=tuple(Resident(n, need, t, k != "persistent") for n, need, t, k in residents),
+                grantable=tuple(Resident(n, need, t, k != "persistent") for n, need, t, k in residents))
+    options = []
+    for ds in draw(st.lists(st.lists(st.sampled_from(DEVICES), min_size=1, max_size=2, unique=True),
+                            min_size=1, max_size=3, unique_by=lambda x: frozenset(x))):
+        options.append(Option(frozenset(ds), {d: draw(st.integers(0, 1200)) for d in ds}, SPEC))
+    return view, Request("new", tuple(options), Fits()), kinds
+
+
+def fits(need, available):
+    return not placement.shortfall(need, available)
+
+
+def freed(view, victims):
+    out = dict(view.available)
+    for r in view.evictable:
+        if r.name in victims:
+            for d, n in r.need.items():
+                out[d] = out.get(d, 0) + n
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(states())
+def test_decisions_are_sound(state):
+    view, request, kinds = state
+    decision = decide(view, request)
+    options = {o.device_set: o for o in request.options}
+    if isinstance(decision, Admit):
+        # on every device it touches, the bytes fit what is available now
+        assert decision.device_set in options and dict(decision.need) == dict(options[decision.device_set].need)
+        assert fits(decision.need, view.available)
+    elif isinstance(decision, Evict):
+        # only idle models, each at most once, least recently used first, and then it fits
+        assert decision.victims and len(set(decision.victims)) == len(decision.victims)
+        assert all(kinds[v] == "idle" for v in decision.victims)
+        assert any(fits(o.need, freed(view, decision.victims)) for o in request.options)
+        assert not any(fits(o.need, view.available) for o in request.options)  # no eviction if none is needed
+        # every victim holds bytes on a device the model is short of
+        short = {d for o in request.options for d in placement.shortfall(o.need, view.available)}
+        held = {r.name: r.need for r in view.evictable}
+        assert all(any(held[v].get(d, 0) > 0 for d in short) for v in decision.victims)
+        used = [r.last_used for v in decision.victims for r in view.evictable if r.name == v]
+        assert used == sorted(used)
+    elif isinstance(decision, Never):
+        # no option fits even on empty devices
+        for o in request.options:
+            assert placement.never_fits(o.need, view.capacity) is not None
+        assert decision.need > decision.capacity
+    else:
+        assert isinstance(decision, Wait)
+        everything = [r.name for r in view.evictable if r.evictable]
+        assert not any(fits(o.need, freed(view, everything)) for o in request.options)
+        assert all(kinds[v] != "persistent" for v in decision.drain)
+
+
+@settings(max_examples=300, deadline=None)
+@given(states())
+def test_a_model_that_fits_on_empty_devices_is_never_refused(state):
+    view, request, _ = state
+    if any(placement.never_fits(o.need, view.capacity) is None for o in request.options):
+        assert not isinstance(decide(view, request), Never)
+
+
+@settings(max_examples=300, deadline=None)
+@given(states(), st.integers(0, 2000))
+def test_more_free_memory_never_turns_an_admission_away(state, extra):
+    view, request, _ = state
+    if isinstance(decide(view, request), Admit):
+        richer = View({d: n + extra for d, n in view.available.items()}, view.capacity,
+                      view.evictable, view.drainable, view.grantable)
+        assert isinstance(decide(richer, request), Admit)
+
+
+@settings(max_examples=200, deadline=None)
+@given(states())
+def test_decide_is_pure(state):
+    view, request, _ = state
+    before = (dict(view.available), dict(view.capacity), view.evictable)
+    assert decide(view, request) == decide(view, request)
+    assert (dict(view.available), dict(view.capacity), view.evictable) == before
+
+
+def test_an_earlier_request_for_the_same_devices_goes_first():
+    view = View({"d0": 100}, {"d0": 100}, (), (), ())
+    request = Request("new", (Option(frozenset({"d0"}), {"d0": 10}, SPEC),), Fits(), blocked=True)
+    assert isinstance(decide(view, request), Wait)
+
+
+def test_an_unmeasured_model_asks_for_one_probe():
+    view = View({"d0": 100}, {"d0": 100}, (), (), ())
+    assert decide(view, Request("new", None, Fits())) == Wait("measuring its memory", probe=True)
+    assert decide(view, Request("new", None, Fits(), probing=True)).probe is False
+
+
+def test_busy_models_in_the_way_are_drained_not_evicted():
+    busy = Resident("busy", {"d0": 80}, 1.0, False)
+    view = View({"d0": 20}, {"d0": 100}, (busy,), (Resident("busy", {"d0": 80}, 1.0, True),), ())
+    decision = decide(view, Request("new", (Option(frozenset({"d0"}), {"d0": 50}, SPEC),), Fits()))
+    assert decision == Wait("waiting for busy models to finish", drain=("busy",))
+
+
+def test_a_model_too_big_for_its_grant_is_fitted_then_admitted_with_the_fit():
+    option = Option(frozenset({"d0"}), {"d0": 150}, SPEC, ("d0", "host"))
+    view = View({"d0": 100, "host": 1000}, {"d0": 100, "host": 1000}, (), (), ())
+    first = decide(view, Request("new", (option,), Fits()))
+    assert isinstance(first, Wait) and first.fit is not None
+    assert dict(first.fit.grant) == {"d0": 100, "host": 1000}
+    # a fit already running is not started twice
+    assert decide(view, Request("new", (option,), Fits(), fitting=True)).fit is None
+    book = Fits()
+    fitted_spec = SPEC.replace(n_gpu_layers=3)
+    book.add(frozenset({"d0"}), Fitted(dict(first.fit.grant), fitted_spec, {"d0": 90, "host": 60}))
+    admitted = decide(view, Request("new", (option,), book))
+    assert admitted == Admit(frozenset({"d0"}), {"d0": 90, "host": 60}, fitted_spec, book.lookup(
+        frozenset({"d0"}), first.fit.grant))
+
+
+def test_a_model_with_no_fit_even_on_empty_devices_is_refused_with_the_figures():
+    option = Option(frozenset({"d0"}), {"d0": 150}, SPEC, ("d0", "host"))
+    view = View({"d0": 100, "host": 10}, {"d0": 100, "host": 10}, (), (), ())
+    book = Fits()
+    book.add(frozenset({"d0"}), Fitted({"d0": 100, "host": 10}, None, error="the output layer alone needs more"))
+    never = decide(view, Request("new", (option,), book))
+    assert isinstance(never, Never) and never.need == 150 and never.capacity == 110
+    assert "the output layer alone needs more" in never.why
