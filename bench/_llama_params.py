@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyllmrouter._llama import llama_cpp_module, native
+from pyllmrouter.engine.backend import llama_cpp_module, native
 from pyllmrouter.spec import FLASH_ATTN, KV_TYPES, SPLIT_MODES, ModelSpec
 
 __all__ = ["LlamaParams", "build", "EXPERT_TENSORS"]

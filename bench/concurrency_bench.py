@@ -49,8 +49,8 @@ from typing import Callable
 import httpx
 from _load import percentile, run_clients
 
-from pyllmrouter import tinymodels
-from pyllmrouter.loopback import free_port, llama_tool, start_serve, wait_healthy
+from pyllmrouter.tools import tinymodels
+from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
 from pyllmrouter.tables import render
 
 SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048, n_ctx_train=4096)

@@ -24,11 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from pyllmrouter import ModelSpec, probe, tinymodels
-from pyllmrouter._llama import native
+from pyllmrouter import ModelSpec, probe
+from pyllmrouter.tools import tinymodels
+from pyllmrouter.engine.backend import native
 from pyllmrouter.config import GiB
-from pyllmrouter.fit import fit_here
-from pyllmrouter.loopback import RpcServers
+from pyllmrouter.engine.fit import fit_here
+from pyllmrouter.tools.loopback import RpcServers
 from pyllmrouter.tables import mib, render
 
 from _llama_params import _BuftOverride, build

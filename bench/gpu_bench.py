@@ -22,7 +22,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from pyllmrouter import tinymodels
+from pyllmrouter.tools import tinymodels
 from pyllmrouter.tables import mib, render
 
 SMALL = tinymodels.Shape("llama", n_embd=1024, n_layer=8, n_head=16, n_head_kv=4, n_ff=2816)
@@ -30,7 +30,7 @@ SMALL = tinymodels.Shape("llama", n_embd=1024, n_layer=8, n_head=16, n_head_kv=4
 CHILD = """
 import json, os, subprocess, time
 from pyllmrouter import ModelSpec, probe
-from pyllmrouter.loader import load, request
+from pyllmrouter.engine.loader import load, request
 spec = ModelSpec({path!r}, n_ctx={n_ctx}, n_gpu_layers=-1)
 t0 = time.perf_counter(); est = probe(spec, use_cache=False); probe_s = time.perf_counter() - t0
 t0 = time.perf_counter(); llm = load(spec); request(llm, "/v1/completions", {{"prompt": "hi", "max_tokens": 2}}); load_s = time.perf_counter() - t0

@@ -28,12 +28,13 @@ from pathlib import Path
 import httpx
 from _load import percentile, run_clients
 
-from pyllmrouter import ModelSpec, tinymodels
+from pyllmrouter import ModelSpec
+from pyllmrouter.tools import tinymodels
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.loader import engine_args, load, request
-from pyllmrouter.loopback import free_port, llama_tool, start_serve, wait_healthy
-from pyllmrouter.router import Router
+from pyllmrouter.engine.loader import engine_args, load, request
+from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
+from pyllmrouter.router.api import Router
 from pyllmrouter.tables import render
 
 BODY = {"prompt": "hello", "max_tokens": 8, "temperature": 0.0}

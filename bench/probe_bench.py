@@ -19,8 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pyllmrouter import ModelSpec, probe, tinymodels
-from pyllmrouter.loader import load
+from pyllmrouter import ModelSpec, probe
+from pyllmrouter.tools import tinymodels
+from pyllmrouter.engine.loader import load
 from pyllmrouter.tables import mib, render
 
 

@@ -27,11 +27,12 @@ from pathlib import Path
 
 from _load import percentile
 
-from pyllmrouter import ModelSpec, probe, tinymodels
+from pyllmrouter import ModelSpec, probe
+from pyllmrouter.tools import tinymodels
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.loader import load, request
-from pyllmrouter.router import Router
+from pyllmrouter.engine.loader import load, request
+from pyllmrouter.router.api import Router
 from pyllmrouter.tables import render
 
 SMALL = tinymodels.Shape("llama", n_embd=1024, n_layer=8, n_head=16, n_head_kv=4, n_ff=2816)

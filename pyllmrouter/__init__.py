@@ -5,12 +5,13 @@ free of any GPU context; workers, probes and the CLI import ``llama_cpp``
 (then ``_native``) when they need it.
 """
 
-from .config import ModelConfig, RouterOptions
-from .errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterError,
-                     UnknownModel, WorkerDied)
-from .probe import BufferUse, DeviceUse, MemoryEstimate, ModelFacts, ProbeError, probe
-from .router import Router
-from .spec import ModelSpec, SpecError
+from pyllmrouter.config import ModelConfig, RouterOptions
+from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterError,
+                                UnknownModel, WorkerDied)
+from pyllmrouter.memory import BufferUse, DeviceUse, MemoryEstimate, ModelFacts, ProbeError
+from pyllmrouter.engine.probe import probe
+from pyllmrouter.router.api import Router
+from pyllmrouter.spec import ModelSpec, SpecError
 
 __all__ = [
     "BufferUse",

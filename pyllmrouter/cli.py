@@ -8,16 +8,17 @@ import sys
 import time
 from typing import Sequence
 
-from .presets import PresetError
-from .probe import HOST, MemoryEstimate, ProbeError, cache_dir, probe
-from .spec import FLASH_ATTN, KV_TYPES, ModelSpec, SpecError
-from .tables import MiB, mib, render
+from pyllmrouter.presets import PresetError
+from pyllmrouter.memory import HOST, MemoryEstimate, ProbeError, cache_dir
+from pyllmrouter.engine.probe import probe
+from pyllmrouter.spec import FLASH_ATTN, KV_TYPES, ModelSpec, SpecError
+from pyllmrouter.tables import MiB, mib, render
 
 __all__ = ["main", "spec_from_args", "add_spec_arguments"]
 
 
 def _devices() -> list[dict]:
-    from ._llama import native  # noqa: PLC0415 - loads llama.cpp
+    from pyllmrouter.engine.backend import native  # noqa: PLC0415 - loads llama.cpp
 
     return native().devices()
 
@@ -103,7 +104,7 @@ def cmd_devices(a: argparse.Namespace) -> int:
 
 def _attach_rpc(a: argparse.Namespace) -> None:
     if getattr(a, "rpc", None):
-        from ._llama import native  # noqa: PLC0415
+        from pyllmrouter.engine.backend import native  # noqa: PLC0415
 
         native().add_rpc_servers([e.strip() for e in a.rpc.split(",") if e.strip()])
 
@@ -135,8 +136,8 @@ def cmd_probe(a: argparse.Namespace) -> int:
 
 def cmd_fit(a: argparse.Namespace) -> int:
     """Plan how a model fits the given budgets, per device; verified by a probe."""
-    from .devices import parse_budgets  # noqa: PLC0415
-    from .fit import FitError, fit_here  # noqa: PLC0415
+    from pyllmrouter.devices import parse_budgets  # noqa: PLC0415
+    from pyllmrouter.engine.fit import FitError, fit_here  # noqa: PLC0415
 
     _attach_rpc(a)
     spec = spec_from_args(a)
@@ -169,7 +170,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
 
 def cmd_demo(a: argparse.Namespace) -> int:
     """Offline tour: devices, exact estimates for generated models, then the router serving them."""
-    from . import tinymodels  # noqa: PLC0415
+    from pyllmrouter.tools import tinymodels  # noqa: PLC0415
 
     models_dir = cache_dir() / "models"
     paths = tinymodels.write_tiny_set(models_dir)
@@ -196,13 +197,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(render(["model", "n_ctx", "seqs", "kv type", "weights MiB", "KV MiB", "compute MiB", "output MiB",
                   "total MiB", "probe ms", "cached ms"], rows))
     print("\nThe router serving the tiny models over HTTP:\n")
-    from .demo import run_demo  # noqa: PLC0415
+    from pyllmrouter.tools.demo import run_demo  # noqa: PLC0415
 
     return run_demo()
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from .server.run import serve  # noqa: PLC0415
+    from pyllmrouter.server.run import serve  # noqa: PLC0415
 
     return serve(a)
 
@@ -230,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="offline tour on generated models")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("serve", help="OpenAI and llama-server router compatible HTTP server")
-    from .server.run import add_serve_arguments  # noqa: PLC0415
+    from pyllmrouter.server.run import add_serve_arguments  # noqa: PLC0415
 
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)

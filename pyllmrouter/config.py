@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .spec import ModelSpec
+from pyllmrouter.spec import ModelSpec
 
 __all__ = ["ModelConfig", "RouterOptions", "MiB", "GiB"]
 

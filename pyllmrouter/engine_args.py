@@ -66,7 +66,7 @@ def _check(native: Any, name: str, spec_args: list[str], keys: list[list[Any]]) 
 
 
 def _main() -> None:
-    from ._llama import native  # noqa: PLC0415 - this process only
+    from pyllmrouter.engine.backend import native  # noqa: PLC0415 - this process only
 
     models = json.loads(sys.stdin.read())
     try:

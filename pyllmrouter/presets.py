@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .config import MiB, ModelConfig
-from .engine_args import ArgsError, resolve
-from .spec import FLASH_ATTN, KV_TYPES, SPLIT_MODES, ModelSpec, SpecError
+from pyllmrouter.config import MiB, ModelConfig
+from pyllmrouter.engine_args import ArgsError, resolve
+from pyllmrouter.spec import FLASH_ATTN, KV_TYPES, SPLIT_MODES, ModelSpec, SpecError
 
 __all__ = ["PresetError", "Preset", "read_preset", "scan_models_dir", "OPTIONS"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .spec import ModelSpec
+from pyllmrouter.spec import ModelSpec
 
 __all__ = [
     "LoadModel", "UnloadModel", "Call", "HttpReply", "Cancel", "Probe", "Fit", "Ping", "Shutdown",

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from pyllmrouter import tinymodels
-from pyllmrouter.loopback import RpcServers, rpc_server_binary
+from pyllmrouter.tools import tinymodels
+from pyllmrouter.tools.loopback import RpcServers, rpc_server_binary
 
 
 @pytest.fixture(scope="session")

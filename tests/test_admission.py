@@ -3,10 +3,11 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyllmrouter import ModelSpec, placement
-from pyllmrouter.admission import Admit, Evict, Never, Option, Request, View, Wait, decide
-from pyllmrouter.fitbook import Fits, Fitted
-from pyllmrouter.placement import Resident
+from pyllmrouter import ModelSpec
+from pyllmrouter.router import placement
+from pyllmrouter.router.admission import Admit, Evict, Never, Option, Request, View, Wait, decide
+from pyllmrouter.router.fitbook import Fits, Fitted
+from pyllmrouter.router.placement import Resident
 
 DEVICES = ("d0", "d1", "d2")
 SPEC = ModelSpec("model.gguf")

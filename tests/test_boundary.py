@@ -4,18 +4,24 @@ import json
 import subprocess
 import sys
 
-ROUTER_SIDE = ["pyllmrouter", "pyllmrouter.router", "pyllmrouter.scheduler", "pyllmrouter.pool",
-               "pyllmrouter.placement", "pyllmrouter.presets", "pyllmrouter.engine_args", "pyllmrouter.measure",
-               "pyllmrouter.devices", "pyllmrouter.server.app", "pyllmrouter.server.run", "pyllmrouter.cli"]
+SHARED = ["pyllmrouter", "pyllmrouter.config", "pyllmrouter.spec", "pyllmrouter.errors", "pyllmrouter.protocol",
+          "pyllmrouter.tables", "pyllmrouter.devices", "pyllmrouter.memory", "pyllmrouter.presets",
+          "pyllmrouter.engine_args", "pyllmrouter.cli"]
+ROUTER_PACKAGES = ["pyllmrouter.router", "pyllmrouter.server"]  # every module in them
 
 
 def test_importing_the_router_side_loads_no_llama_cpp():
-    """In a fresh interpreter, every router-side module imports without llama_cpp or the
+    """In a fresh interpreter, every router-side module (the router and server
+    packages, whatever modules they hold, and the shared ones) imports without llama_cpp or the
     extension, and no libllama or libggml is mapped into the process."""
     code = f"""
-import importlib, json, sys
-for m in {ROUTER_SIDE!r}:
+import importlib, json, pkgutil, sys
+names = {SHARED!r}
+for pkg in {ROUTER_PACKAGES!r}:
+    names += [pkg] + [m.name for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__, pkg + ".")]
+for m in names:
     importlib.import_module(m)
+assert len(names) > 20, names
 maps = open("/proc/self/maps").read()
 print(json.dumps({{"modules": sorted(m for m in sys.modules if m.startswith(("llama_cpp", "pyllmrouter._native"))),
                   "libs": sorted({{l.split()[-1] for l in maps.splitlines() if "libllama" in l or "libggml" in l}})}}))
@@ -31,7 +37,7 @@ def test_every_state_change_goes_through_the_one_checked_transition():
     import ast
     import inspect
 
-    from pyllmrouter import scheduler
+    from pyllmrouter.router import scheduler
 
     tree = ast.parse(inspect.getsource(scheduler))
     assigners = []

@@ -2,8 +2,9 @@ import json
 import os
 import time
 
-from pyllmrouter import ModelSpec, probe, tinymodels
-from pyllmrouter.probe import cache_dir
+from pyllmrouter import ModelSpec, probe
+from pyllmrouter.tools import tinymodels
+from pyllmrouter.memory import cache_dir
 
 
 def test_cached_probe_equals_fresh_and_is_marked(tiny):

@@ -19,11 +19,12 @@ pytestmark = [pytest.mark.slow,  # rpc-servers and worker processes
 
 FIT_AND_LOAD = """
     import json
-    from pyllmrouter._llama import native
+    from pyllmrouter.engine.backend import native
     from pyllmrouter import ModelSpec, probe
-    from pyllmrouter.fit import fit_here, FitError
-    from pyllmrouter.loader import load, request
-    from pyllmrouter.probe import aggregate, live_breakdown
+    from pyllmrouter.engine.fit import fit_here, FitError
+    from pyllmrouter.engine.loader import load, request
+    from pyllmrouter.memory import aggregate
+    from pyllmrouter.engine.probe import live_breakdown
     native().add_rpc_servers({endpoints!r})
     spec = ModelSpec({path!r}, n_ctx=1024, use_mmap=False)
     full = probe(spec).per_device()
@@ -73,7 +74,7 @@ def _rpc0_bytes(endpoint: str, specs: dict[str, ModelSpec]) -> dict[str, int]:
     """Each spec's probed bytes on RPC0 (probed where the rpc device is attached)."""
     return run_py(f"""
         import json
-        from pyllmrouter._llama import native
+        from pyllmrouter.engine.backend import native
         from pyllmrouter import ModelSpec, probe
         native().add_rpc_servers({[endpoint]!r})
         specs = {{k: ModelSpec.from_dict(v) for k, v in {({k: v.to_dict() for k, v in specs.items()})!r}.items()}}

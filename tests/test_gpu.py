@@ -50,7 +50,7 @@ def test_router_holds_no_context_and_one_worker_holds_one(tiny):
         import json, os, subprocess
         from pyllmrouter import ModelSpec
         from pyllmrouter.config import ModelConfig
-        from pyllmrouter.router import Router
+        from pyllmrouter.router.api import Router
         def apps():
             out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
                                  capture_output=True, text=True).stdout
@@ -76,8 +76,8 @@ def test_three_models_cost_one_context_not_three(tiny):
     one = run_py(f"""
         import json
         from pyllmrouter import ModelSpec
-        from pyllmrouter.loader import load
-        from pyllmrouter.probe import probe
+        from pyllmrouter.engine.loader import load
+        from pyllmrouter.engine.probe import probe
         import subprocess, os
         llms = [load(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512 * (i + 1))) for i in range(3)]
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
@@ -88,7 +88,7 @@ def test_three_models_cost_one_context_not_three(tiny):
     separate = [run_py(f"""
         import json, os, subprocess
         from pyllmrouter import ModelSpec
-        from pyllmrouter.loader import load
+        from pyllmrouter.engine.loader import load
         llm = load(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx={512 * (i + 1)}))
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True).stdout
@@ -107,8 +107,8 @@ def test_probe_equals_allocation_on_cuda_and_host(tiny, model, ngl, fa):
     out = run_py(f"""
         import json
         from pyllmrouter import ModelSpec, probe
-        from pyllmrouter.loader import load
-        from pyllmrouter.probe import live_breakdown
+        from pyllmrouter.engine.loader import load
+        from pyllmrouter.engine.probe import live_breakdown
         spec = ModelSpec({str(tiny[model])!r}, n_ctx=1024, n_gpu_layers={ngl}, flash_attn={fa!r}, use_mmap=False)
         est = probe(spec, use_cache=False)
         live = live_breakdown(load(spec))
@@ -126,7 +126,7 @@ def test_residual_is_measured_and_admission_counts_it(tiny):
         from pyllmrouter import ModelSpec
         from pyllmrouter.config import ModelConfig
         from pyllmrouter.devices import SystemInventory
-        from pyllmrouter.router import Router
+        from pyllmrouter.router.api import Router
         if __name__ == "__main__":
             inv = SystemInventory()
             with Router([ModelConfig("a", ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=4096), devices=("CUDA0",))],
@@ -151,7 +151,7 @@ def test_margin_stays_free_after_loads(shape7b):
         from pyllmrouter import ModelSpec, probe
         from pyllmrouter.config import ModelConfig
         from pyllmrouter.devices import SystemInventory
-        from pyllmrouter.router import Router
+        from pyllmrouter.router.api import Router
         if __name__ == "__main__":
             inv = SystemInventory()
             need = probe(ModelSpec({str(shape7b)!r}, n_ctx=4096)).total

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from pyllmrouter._llama import native
+from pyllmrouter.engine.backend import native
 
 
 def _run(code: str) -> str:
@@ -32,7 +32,7 @@ def test_one_libllama_per_process_with_llama_cpp_first(tiny):
     out = _run(_libllama_paths() + f"""
         import llama_cpp
         from pyllmrouter import ModelSpec, probe
-        from pyllmrouter.loader import load
+        from pyllmrouter.engine.loader import load
         probe(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=128), use_cache=False)
         load(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=128))
         print(libllama())
@@ -59,7 +59,8 @@ def test_importing_the_package_loads_no_backend():
     out = _run(_libllama_paths() + """
         import sys
         import pyllmrouter
-        from pyllmrouter import ModelSpec, tinymodels
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.tools import tinymodels
         ModelSpec("x.gguf")
         print(libllama(), "llama_cpp" in sys.modules)
     """)
@@ -92,18 +93,18 @@ def test_first_use_from_many_threads_installs_one_live_log_callback():
     # one's trampoline: a crash at the next log line (llama_free's, say)
     out = _run("""
         import ctypes, threading
-        from pyllmrouter import _llama
+        from pyllmrouter.engine import backend
         start = threading.Barrier(8)
         def first_use():
             start.wait()
-            _llama.llama_cpp_module()
+            backend.llama_cpp_module()
         threads = [threading.Thread(target=first_use) for _ in range(8)]
         for t in threads: t.start()
         for t in threads: t.join()
-        lc = _llama.llama_cpp_module()
+        lc = backend.llama_cpp_module()
         cb, ud = lc.llama_log_callback(), ctypes.c_void_p()
         lc.llama_log_get(ctypes.byref(cb), ctypes.byref(ud))
-        live = _llama._LogBridge._installed.callback
+        live = backend._LogBridge._installed.callback
         print(ctypes.cast(cb, ctypes.c_void_p).value == ctypes.cast(live, ctypes.c_void_p).value)
     """)
     assert out.strip() == "True"
@@ -114,7 +115,7 @@ def test_probing_while_another_thread_loads_and_generates(tiny):
     out = _run(f"""
         import threading
         from pyllmrouter import ModelSpec, ProbeError, probe
-        from pyllmrouter.loader import load, request
+        from pyllmrouter.engine.loader import load, request
         path = {str(tiny["tiny-llama"])!r}
         stop = []
         def busy():

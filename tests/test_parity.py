@@ -25,10 +25,11 @@ import uvicorn
 from pyllmrouter import ModelSpec
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.loader import engine_args
-from pyllmrouter.loopback import free_port, llama_tool, wait_healthy
-from pyllmrouter.router import Router
-from pyllmrouter.scripted import THINK_SCRIPT, THINK_TEMPLATE, TOOL_SCRIPT, TOOL_TEMPLATE, write_scripted
+from pyllmrouter.engine.loader import engine_args
+from pyllmrouter.tools.loopback import free_port, llama_tool, wait_healthy
+from pyllmrouter.router.api import Router
+from pyllmrouter.tools.scripted import (THINK_SCRIPT, THINK_TEMPLATE, TOOL_SCRIPT, TOOL_TEMPLATE,
+                                        write_scripted)
 from pyllmrouter.server import create_app
 
 pytestmark = pytest.mark.slow  # llama-server and our server side by side

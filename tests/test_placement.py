@@ -3,9 +3,10 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyllmrouter import ModelSpec, placement
-from pyllmrouter.fitbook import Fits, Fitted
-from pyllmrouter.placement import COUNT, Resident
+from pyllmrouter import ModelSpec
+from pyllmrouter.router import placement
+from pyllmrouter.router.fitbook import Fits, Fitted
+from pyllmrouter.router.placement import COUNT, Resident
 
 
 def test_pinned_second_model_is_never_admitted_beside_the_first():

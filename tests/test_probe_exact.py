@@ -6,8 +6,9 @@ import itertools
 import pytest
 
 from pyllmrouter import ModelSpec, ProbeError, probe
-from pyllmrouter.loader import load
-from pyllmrouter.probe import aggregate, live_breakdown
+from pyllmrouter.engine.loader import load
+from pyllmrouter.memory import aggregate
+from pyllmrouter.engine.probe import live_breakdown
 
 GRID = [
     dict(n_ctx=n_ctx, n_seq_max=seqs, kv_unified=unified, type_k=kv, type_v=kv, flash_attn=fa)
@@ -111,7 +112,7 @@ ENGINE_GRID = [dict(n_seq_max=1, kv_unified=False), dict(n_seq_max=4, kv_unified
                          ids=lambda s: f"np{s['n_seq_max']}-{'kvu' if s['kv_unified'] else 'slots'}")
 def test_probe_equals_the_engines_allocation_per_slot_layout(tiny, model, fa, settings):
     """llama-server's -np 1, -np 4 with a unified KV cache and with one per slot."""
-    from pyllmrouter._llama import native
+    from pyllmrouter.engine.backend import native
 
     spec = ModelSpec(tiny[model], n_ctx=1024, flash_attn=fa, **settings)
     est = probe(spec)

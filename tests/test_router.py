@@ -18,7 +18,7 @@ from pyllmrouter import ModelSpec, probe
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.errors import LoadFailed, NeverFits, QueueTimeout, UnknownModel, WorkerDied
-from pyllmrouter.router import Router
+from pyllmrouter.router.api import Router
 
 pytestmark = pytest.mark.slow  # real worker processes
 
@@ -303,7 +303,7 @@ def test_close_leaves_no_process_and_router_never_loads_a_backend(tiny):
         from pyllmrouter import ModelSpec
         from pyllmrouter.config import ModelConfig
         from pyllmrouter.devices import EmulatedInventory
-        from pyllmrouter.router import Router
+        from pyllmrouter.router.api import Router
         if __name__ == "__main__":
             r = Router([ModelConfig("a", ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=256))],
                        inventory=EmulatedInventory({{"GPU0": 1 << 30}}), margin=0)
@@ -344,8 +344,8 @@ def test_async_request_left_by_its_caller_stops_and_keeps_its_lease_until_the_wo
                                                                                              monkeypatch):
     import asyncio
 
-    from pyllmrouter import tinymodels
-    from pyllmrouter.pool import Pending
+    from pyllmrouter.tools import tinymodels
+    from pyllmrouter.router.pool import Pending
 
     # llama-server's handler looks at its should_stop once a second while it waits for a
     # whole reply: a generation of seconds (a 4k-context model, one slot, one thread, each

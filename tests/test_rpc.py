@@ -38,10 +38,10 @@ pytestmark = [pytest.mark.slow,  # rpc-servers and worker processes
 def test_probe_equals_allocation_on_rpc_devices(rpc_servers, tiny, model, extra):
     out = run_py(f"""
         import json
-        from pyllmrouter._llama import native
+        from pyllmrouter.engine.backend import native
         from pyllmrouter import ModelSpec, probe
-        from pyllmrouter.loader import load, request
-        from pyllmrouter.probe import live_breakdown
+        from pyllmrouter.engine.loader import load, request
+        from pyllmrouter.engine.probe import live_breakdown
         names = native().add_rpc_servers({rpc_servers[:2]!r})
         spec = ModelSpec({str(tiny[model])!r}, n_ctx=512, use_mmap=False, {extra})
         est = probe(spec, use_cache=False)
@@ -73,7 +73,7 @@ def test_two_device_incident_on_rpc_devices(rpc_servers, tiny):
     a, b = ModelSpec(tiny["tiny-llama"], n_ctx=512), ModelSpec(tiny["tiny-moe"], n_ctx=512)
     probe_cmd = run_py(f"""
         import json
-        from pyllmrouter._llama import native
+        from pyllmrouter.engine.backend import native
         from pyllmrouter import ModelSpec, probe
         native().add_rpc_servers({rpc_servers[:1]!r})
         print(json.dumps({{n: probe(ModelSpec(p, n_ctx=512), use_cache=False).per_device().get("RPC0", 0)

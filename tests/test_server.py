@@ -20,8 +20,8 @@ import uvicorn
 from pyllmrouter import ModelSpec, probe
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.loopback import free_port, wait_healthy
-from pyllmrouter.router import Router
+from pyllmrouter.tools.loopback import free_port, wait_healthy
+from pyllmrouter.router.api import Router
 from pyllmrouter.server import create_app
 
 pytestmark = pytest.mark.slow  # a real server and worker processes

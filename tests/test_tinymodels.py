@@ -2,8 +2,9 @@ import os
 
 import pytest
 
-from pyllmrouter import ModelSpec, probe, tinymodels
-from pyllmrouter.loader import load, request
+from pyllmrouter import ModelSpec, probe
+from pyllmrouter.tools import tinymodels
+from pyllmrouter.engine.loader import load, request
 
 
 @pytest.fixture()

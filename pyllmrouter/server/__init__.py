@@ -1,5 +1,5 @@
 """HTTP interface: OpenAI-compatible and llama-server router-compatible."""
 
-from .app import create_app
+from pyllmrouter.server.app import create_app
 
 __all__ = ["create_app"]

@@ -34,10 +34,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..errors import RouterError, UnknownModel
-from ..router import Router
-from .errors import ApiError, error_response, from_router_error
-from .metrics import Metrics
+from pyllmrouter.errors import RouterError, UnknownModel
+from pyllmrouter.router.api import Router
+from pyllmrouter.server.errors import ApiError, error_response, from_router_error
+from pyllmrouter.server.metrics import Metrics
 
 __all__ = ["create_app", "ENGINE_POST", "ENGINE_GET"]
 

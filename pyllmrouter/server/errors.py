@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from ..errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed,
-                      UnknownModel, WorkerDied, Withdrawn)
+from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed,
+                                UnknownModel, WorkerDied, Withdrawn)
 
 __all__ = ["ApiError", "error_response", "from_router_error"]
 

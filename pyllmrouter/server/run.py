@@ -9,10 +9,10 @@ import os
 import signal
 from typing import Any
 
-from ..config import MiB, RouterOptions
-from ..devices import EmulatedInventory, RpcInventory, SystemInventory, parse_budgets
-from ..presets import read_preset, scan_models_dir
-from ..router import Router
+from pyllmrouter.config import MiB, RouterOptions
+from pyllmrouter.devices import EmulatedInventory, RpcInventory, SystemInventory, parse_budgets
+from pyllmrouter.presets import read_preset, scan_models_dir
+from pyllmrouter.router.api import Router
 
 __all__ = ["add_serve_arguments", "router_from_args", "serve"]
 
@@ -86,7 +86,7 @@ def router_from_args(a: argparse.Namespace) -> Router:
 def serve(a: argparse.Namespace) -> int:
     import uvicorn  # noqa: PLC0415
 
-    from .app import create_app  # noqa: PLC0415
+    from pyllmrouter.server.app import create_app  # noqa: PLC0415
 
     class Server(uvicorn.Server):
         """SIGTERM/SIGINT: drain, shut down, exit 0 (uvicorn would re-raise the signal)."""

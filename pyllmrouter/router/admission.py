@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from . import placement
-from .devices import HOST
-from .fitbook import Fits, Fitted, mib
-from .spec import ModelSpec
+from pyllmrouter.router import placement
+from pyllmrouter.devices import HOST
+from pyllmrouter.router.fitbook import Fits, Fitted, mib
+from pyllmrouter.spec import ModelSpec
 
 __all__ = ["Option", "View", "Request", "Admit", "Evict", "Wait", "Never", "FitJob", "decide"]
 

@@ -19,9 +19,9 @@ import time
 from collections import deque
 from typing import Any, Callable
 
-from .errors import WorkerDied
-from .protocol import FINAL, Batch, Cancel, ErrorKind, Failed, Ping, Ready, Shutdown
-from .worker import worker_main
+from pyllmrouter.errors import WorkerDied
+from pyllmrouter.protocol import FINAL, Batch, Cancel, ErrorKind, Failed, Ping, Ready, Shutdown
+from pyllmrouter.engine.worker import worker_main
 
 __all__ = ["WorkerHandle", "Pending"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from . import tables
-from .spec import ModelSpec
+from pyllmrouter import tables
+from pyllmrouter.spec import ModelSpec
 
 __all__ = ["Fitted", "Fits", "mib"]
 

@@ -25,9 +25,9 @@ import threading
 import time
 from typing import Any
 
-from .hosting import EngineHost
-from .protocol import Call, Cancel, ErrorKind, Failed, Fit, LoadModel, Loaded, Ping, Probe, Ready, Result, \
-    Shutdown, Unloaded, UnloadModel
+from pyllmrouter.engine.hosting import EngineHost
+from pyllmrouter.protocol import (Call, Cancel, ErrorKind, Failed, Fit, LoadModel, Loaded, Ping, Probe, Ready,
+                                  Result, Shutdown, Unloaded, UnloadModel)
 
 __all__ = ["worker_main"]
 
@@ -54,9 +54,10 @@ class _Worker:
             self.conn.send(msg)
 
     def _load(self, msg: LoadModel) -> None:
-        from ._llama import native  # noqa: PLC0415
-        from .loader import load  # noqa: PLC0415
-        from .probe import aggregate, live_breakdown  # noqa: PLC0415
+        from pyllmrouter.engine.backend import native  # noqa: PLC0415
+        from pyllmrouter.engine.loader import load  # noqa: PLC0415
+        from pyllmrouter.memory import aggregate
+        from pyllmrouter.engine.probe import live_breakdown  # noqa: PLC0415
 
         try:
             t0 = time.perf_counter()
@@ -83,8 +84,9 @@ class _Worker:
             self.send(Unloaded(msg.req_id, msg.name))
 
     def _probe(self, msg: Probe | Fit) -> None:
-        from .fit import FitError, fit_here  # noqa: PLC0415
-        from .probe import ProbeError, probe  # noqa: PLC0415
+        from pyllmrouter.engine.fit import FitError, fit_here  # noqa: PLC0415
+        from pyllmrouter.memory import ProbeError
+        from pyllmrouter.engine.probe import probe  # noqa: PLC0415
 
         try:
             if isinstance(msg, Fit):
@@ -136,8 +138,8 @@ class _Worker:
 def worker_main(conn, env: dict[str, str]) -> None:
     """Process entry point (multiprocessing, spawn)."""
     os.environ.update(env)  # before anything imports llama_cpp
-    from ._llama import native  # noqa: PLC0415 - imports llama_cpp under the mask
-    from .devices import RPC_ENV  # noqa: PLC0415
+    from pyllmrouter.engine.backend import native  # noqa: PLC0415 - imports llama_cpp under the mask
+    from pyllmrouter.devices import RPC_ENV  # noqa: PLC0415
 
     rpc = [e for e in os.environ.get(RPC_ENV, "").split(",") if e]
     if rpc:

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-from .probe import cache_dir
+from pyllmrouter.memory import cache_dir
 
 __all__ = ["free_port", "wait_healthy", "start_serve", "llama_tool", "rpc_server_binary", "RpcServers"]
 

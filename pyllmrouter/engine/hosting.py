@@ -22,7 +22,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from .protocol import Batch, Call, Chunk, ErrorKind, Failed, HttpReply, Result
+from pyllmrouter.protocol import Batch, Call, Chunk, ErrorKind, Failed, HttpReply, Result
 
 __all__ = ["EngineHost"]
 

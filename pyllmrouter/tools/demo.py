@@ -19,11 +19,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from . import tinymodels
-from .loopback import start_serve
-from .probe import cache_dir, probe
-from .spec import ModelSpec
-from .tables import mib, render
+from pyllmrouter.tools import tinymodels
+from pyllmrouter.tools.loopback import start_serve
+from pyllmrouter.memory import cache_dir
+from pyllmrouter.engine.probe import probe
+from pyllmrouter.spec import ModelSpec
+from pyllmrouter.tables import mib, render
 
 __all__ = ["run_demo"]
 

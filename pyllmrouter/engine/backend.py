@@ -69,7 +69,7 @@ def llama_cpp_module() -> ModuleType:
 @functools.cache
 def native() -> ModuleType:
     llama_cpp_module()
-    from . import _native  # noqa: PLC0415 - after llama_cpp on purpose
+    from pyllmrouter import _native  # noqa: PLC0415 - after llama_cpp on purpose
 
     return _native
 

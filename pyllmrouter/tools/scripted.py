@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .tinymodels import finish
+from pyllmrouter.tools.tinymodels import finish
 
 __all__ = ["write_scripted", "TOOL_TEMPLATE", "THINK_TEMPLATE", "TOOL_SCRIPT", "THINK_SCRIPT"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable
 
-from ._llama import native
-from .spec import ModelSpec
+from pyllmrouter.engine.backend import native
+from pyllmrouter.spec import ModelSpec
 
 __all__ = ["engine_args", "load", "request"]
 

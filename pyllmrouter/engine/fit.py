@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-from .spec import ModelSpec
+from pyllmrouter.spec import ModelSpec
 
 __all__ = ["FitError", "FitPlan", "fit", "fit_here"]
 
@@ -319,8 +319,9 @@ def _top_up(v: _Verifier, plan: FitPlan, devices: Sequence[str], tensors, n_laye
 def fit_here(spec: ModelSpec, grants: Mapping[str, int], devices: Sequence[str] | None = None) -> FitPlan:
     """``fit`` with probes in this process, over the devices it sees (fastest first:
     as ggml lists them, or as given)."""
-    from ._llama import native  # noqa: PLC0415
-    from .probe import ProbeError, probe  # noqa: PLC0415
+    from pyllmrouter.engine.backend import native  # noqa: PLC0415
+    from pyllmrouter.memory import ProbeError
+    from pyllmrouter.engine.probe import probe  # noqa: PLC0415
 
     nat = native()
     devs = list(devices) if devices else [d["name"] for d in nat.devices() if d["type"] != "cpu"]

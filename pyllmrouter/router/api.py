@@ -25,11 +25,11 @@ import threading
 import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
-from .config import ModelConfig, RouterOptions
-from .devices import Inventory, SystemInventory
-from .errors import RequestFailed, RouterError, WorkerDied, Withdrawn
-from .protocol import Call, Chunk, ErrorKind, Failed, HttpReply
-from .scheduler import Lease, Scheduler
+from pyllmrouter.config import ModelConfig, RouterOptions
+from pyllmrouter.devices import Inventory, SystemInventory
+from pyllmrouter.errors import RequestFailed, RouterError, WorkerDied, Withdrawn
+from pyllmrouter.protocol import Call, Chunk, ErrorKind, Failed, HttpReply
+from pyllmrouter.router.scheduler import Lease, Scheduler
 
 __all__ = ["Router"]
 
@@ -52,7 +52,7 @@ class Router:
     @classmethod
     def from_preset(cls, path, **kw: Any) -> "Router":
         """A router over the models of a llama-server preset INI file."""
-        from .presets import read_preset  # noqa: PLC0415
+        from pyllmrouter.presets import read_preset  # noqa: PLC0415
 
         preset = read_preset(path)
         return cls(preset.models, **{**preset.router, **kw})

@@ -1,20 +1,15 @@
-"""Exact memory estimates: what loading a ModelSpec allocates, per device.
-
-    probe(spec) ─┬─ cache hit? ──> MemoryEstimate (from JSON, no llama.cpp import)
-                 └─ checks the file (exists, GGUF magic)
-                    spec.to_args() ──> _native.probe_server: llama.cpp's parser, the
-                    engine's own llama params (common_model_params_to_llama,
-                    common_context_params_to_llama), no_alloc model + context
-                    ──> MemoryEstimate ──> cache
-
-The arguments are the ones the worker gives the model's engine, so the probe
-measures the very structs the engine loads with.
+"""Exact memory estimates: what loading a ModelSpec allocates, per device, and the
+cache of them.  Plain data and JSON: the router process reads estimates here
+without llama.cpp; engine/probe.py makes them.
 
 Rows come per backend buffer type, straight from llama.cpp's own
 ``llama_get_memory_breakdown`` plus the host output (logits) buffer it leaves
 out.  ``MemoryEstimate.devices`` folds them into memory pools: a host buffer
 type (CPU, CUDA_Host, ...) lives in system memory, pool "CPU"; any other lives
 on its device ("CUDA0", "RPC1", ...).
+
+A cache entry is keyed by the model files' identity (path, size, mtime, inode),
+the spec, the llama.cpp version and the device masks.
 """
 
 from __future__ import annotations
@@ -29,10 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ._llama import forward_log, native
-from .config import MiB
-from .devices import MASK_VARS
-from .spec import ModelSpec
+from pyllmrouter.devices import MASK_VARS
+from pyllmrouter.spec import ModelSpec
 
 __all__ = [
     "BufferUse",
@@ -40,9 +33,7 @@ __all__ = [
     "ModelFacts",
     "MemoryEstimate",
     "ProbeError",
-    "probe",
     "cached_estimate",
-    "live_breakdown",
     "aggregate",
     "cache_dir",
     "HOST",
@@ -194,7 +185,7 @@ def _shards(path: str) -> list[str]:
     return [f"{stem}-{i:05d}-of-{n:05d}.gguf" for i in range(1, n + 1)]
 
 
-def _check_file(path: str) -> list[os.stat_result]:
+def check_file(path: str) -> list[os.stat_result]:
     """Stat every file of the model; raise ProbeError for what llama.cpp would choke on."""
     stats = []
     for p in _shards(path):
@@ -238,7 +229,7 @@ def _environment(env: Mapping[str, str]) -> dict[str, Any]:
     return {"llama_cpp": version, "masks": masks, "gpus": gpus}
 
 
-def _cache_path(spec: ModelSpec, stats: list[os.stat_result], env: Mapping[str, str]) -> Path:
+def cache_path(spec: ModelSpec, stats: list[os.stat_result], env: Mapping[str, str]) -> Path:
     ident = {
         "path": os.path.realpath(spec.path),
         "files": [(st.st_size, st.st_mtime_ns, st.st_ino) for st in stats],
@@ -255,20 +246,20 @@ def cached_estimate(spec: ModelSpec, env: Mapping[str, str]) -> MemoryEstimate |
     Never loads llama.cpp: the router process uses this for masked devices.
     """
     try:
-        stats = _check_file(spec.path)
+        stats = check_file(spec.path)
     except ProbeError:
         return None
-    return _cache_read(_cache_path(spec, stats, env))
+    return cache_read(cache_path(spec, stats, env))
 
 
-def _cache_read(path: Path) -> MemoryEstimate | None:
+def cache_read(path: Path) -> MemoryEstimate | None:
     try:
         return MemoryEstimate.from_dict(json.loads(path.read_text()), cached=True)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def _cache_write(path: Path, est: MemoryEstimate) -> None:
+def cache_write(path: Path, est: MemoryEstimate) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -276,60 +267,3 @@ def _cache_write(path: Path, est: MemoryEstimate) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only cache costs speed, never correctness
-
-
-# -- probing ----------------------------------------------------------------
-
-def _rows(raw: list[dict[str, Any]]) -> tuple[BufferUse, ...]:
-    return tuple(BufferUse(**r) for r in raw)
-
-
-def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = False) -> MemoryEstimate:
-    """Bytes that loading ``spec`` allocates, per buffer type and device, exactly.
-
-    Reads only the GGUF metadata (tensor data is never touched). Runs in the
-    calling process with the devices it can see: a masked process sees only
-    its devices.  ``refresh`` probes again and rewrites the cache entry;
-    ``use_cache=False`` neither reads nor writes it.
-    """
-    if not isinstance(spec, ModelSpec):
-        spec = ModelSpec(spec)
-    stats = _check_file(spec.path)
-    key_path = _cache_path(spec, stats, os.environ)
-    if use_cache and not refresh:
-        hit = _cache_read(key_path)
-        if hit is not None:
-            return hit
-
-    nat = native()  # imports llama_cpp: only on a cache miss
-    try:
-        raw = nat.probe_server(spec.to_args())
-    except nat.LlamaError as e:
-        raise ProbeError(spec.path, str(e).removeprefix(spec.path + ": ")) from None
-    except ValueError as e:  # llama.cpp's parser refused an argument
-        reason = str(e)
-        if "invalid device" in reason:
-            reason += "; devices here: " + ", ".join(d["name"] for d in nat.devices())
-        raise ProbeError(spec.path, reason) from None
-    forward_log(raw["log"])
-    facts = dict(raw["facts"])
-    facts["devices"] = tuple(facts["devices"])
-    buffers = _rows(raw["rows"])
-    if spec.cache_ram:  # llama-server's host prompt cache, counted at its cap
-        buffers += (BufferUse("prompt_cache", "CPU", True, cache=spec.cache_ram * MiB),)
-    est = MemoryEstimate(
-        spec=spec,
-        facts=ModelFacts(file_size=sum(st.st_size for st in stats), **facts),
-        buffers=buffers,
-        n_ctx=raw["n_ctx"],
-        n_seq_max=raw["n_seq_max"],
-    )
-    if use_cache:
-        _cache_write(key_path, est)
-    return est
-
-
-def live_breakdown(engine: Any) -> tuple[BufferUse, ...]:
-    """The buffer rows of a loaded engine's llama_context (``loader.load``; without the
-    output buffer)."""
-    return _rows(engine.breakdown())

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .devices import HOST, Inventory
-from .fitbook import Fitted
-from .probe import MemoryEstimate, ProbeError, cached_estimate
-from .protocol import ErrorKind, Failed, Fit, Probe
-from .spec import ModelSpec
-from .pool import WorkerHandle
+from pyllmrouter.devices import HOST, Inventory
+from pyllmrouter.router.fitbook import Fitted
+from pyllmrouter.memory import MemoryEstimate, ProbeError, cached_estimate
+from pyllmrouter.protocol import ErrorKind, Failed, Fit, Probe
+from pyllmrouter.spec import ModelSpec
+from pyllmrouter.router.pool import WorkerHandle
 
 __all__ = ["Measurer", "worker_spec"]
 

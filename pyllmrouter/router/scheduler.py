@@ -37,16 +37,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import admission, placement
-from .config import ModelConfig, RouterOptions
-from .devices import HOST, Inventory
-from .errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel, WorkerDied, Withdrawn
-from .fitbook import Fits, Fitted
-from .measure import Measurer, worker_spec
-from .protocol import ErrorKind, Failed, LoadModel, Loaded, UnloadModel
-from .spec import ModelSpec
-from .state import State, check_transition, evictable, holds_memory
-from .pool import WorkerHandle
+from pyllmrouter.router import admission
+from pyllmrouter.router import placement
+from pyllmrouter.config import ModelConfig, RouterOptions
+from pyllmrouter.devices import HOST, Inventory
+from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel,
+                                WorkerDied, Withdrawn)
+from pyllmrouter.router.fitbook import Fits, Fitted
+from pyllmrouter.router.measure import Measurer, worker_spec
+from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, UnloadModel
+from pyllmrouter.spec import ModelSpec
+from pyllmrouter.router.state import State, check_transition, evictable, holds_memory
+from pyllmrouter.router.pool import WorkerHandle
 
 __all__ = ["Scheduler", "Record"]
 
