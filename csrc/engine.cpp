@@ -11,6 +11,7 @@
 #include "chat.h"
 #include "common.h"
 #include "log.h"
+#include "mtmd.h"
 #include "preset.h"
 #include "server-common.h"
 #include "server-context.h"
@@ -191,6 +192,48 @@ common_params parse_server_args(const std::vector<std::string> & args) {
     return params;
 }
 
+// The multimodal projector's bytes per device, as llama.cpp counts them for its own
+// fit (mtmd_get_memory_usage: weights and the compute buffer of a warm-up image),
+// with the mtmd_context_params server_context::load_model builds from the same params.
+std::vector<BufferRow> projector_rows(const common_params & params) {
+    const std::string & path = params.mmproj.path;
+    std::FILE * f = std::fopen(path.c_str(), "rb");
+    if (f == nullptr) {
+        throw probe_error("projector " + path + ": file not found or not readable");
+    }
+    char magic[4] = {0, 0, 0, 0};
+    const size_t n = std::fread(magic, 1, 4, f);
+    std::fclose(f);
+    if (n != 4 || std::string(magic, 4) != "GGUF") {
+        throw probe_error("projector " + path + ": not a GGUF file");
+    }
+    mtmd_context_params mparams = mtmd_context_params_default();
+    mparams.use_gpu = params.mmproj_use_gpu;
+    mparams.device = params.mmproj_device;
+    mparams.print_timings = false;
+    mparams.n_threads = params.cpuparams.n_threads;
+    mparams.flash_attn_type = params.flash_attn_type;
+    mparams.warmup = params.warmup;
+    mparams.image_min_tokens = params.image_min_tokens;
+    mparams.image_max_tokens = params.image_max_tokens;
+    mparams.batch_max_tokens = params.mtmd_batch_max_tokens;
+    mparams.media_marker = get_media_marker();
+    const auto usage = mtmd_get_memory_usage(path.c_str(), mparams);
+    if (usage.empty()) {
+        throw probe_error("projector " + path + ": llama.cpp cannot load it as a projector");
+    }
+    std::vector<BufferRow> rows;
+    for (const auto & [dev, bytes] : usage) {
+        BufferRow row;
+        row.buffer_type = ggml_backend_buft_name(ggml_backend_dev_buffer_type(dev));
+        row.device = ggml_backend_dev_name(dev);
+        row.host = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+        row.projector = bytes;
+        rows.push_back(row);
+    }
+    return rows;
+}
+
 ProbeResult probe_server(const std::vector<std::string> & args) {
     common_params params = parse_server_args(args);
     // the output limits server_context::load_model sets (server_output_limits, server-context.cpp)
@@ -206,7 +249,13 @@ ProbeResult probe_server(const std::vector<std::string> & args) {
     }
     const llama_model_params mp = common_model_params_to_llama(params);
     const llama_context_params cp = common_context_params_to_llama(params);
-    return probe_file(params.model.path, mp, cp, static_cast<std::uint32_t>(params.n_outputs_max));
+    std::vector<BufferRow> projector;
+    if (!params.mmproj.path.empty()) {
+        projector = projector_rows(params);  // first: a bad projector fails before the model is read
+    }
+    ProbeResult result = probe_file(params.model.path, mp, cp, static_cast<std::uint32_t>(params.n_outputs_max));
+    result.rows.insert(result.rows.end(), projector.begin(), projector.end());
+    return result;
 }
 
 std::vector<std::string> preset_args(const std::vector<std::pair<std::string, std::string>> & keys) {

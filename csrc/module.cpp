@@ -22,6 +22,7 @@ py::dict row_dict(const BufferRow & r) {
     d["context"] = r.context;
     d["compute"] = r.compute;
     d["output"] = r.output;
+    d["projector"] = r.projector;
     return d;
 }
 

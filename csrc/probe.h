@@ -37,6 +37,7 @@ struct BufferRow {
     std::uint64_t context = 0;
     std::uint64_t compute = 0;
     std::uint64_t output = 0;  // logits/embeddings buffer: not in llama.cpp's breakdown
+    std::uint64_t projector = 0;  // multimodal projector (mmproj): weights and compute
 };
 
 struct ModelFacts {

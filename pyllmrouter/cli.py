@@ -51,6 +51,9 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-mmap", dest="use_mmap", action="store_false")
     p.add_argument("-cram", "--cache-ram", dest="cache_ram", type=int, default=0,
                    help="host prompt cache cap, MiB (counted at its cap; 0: off)")
+    p.add_argument("-mm", "--mmproj", dest="mmproj", default=None, help="multimodal projector GGUF")
+    p.add_argument("--no-mmproj-offload", dest="mmproj_offload", action="store_false",
+                   help="keep the projector in host memory")
     add_rpc_argument(p)
 
 
@@ -67,6 +70,7 @@ def spec_from_args(a: argparse.Namespace) -> ModelSpec:
         main_gpu=a.main_gpu, tensor_split=split, devices=devices, type_k=a.type_k, type_v=a.type_v,
         flash_attn=a.flash_attn, embedding=a.embedding, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
         offload_kqv=a.offload_kqv, use_mmap=a.use_mmap, cache_ram=a.cache_ram,
+        mmproj=a.mmproj, mmproj_offload=a.mmproj_offload,
     )
 
 
@@ -75,10 +79,10 @@ def estimate_table(est: MemoryEstimate, free: dict[str, int], margin: int) -> st
     for d in est.devices:
         f = free.get(d.device)
         fits = "-" if f is None else ("yes" if d.total <= f - margin else "no")
-        rows.append([d.device, mib(d.weights), mib(d.kv), mib(d.compute), mib(d.output), mib(d.cache), mib(d.total),
-                     mib(f), fits])
-    head = ["device", "weights MiB", "KV MiB", "compute MiB", "output MiB", "prompt cache MiB", "total MiB",
-            "free MiB",
+        rows.append([d.device, mib(d.weights), mib(d.kv), mib(d.compute), mib(d.output), mib(d.cache),
+                     mib(d.projector), mib(d.total), mib(f), fits])
+    head = ["device", "weights MiB", "KV MiB", "compute MiB", "output MiB", "prompt cache MiB", "projector MiB",
+            "total MiB", "free MiB",
             f"fits (margin {margin // MiB} MiB)"]
     return render(head, rows)
 

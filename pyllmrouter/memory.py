@@ -64,6 +64,7 @@ class BufferUse:
     compute: int = 0
     output: int = 0
     cache: int = 0  # the engine's host prompt cache, at its cap (llama-server's --cache-ram)
+    projector: int = 0  # the multimodal projector (mmproj): weights and compute
 
     @property
     def pool(self) -> str:
@@ -71,7 +72,7 @@ class BufferUse:
 
     @property
     def total(self) -> int:
-        return self.model + self.context + self.compute + self.output + self.cache
+        return self.model + self.context + self.compute + self.output + self.cache + self.projector
 
 
 @dataclass(frozen=True)
@@ -84,10 +85,11 @@ class DeviceUse:
     compute: int = 0
     output: int = 0
     cache: int = 0  # host prompt cache cap
+    projector: int = 0  # multimodal projector
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.output + self.cache
+        return self.weights + self.kv + self.compute + self.output + self.cache + self.projector
 
 
 @dataclass(frozen=True)
@@ -110,12 +112,13 @@ def aggregate(buffers: Iterable[BufferUse]) -> tuple[DeviceUse, ...]:
     """Fold buffer rows into one row per pool: devices by name (CUDA2 before CUDA10), host last."""
     sums: dict[str, list[int]] = {}
     for b in buffers:
-        s = sums.setdefault(b.pool, [0, 0, 0, 0, 0])
+        s = sums.setdefault(b.pool, [0, 0, 0, 0, 0, 0])
         s[0] += b.model
         s[1] += b.context
         s[2] += b.compute
         s[3] += b.output
         s[4] += b.cache
+        s[5] += b.projector
     def key(name: str) -> tuple:
         stem = name.rstrip("0123456789")
         return stem, int(name[len(stem):] or -1)
@@ -236,6 +239,12 @@ def cache_path(spec: ModelSpec, stats: list[os.stat_result], env: Mapping[str, s
         "spec": spec.to_dict(),
         "env": _environment(env),
     }
+    if spec.mmproj is not None:  # the projector file's identity too
+        try:
+            st = os.stat(spec.mmproj)
+            ident["mmproj"] = [os.path.realpath(spec.mmproj), st.st_size, st.st_mtime_ns, st.st_ino]
+        except OSError:
+            ident["mmproj"] = None
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
     return cache_dir() / "probes" / f"{key}.json"
 

@@ -65,11 +65,20 @@ class ModelSpec:
     # host prompt cache cap in MiB (llama-server's --cache-ram), counted as host memory at
     # its cap; 0 (ours by default, llama-server's is 8192 per model) keeps it off
     cache_ram: int = 0
+    # multimodal projector GGUF (llama-server --mmproj): counted per device as llama.cpp
+    # counts it (weights and a warm-up image's compute), on the model's first GPU unless
+    # mmproj_offload is off (then in host memory)
+    mmproj: str | None = None
+    mmproj_offload: bool = True
+    image_min_tokens: int = -1  # -1: the projector's own
+    image_max_tokens: int = -1
     n_threads: int | None = None
     n_threads_batch: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", os.fspath(self.path))
+        if self.mmproj is not None:
+            object.__setattr__(self, "mmproj", os.fspath(self.mmproj))
         for name in ("tensor_split", "devices"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
@@ -130,6 +139,14 @@ class ModelSpec:
             a.append("--cpu-moe")
         if self.n_cpu_moe:
             a += ["--n-cpu-moe", str(self.n_cpu_moe)]
+        if self.mmproj is not None:
+            a += ["--mmproj", self.mmproj]
+            if not self.mmproj_offload:
+                a.append("--no-mmproj-offload")
+            if self.image_min_tokens >= 0:
+                a += ["--image-min-tokens", str(self.image_min_tokens)]
+            if self.image_max_tokens >= 0:
+                a += ["--image-max-tokens", str(self.image_max_tokens)]
         if self.n_threads is not None:
             a += ["-t", str(self.n_threads)]
         if self.n_threads_batch is not None:

@@ -37,6 +37,9 @@ chat-template = chatml
 reasoning-format = deepseek
 temp = 0.5
 no-context-shift = true
+mmproj = /m/chat-mmproj.gguf
+no-mmproj-offload = true
+image-max-tokens = 256
 
 [embed]
 model = /m/bge.gguf
@@ -54,6 +57,12 @@ no-mmap = true
     assert s.tensor_split == (3.0, 1.0)
     assert chat.devices == ("CUDA0", "CUDA1") and chat.persistent and chat.load_on_startup
     assert chat.ttl == 600 and chat.stop_timeout == 3
+    # the projector is memory: part of the spec the probe measures, and of the engine's arguments
+    assert (s.mmproj, s.mmproj_offload, s.image_max_tokens) == ("/m/chat-mmproj.gguf", False, 256)
+    assert "--mmproj" not in chat.args
+    spec_args = s.to_args()
+    assert spec_args[spec_args.index("--mmproj") + 1] == "/m/chat-mmproj.gguf" and "--no-mmproj-offload" in spec_args
+    assert spec_args[spec_args.index("--image-max-tokens") + 1] == "256"
     # llama-server's other keys reach the engine as llama-server's router passes them to a child
     # (a negated key as the negated flag), checked by llama.cpp's own parser
     args = chat.args

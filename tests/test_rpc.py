@@ -107,3 +107,42 @@ def test_cli_probe_on_rpc_devices(rpc_servers, tiny):
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert [x["device"] for x in d["devices"]] == ["RPC0", "RPC1", "CPU"]
+
+
+def test_a_projector_goes_to_a_device_or_to_the_host_as_the_engine_puts_it(rpc_servers, tiny, tmp_path):
+    """The probe puts the projector's bytes where llama-server's engine puts the projector:
+    on the model's device (an rpc-server here) when offloaded, in host memory with
+    --no-mmproj-offload; and a model so loaded answers an image request."""
+    from pyllmrouter.tools import tinymodels
+
+    projector = tinymodels.write_projector(tmp_path / "projector.gguf")
+    out = run_py(f"""
+        import base64, json
+        from pyllmrouter.engine.backend import native
+        from pyllmrouter import ModelSpec, probe
+        from pyllmrouter.engine.loader import load, request
+        from pyllmrouter.tools import tinymodels
+        native().add_rpc_servers({rpc_servers[:2]!r})
+        result = {{}}
+        for offload in (True, False):
+            spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, devices=("RPC1",),
+                             mmproj={str(projector)!r}, mmproj_offload=offload)
+            est = probe(spec, use_cache=False)
+            rows = [[b.device, b.host, b.projector] for b in est.buffers if b.projector]
+            llm = load(spec)
+            uri = "data:image/png;base64," + base64.b64encode(tinymodels.png()).decode()
+            reply = request(llm, "/v1/chat/completions", {{"max_tokens": 2, "messages": [{{"role": "user",
+                "content": [{{"type": "text", "text": "see"}}, {{"type": "image_url", "image_url": {{"url": uri}}}}]}}]}})
+            llm.close()
+            result[str(offload)] = {{"rows": rows, "prompt": reply["usage"]["prompt_tokens"],
+                                    "model_on": sorted({{b.device for b in est.buffers if b.model and not b.host}})}}
+        print(json.dumps(result))
+    """)
+    on, off = out["True"], out["False"]
+    assert on["model_on"] == off["model_on"] == ["RPC1"]
+    # offloaded: with the model, on its device (and a host part: the CPU side of its compute)
+    device = [r for r in on["rows"] if not r[1]]
+    assert [r[0] for r in device] == ["RPC1"] and device[0][2] > 0
+    assert [r[:2] for r in off["rows"]] == [["CPU", True]]  # not offloaded: all in host memory
+    assert off["rows"][0][2] > sum(r[2] for r in on["rows"] if r[1])
+    assert on["prompt"] == off["prompt"] > 16

@@ -52,7 +52,10 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
     try:
         raw = nat.probe_server(spec.to_args())
     except nat.LlamaError as e:
-        raise ProbeError(spec.path, str(e).removeprefix(spec.path + ": ")) from None
+        reason = str(e)
+        if spec.mmproj is not None and reason.startswith(f"projector {spec.mmproj}: "):
+            raise ProbeError(spec.mmproj, reason.removeprefix(f"projector {spec.mmproj}: ")) from None
+        raise ProbeError(spec.path, reason.removeprefix(spec.path + ": ")) from None
     except ValueError as e:  # llama.cpp's parser refused an argument
         reason = str(e)
         if "invalid device" in reason:

@@ -3,6 +3,7 @@
 Every writer here produces a real GGUF file that llama.cpp loads and runs:
 
     write_llama(path)   dense llama, SentencePiece (SPM) vocabulary, chat template
+    write_projector(path)  a LLaVA-style vision projector (mmproj) for the llama
     write_moe(path)     qwen3moe mixture of experts, same SPM vocabulary
     write_bert(path)    bert encoder with a WordPiece vocabulary (embeddings)
     write_shape(path)   a large model *shape* (7B dense, 30B-A3B MoE): header and
@@ -30,6 +31,8 @@ __all__ = [
     "SHAPE_7B",
     "SHAPE_30B_A3B",
     "write_llama",
+    "write_projector",
+    "png",
     "write_moe",
     "write_bert",
     "write_shape",
@@ -348,6 +351,69 @@ def write_shape(path: os.PathLike | str, shape: Shape = SHAPE_7B, quant: str = "
     data_start = gguf.GGUFWriter.ggml_pad(header_end, writer.data_alignment)
     os.truncate(path, data_start + data_bytes)
     return path
+
+
+def write_projector(path: os.PathLike | str, n_embd_text: int = LLAMA.n_embd, seed: int = 0,
+                    n_embd: int = 32, n_layer: int = 2, image_size: int = 32, patch_size: int = 8) -> Path:
+    """A LLaVA-style multimodal projector (mmproj): a tiny CLIP ViT and the two-layer MLP
+    ("mlp" projector) into a text model of width ``n_embd_text``, as mtmd reads it."""
+    import gguf
+
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_name("tiny-projector")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "mlp")
+    writer.add_bool("clip.use_gelu", True)
+    writer.add_uint32("clip.vision.image_size", image_size)
+    writer.add_uint32("clip.vision.patch_size", patch_size)
+    writer.add_uint32("clip.vision.embedding_length", n_embd)
+    writer.add_uint32("clip.vision.feed_forward_length", 2 * n_embd)
+    writer.add_uint32("clip.vision.block_count", n_layer)
+    writer.add_uint32("clip.vision.projection_dim", n_embd_text)
+    writer.add_uint32("clip.vision.attention.head_count", 4)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w = _Weights(writer, seed)
+    e, n_pos = n_embd, (image_size // patch_size) ** 2 + 1
+    w.mat("v.patch_embd.weight", patch_size, patch_size, 3, e)
+    w.vec("v.class_embd", e)
+    w.mat("v.position_embd.weight", e, n_pos, f32=True)
+    w.vec("v.pre_ln.weight", e, 1.0)
+    w.vec("v.pre_ln.bias", e, 0.0)
+    for i in range(n_layer):
+        b = f"v.blk.{i}."
+        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.mat(b + t + ".weight", e, e)
+            w.vec(b + t + ".bias", e)
+        for t in ("ln1", "ln2"):
+            w.vec(b + t + ".weight", e, 1.0)
+            w.vec(b + t + ".bias", e, 0.0)
+        w.mat(b + "ffn_up.weight", e, 2 * e)
+        w.vec(b + "ffn_up.bias", 2 * e)
+        w.mat(b + "ffn_down.weight", 2 * e, e)
+        w.vec(b + "ffn_down.bias", e)
+    w.mat("mm.0.weight", e, n_embd_text)
+    w.vec("mm.0.bias", n_embd_text)
+    w.mat("mm.2.weight", n_embd_text, n_embd_text)
+    w.vec("mm.2.bias", n_embd_text)
+    return finish(writer, path)
+
+
+def png(width: int = 16, height: int = 16, seed: int = 0) -> bytes:
+    """A small RGB PNG of seeded noise (for image requests to a projector)."""
+    import struct
+    import zlib
+
+    rng = np.random.default_rng(seed)
+    rows = b"".join(b"\x00" + rng.integers(0, 256, width * 3, dtype=np.uint8).tobytes() for _ in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
 
 
 def write_tiny_set(directory: os.PathLike | str, seed: int = 0) -> dict[str, Path]:
