@@ -231,25 +231,33 @@ def _config(path: Path, name: str, fields: dict[str, Any], preset: Preset) -> Mo
 _SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
+def _companion(name: str) -> bool:
+    """A projector (any name containing "mmproj") or a draft sidecar (mtp-, dspark-,
+    dflash-): llama-server's models-dir never loads these as models."""
+    return "mmproj" in name or name.startswith(("mtp-", "dspark-", "dflash-"))
+
+
 def scan_models_dir(directory: os.PathLike | str, spec_defaults: dict[str, Any] | None = None) -> list[ModelConfig]:
     """llama-server's --models-dir rules: each top-level .gguf file is a model named
     by its stem; each subdirectory is a model named by the directory, holding one
-    GGUF (or the shards of one, loaded by the first) plus optional ``mmproj*``
-    files (projectors: listed, not used here)."""
+    GGUF (or the shards of one, loaded by the first) plus optionally a projector
+    (a file whose name contains "mmproj": the model's ``mmproj``)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise PresetError(f"{directory}: models directory not found")
     out = []
     for entry in sorted(directory.iterdir()):
-        if entry.is_file() and entry.suffix == ".gguf" and not entry.name.startswith("mmproj"):
+        if entry.is_file() and entry.suffix == ".gguf" and not _companion(entry.name):
             m = _SHARD.search(entry.name)
             if m and m.group(1) != "00001":
                 continue
             name = entry.name[: m.start()] if m else entry.stem
             out.append(ModelConfig(name, ModelSpec(entry, **(spec_defaults or {}))))
         elif entry.is_dir():
-            ggufs = sorted(p for p in entry.glob("*.gguf") if not p.name.startswith("mmproj"))
+            ggufs = sorted(p for p in entry.glob("*.gguf") if not _companion(p.name))
             firsts = [p for p in ggufs if not _SHARD.search(p.name) or _SHARD.search(p.name).group(1) == "00001"]
+            projectors = sorted(p for p in entry.glob("*.gguf") if "mmproj" in p.name)
             if len(firsts) == 1:
-                out.append(ModelConfig(entry.name, ModelSpec(firsts[0], **(spec_defaults or {}))))
+                extra = {"mmproj": str(projectors[-1])} if projectors else {}
+                out.append(ModelConfig(entry.name, ModelSpec(firsts[0], **{**(spec_defaults or {}), **extra})))
     return out

@@ -120,3 +120,9 @@ def test_models_dir_follows_llama_server_rules(tmp_path):
         "kimi": str(big / "kimi-00001-of-00003.gguf"),
         "split": str(tmp_path / "split-00001-of-00002.gguf"),
     }
+    # the projector beside a model is its mmproj (and is measured with it); a stray
+    # projector at the top level is no model
+    (tmp_path / "gemma-mmproj-f16.gguf").write_bytes(b"GGUF")
+    projectors = {m.name: m.spec.mmproj for m in scan_models_dir(tmp_path)}
+    assert projectors == {"llama-3b-Q4": None, "gemma-vision": str(mm / "mmproj-F16.gguf"), "kimi": None,
+                          "split": None}

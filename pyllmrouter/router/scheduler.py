@@ -224,11 +224,9 @@ class Scheduler:
             ticket = _Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
             self._queue.append(ticket)
         deadline = ticket.created + timeout
-        free: dict[str, int] | None = None  # the inventory's reading since the last wait
+        free: dict[str, int] | None = None  # the inventory's reading, taken since the last wait
         try:
             while True:
-                if free is None:
-                    free = self.inventory.free()  # I/O: never under the lock
                 with self._cond:
                     if self._closed:
                         raise RouterClosed("router is closed")
@@ -238,14 +236,18 @@ class Scheduler:
                         raise LoadFailed(rec.name, rec.reason or "unknown reason")
                     if rec.state is State.LOADED and self._may_lease(rec, ticket):
                         return self._take(rec, ticket)
-                    why = "waiting"
-                    if rec.state is State.UNLOADED:
-                        why = self._admit(rec, ticket, free)
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise QueueTimeout(rec.name, timeout, why)
-                    self._cond.wait(min(remaining, 0.25))
-                free = None
+                    stale = rec.state is State.UNLOADED and free is None
+                    if not stale:
+                        why = "waiting"
+                        if rec.state is State.UNLOADED:
+                            why = self._admit(rec, ticket, free)
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise QueueTimeout(rec.name, timeout, why)
+                        self._cond.wait(min(remaining, 0.25))
+                        free = None
+                if stale:
+                    free = self.inventory.free()  # I/O, only when admission needs it: never under the lock
         finally:
             with self._cond:
                 self._queue.remove(ticket)
