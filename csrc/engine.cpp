@@ -1,8 +1,12 @@
 // llama.cpp's server engine for one model: see engine.h.
 #include "engine.h"
 
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -234,7 +238,7 @@ std::vector<BufferRow> projector_rows(const common_params & params) {
     return rows;
 }
 
-ProbeResult probe_server(const std::vector<std::string> & args) {
+ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free) {
     common_params params = parse_server_args(args);
     // the output limits server_context::load_model sets (server_output_limits, server-context.cpp)
     if (params.embedding ||
@@ -253,7 +257,27 @@ ProbeResult probe_server(const std::vector<std::string> & args) {
     if (!params.mmproj.path.empty()) {
         projector = projector_rows(params);  // first: a bad projector fails before the model is read
     }
-    ProbeResult result = probe_file(params.model.path, mp, cp, static_cast<std::uint32_t>(params.n_outputs_max));
+    const auto n_outputs = static_cast<std::uint32_t>(params.n_outputs_max);
+    ProbeResult result;
+    bool probed = false;
+    if (vocab_free) {  // a tokenizer costs time, not memory: probe a copy of the header without it
+        static std::atomic<unsigned> serial{0};
+        const auto copy = std::filesystem::temp_directory_path() /
+                          ("pyllmrouter-probe-" + std::to_string(::getpid()) + "-" + std::to_string(serial++) + ".gguf");
+        if (write_vocab_free_header(params.model.path, copy.string())) {
+            try {
+                result = probe_file(copy.string(), mp, cp, n_outputs);
+                probed = true;
+            } catch (const probe_error &) {
+                // the real file gives the real error, naming the real path
+            }
+            std::error_code ec;
+            std::filesystem::remove(copy, ec);
+        }
+    }
+    if (!probed) {
+        result = probe_file(params.model.path, mp, cp, n_outputs);
+    }
     result.rows.insert(result.rows.end(), projector.begin(), projector.end());
     return result;
 }

@@ -86,7 +86,9 @@ common_params parse_server_args(const std::vector<std::string> & args);
 // What loading a model with these llama-server arguments allocates, probed with
 // no_alloc from the very llama params the engine builds from them
 // (common_model_params_to_llama, common_context_params_to_llama).
-ProbeResult probe_server(const std::vector<std::string> & args);
+// vocab_free: probe a copy of the header without the vocabulary's content
+// (write_vocab_free_header), the same bytes without building a tokenizer.
+ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free = true);
 
 // Where the streams of one worker's engines leave their chunks: pumps push
 // (request id, chunk, last) as llama.cpp yields them, and one reader takes all

@@ -184,15 +184,20 @@ void bind_engine(py::module_ & m) {
              "The per-buffer-type breakdown of the engine's llama_context.")
         .def_property_readonly("n_parallel", &Engine::n_parallel)
         .def_property_readonly("n_ctx", &Engine::n_ctx);
-    m.def("probe_server", [](const std::vector<std::string> & args) {
+    m.def("probe_server", [](const std::vector<std::string> & args, bool vocab_free) {
               ProbeResult r;
               {
                   py::gil_scoped_release release;
-                  r = probe_server(args);
+                  r = probe_server(args, vocab_free);
               }
               return probe_dict(r);
-          }, py::arg("args"),
+          }, py::arg("args"), py::arg("vocab_free") = true,
           "probe() of what llama-server's engine allocates for these arguments (ValueError: bad arguments).");
+    m.def("write_vocab_free_header", [](const std::string & src, const std::string & dest) {
+              py::gil_scoped_release release;
+              return write_vocab_free_header(src, dest);
+          }, py::arg("src"), py::arg("dest"),
+          "Write the header of src without its vocabulary's content to dest (see probe.h); False if it does not apply.");
     m.def("preset_args", &preset_args, py::arg("keys"),
           "llama-server preset (key, value) pairs as the arguments its router passes a child; "
           "ValueError names an unknown key.");

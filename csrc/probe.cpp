@@ -1,6 +1,7 @@
 #include "probe.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 
@@ -246,6 +247,65 @@ ProbeResult probe_file(const std::string & path, const llama_model_params & mpar
     model.reset();
     result.log = capture.take();
     return result;
+}
+
+bool write_vocab_free_header(const std::string & src, const std::string & dest) {
+    ggml_context * meta = nullptr;
+    gguf_init_params ip = {/*no_alloc =*/true, /*ctx =*/&meta};
+    std::unique_ptr<gguf_context, decltype(&gguf_free)> in(gguf_init_from_file(src.c_str(), ip), &gguf_free);
+    std::unique_ptr<ggml_context, decltype(&ggml_free)> tensors(meta, &ggml_free);
+    if (!in || !meta) {
+        return false;
+    }
+    const int64_t split = gguf_find_key(in.get(), "split.count");
+    const int64_t tokens = gguf_find_key(in.get(), "tokenizer.ggml.tokens");
+    const int64_t arch = gguf_find_key(in.get(), "general.architecture");
+    if ((split >= 0 && gguf_get_val_u16(in.get(), split) > 1) || tokens < 0 || arch < 0 ||
+        gguf_get_kv_type(in.get(), arch) != GGUF_TYPE_STRING) {
+        return false;
+    }
+    std::error_code ec;
+    const auto file_size = std::filesystem::file_size(src, ec);
+    if (ec) {
+        return false;
+    }
+    const size_t data_offset = gguf_get_data_offset(in.get());
+    for (int64_t i = 0; i < gguf_get_n_tensors(in.get()); ++i) {
+        if (data_offset + gguf_get_tensor_offset(in.get(), i) + gguf_get_tensor_size(in.get(), i) > file_size) {
+            return false;
+        }
+    }
+    const uint32_t n_tokens = static_cast<uint32_t>(gguf_get_arr_n(in.get(), tokens));
+    const std::string vocab_size = std::string(gguf_get_val_str(in.get(), arch)) + ".vocab_size";
+
+    std::unique_ptr<gguf_context, decltype(&gguf_free)> out(gguf_init_empty(), &gguf_free);
+    gguf_set_kv(out.get(), in.get());
+    for (int64_t i = gguf_get_n_kv(out.get()) - 1; i >= 0; --i) {
+        const std::string key = gguf_get_key(out.get(), i);
+        if (key.rfind("tokenizer.", 0) == 0) {
+            gguf_remove_key(out.get(), key.c_str());
+        }
+    }
+    gguf_set_val_str(out.get(), "tokenizer.ggml.model", "no_vocab");
+    if (gguf_find_key(out.get(), vocab_size.c_str()) < 0) {
+        gguf_set_val_u32(out.get(), vocab_size.c_str(), n_tokens);
+    }
+    for (ggml_tensor * t = ggml_get_first_tensor(meta); t != nullptr; t = ggml_get_next_tensor(meta, t)) {
+        gguf_add_tensor(out.get(), t);
+    }
+    if (!gguf_write_to_file(out.get(), dest.c_str(), /*only_meta =*/true)) {
+        return false;
+    }
+    const int64_t n = gguf_get_n_tensors(out.get());
+    const size_t data = n > 0 ? gguf_get_tensor_offset(out.get(), n - 1) + gguf_get_tensor_size(out.get(), n - 1) : 0;
+    // the data region starts at the header's size, padded to the alignment (a context
+    // made in memory reports no data offset of its own)
+    std::filesystem::resize_file(dest, gguf_get_meta_size(out.get()) + gguf_get_alignment(out.get()) + data, ec);
+    if (ec) {
+        std::filesystem::remove(dest, ec);
+        return false;
+    }
+    return true;
 }
 
 std::vector<DeviceInfo> list_devices() {

@@ -81,6 +81,16 @@ ProbeResult probe_file(const std::string & path, const llama_model_params & mpar
 
 std::vector<BufferRow> breakdown_of(const llama_context * ctx);
 
+// Writes to `dest` the header of the single-file GGUF `src` with its vocabulary's
+// content left out: the tokenizer keys go, "tokenizer.ggml.model" becomes "no_vocab"
+// and "{arch}.vocab_size" the number of tokens (llama.cpp then makes that many
+// placeholder tokens instead of building a tokenizer); every other key and the
+// tensor table stay, and the data region is a sparse hole of the same size, so
+// what a no_alloc load allocates is unchanged.  Returns false, writing nothing,
+// where it does not apply: an unreadable header, a split model, no token list, or
+// tensor data past the end of the file (the real file then gives the real error).
+bool write_vocab_free_header(const std::string & src, const std::string & dest);
+
 std::vector<DeviceInfo> list_devices();
 
 // Handles for llama_model_params: a device by ggml name ("CUDA0", "RPC0"), a

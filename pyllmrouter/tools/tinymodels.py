@@ -339,6 +339,14 @@ def write_shape(path: os.PathLike | str, shape: Shape = SHAPE_7B, quant: str = "
             add(b + "ffn_gate.weight", e, shape.n_ff)
             add(b + "ffn_down.weight", shape.n_ff, e)
             add(b + "ffn_up.weight", e, shape.n_ff)
+    return _finish_sparse(writer, path)
+
+
+def _finish_sparse(writer, path: Path) -> Path:
+    """Write the header and tensor table; the data region becomes a sparse hole of its
+    full size (llama.cpp's bounds checks pass, the disk holds kilobytes)."""
+    import gguf
+
     data_bytes = sum(
         gguf.GGUFWriter.ggml_pad(ti.nbytes, writer.data_alignment) for ti in writer.tensors[0].values()
     )
@@ -353,14 +361,32 @@ def write_shape(path: os.PathLike | str, shape: Shape = SHAPE_7B, quant: str = "
     return path
 
 
+class _Holes:
+    """Tensor table entries without data (f16 matrices, f32 vectors), for sparse files."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def mat(self, name: str, *ne: int, f32: bool = False) -> None:
+        n = int(np.prod(ne))
+        dtype = np.dtype(np.float32 if f32 else np.float16)
+        self.writer.add_tensor_info(name, tuple(reversed(ne)), dtype, n * dtype.itemsize)
+
+    def vec(self, name: str, n: int, value: float | None = None) -> None:
+        self.mat(name, n, f32=True)
+
+
 def write_projector(path: os.PathLike | str, n_embd_text: int = LLAMA.n_embd, seed: int = 0,
-                    n_embd: int = 32, n_layer: int = 2, image_size: int = 32, patch_size: int = 8) -> Path:
-    """A LLaVA-style multimodal projector (mmproj): a tiny CLIP ViT and the two-layer MLP
-    ("mlp" projector) into a text model of width ``n_embd_text``, as mtmd reads it."""
+                    n_embd: int = 32, n_layer: int = 2, image_size: int = 32, patch_size: int = 8,
+                    n_ff: int | None = None, n_head: int = 4, sparse: bool = False) -> Path:
+    """A LLaVA-style multimodal projector (mmproj): a CLIP ViT (tiny by default) and the
+    two-layer MLP ("mlp" projector) into a text model of width ``n_embd_text``, as mtmd
+    reads it.  ``sparse``: header and tensor table only, over a hole (probe, not run)."""
     import gguf
 
     path = Path(path)
     writer = gguf.GGUFWriter(path, "clip")
+    ff = n_ff or 2 * n_embd
     writer.add_name("tiny-projector")
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_string("clip.projector_type", "mlp")
@@ -368,14 +394,14 @@ def write_projector(path: os.PathLike | str, n_embd_text: int = LLAMA.n_embd, se
     writer.add_uint32("clip.vision.image_size", image_size)
     writer.add_uint32("clip.vision.patch_size", patch_size)
     writer.add_uint32("clip.vision.embedding_length", n_embd)
-    writer.add_uint32("clip.vision.feed_forward_length", 2 * n_embd)
+    writer.add_uint32("clip.vision.feed_forward_length", ff)
     writer.add_uint32("clip.vision.block_count", n_layer)
     writer.add_uint32("clip.vision.projection_dim", n_embd_text)
-    writer.add_uint32("clip.vision.attention.head_count", 4)
+    writer.add_uint32("clip.vision.attention.head_count", n_head)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w = _Weights(writer, seed)
+    w = _Holes(writer) if sparse else _Weights(writer, seed)
     e, n_pos = n_embd, (image_size // patch_size) ** 2 + 1
     w.mat("v.patch_embd.weight", patch_size, patch_size, 3, e)
     w.vec("v.class_embd", e)
@@ -390,15 +416,15 @@ def write_projector(path: os.PathLike | str, n_embd_text: int = LLAMA.n_embd, se
         for t in ("ln1", "ln2"):
             w.vec(b + t + ".weight", e, 1.0)
             w.vec(b + t + ".bias", e, 0.0)
-        w.mat(b + "ffn_up.weight", e, 2 * e)
-        w.vec(b + "ffn_up.bias", 2 * e)
-        w.mat(b + "ffn_down.weight", 2 * e, e)
+        w.mat(b + "ffn_up.weight", e, ff)
+        w.vec(b + "ffn_up.bias", ff)
+        w.mat(b + "ffn_down.weight", ff, e)
         w.vec(b + "ffn_down.bias", e)
     w.mat("mm.0.weight", e, n_embd_text)
     w.vec("mm.0.bias", n_embd_text)
     w.mat("mm.2.weight", n_embd_text, n_embd_text)
     w.vec("mm.2.bias", n_embd_text)
-    return finish(writer, path)
+    return _finish_sparse(writer, path) if sparse else finish(writer, path)
 
 
 def png(width: int = 16, height: int = 16, seed: int = 0) -> bytes:
