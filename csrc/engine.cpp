@@ -233,6 +233,7 @@ std::vector<BufferRow> projector_rows(const common_params & params) {
         row.device = ggml_backend_dev_name(dev);
         row.host = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
         row.projector = bytes;
+        row.component = "projector";
         rows.push_back(row);
     }
     return rows;
@@ -279,6 +280,35 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
         result = probe_file(params.model.path, mp, cp, n_outputs);
     }
     result.rows.insert(result.rows.end(), projector.begin(), projector.end());
+    if (params.speculative.has_dft()) {
+        // the draft model and its context, as server_context::load_model makes them
+        // (common_speculative_init_result): the params common_base_params_to_speculative
+        // derives, a context as long as the target's, no recurrent-state sequences
+        common_params draft = common_base_params_to_speculative(params);
+        const llama_model_params dmp = common_model_params_to_llama(draft);
+        llama_context_params dcp = common_context_params_to_llama(draft);
+        dcp.n_ctx = result.n_ctx;
+        dcp.n_rs_seq = 0;
+        const std::string & path = draft.model.path;
+        if (std::FILE * f = std::fopen(path.c_str(), "rb")) {
+            std::fclose(f);
+        } else {
+            throw probe_error("draft " + path + ": file not found or not readable");
+        }
+        ProbeResult d;
+        try {
+            d = probe_file(path, dmp, dcp, static_cast<std::uint32_t>(draft.n_outputs_max));
+        } catch (const probe_error & e) {
+            std::string reason = e.what();
+            if (reason.rfind(path + ": ", 0) == 0) reason.erase(0, path.size() + 2);
+            throw probe_error("draft " + path + ": " + reason);
+        }
+        for (auto & row : d.rows) {
+            row.component = "draft";
+            result.rows.push_back(row);
+        }
+        result.log.insert(result.log.end(), d.log.begin(), d.log.end());
+    }
     return result;
 }
 

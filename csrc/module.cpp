@@ -23,6 +23,7 @@ py::dict row_dict(const BufferRow & r) {
     d["compute"] = r.compute;
     d["output"] = r.output;
     d["projector"] = r.projector;
+    d["component"] = r.component;
     return d;
 }
 

@@ -38,6 +38,7 @@ struct BufferRow {
     std::uint64_t compute = 0;
     std::uint64_t output = 0;  // logits/embeddings buffer: not in llama.cpp's breakdown
     std::uint64_t projector = 0;  // multimodal projector (mmproj): weights and compute
+    std::string component = "model";  // "model" (the model and its context), "draft", "projector"
 };
 
 struct ModelFacts {

@@ -54,6 +54,10 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-mm", "--mmproj", dest="mmproj", default=None, help="multimodal projector GGUF")
     p.add_argument("--no-mmproj-offload", dest="mmproj_offload", action="store_false",
                    help="keep the projector in host memory")
+    p.add_argument("-md", "--spec-draft-model", dest="draft", default=None, help="draft model for speculative decoding")
+    p.add_argument("-ngld", "--spec-draft-ngl", dest="draft_n_gpu_layers", type=int, default=-1)
+    p.add_argument("-ctkd", "--spec-draft-type-k", dest="draft_type_k", default="f16", choices=sorted(KV_TYPES))
+    p.add_argument("-ctvd", "--spec-draft-type-v", dest="draft_type_v", default="f16", choices=sorted(KV_TYPES))
     add_rpc_argument(p)
 
 
@@ -70,7 +74,8 @@ def spec_from_args(a: argparse.Namespace) -> ModelSpec:
         main_gpu=a.main_gpu, tensor_split=split, devices=devices, type_k=a.type_k, type_v=a.type_v,
         flash_attn=a.flash_attn, embedding=a.embedding, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
         offload_kqv=a.offload_kqv, use_mmap=a.use_mmap, cache_ram=a.cache_ram,
-        mmproj=a.mmproj, mmproj_offload=a.mmproj_offload,
+        mmproj=a.mmproj, mmproj_offload=a.mmproj_offload, draft=a.draft,
+        draft_n_gpu_layers=a.draft_n_gpu_layers, draft_type_k=a.draft_type_k, draft_type_v=a.draft_type_v,
     )
 
 
@@ -80,9 +85,9 @@ def estimate_table(est: MemoryEstimate, free: dict[str, int], margin: int) -> st
         f = free.get(d.device)
         fits = "-" if f is None else ("yes" if d.total <= f - margin else "no")
         rows.append([d.device, mib(d.weights), mib(d.kv), mib(d.compute), mib(d.output), mib(d.cache),
-                     mib(d.projector), mib(d.total), mib(f), fits])
+                     mib(d.projector), mib(d.draft), mib(d.total), mib(f), fits])
     head = ["device", "weights MiB", "KV MiB", "compute MiB", "output MiB", "prompt cache MiB", "projector MiB",
-            "total MiB", "free MiB",
+            "draft MiB", "total MiB", "free MiB",
             f"fits (margin {margin // MiB} MiB)"]
     return render(head, rows)
 

@@ -72,13 +72,22 @@ class ModelSpec:
     mmproj_offload: bool = True
     image_min_tokens: int = -1  # -1: the projector's own
     image_max_tokens: int = -1
+    # a draft model for speculative decoding (llama-server --spec-draft-model), counted
+    # with its own context (as long as the model's) where the engine puts it
+    draft: str | None = None
+    draft_n_gpu_layers: int = -1  # -1: every layer
+    draft_type_k: str = "f16"
+    draft_type_v: str = "f16"
+    draft_n_max: int = -1  # tokens drafted per step (-1: llama.cpp's default); sizes the output buffers
+    spec_type: str | None = None  # llama-server --spec-type (e.g. "draft-simple"): sizes the output buffers
     n_threads: int | None = None
     n_threads_batch: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", os.fspath(self.path))
-        if self.mmproj is not None:
-            object.__setattr__(self, "mmproj", os.fspath(self.mmproj))
+        for name in ("mmproj", "draft"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         for name in ("tensor_split", "devices"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
@@ -103,6 +112,10 @@ class ModelSpec:
         need(self.flash_attn in FLASH_ATTN, "flash_attn", f"must be one of {sorted(FLASH_ATTN)}")
         need(self.n_cpu_moe >= 0, "n_cpu_moe", "must be >= 0")
         need(self.main_gpu >= 0, "main_gpu", "must be >= 0")
+        need(self.draft_n_gpu_layers >= -1, "draft_n_gpu_layers", "must be >= -1 (-1 = all layers)")
+        need(self.draft_type_k in KV_TYPES, "draft_type_k", f"must be one of {sorted(KV_TYPES)}")
+        need(self.draft_type_v in KV_TYPES, "draft_type_v", f"must be one of {sorted(KV_TYPES)}")
+        need(self.draft_n_max >= -1, "draft_n_max", "must be >= -1 (-1 = llama.cpp's default)")
         need(self.cache_ram >= 0, "cache_ram",
              "must be >= 0 MiB: an unlimited prompt cache (-1) cannot be admitted; give its cap in MiB")
         if self.tensor_split is not None:
@@ -147,6 +160,13 @@ class ModelSpec:
                 a += ["--image-min-tokens", str(self.image_min_tokens)]
             if self.image_max_tokens >= 0:
                 a += ["--image-max-tokens", str(self.image_max_tokens)]
+        if self.draft is not None:
+            a += ["-md", self.draft, "-ngld", "all" if self.draft_n_gpu_layers < 0 else str(self.draft_n_gpu_layers),
+                  "-ctkd", self.draft_type_k, "-ctvd", self.draft_type_v]
+        if self.draft_n_max >= 0:
+            a += ["--spec-draft-n-max", str(self.draft_n_max)]
+        if self.spec_type:
+            a += ["--spec-type", self.spec_type]
         if self.n_threads is not None:
             a += ["-t", str(self.n_threads)]
         if self.n_threads_batch is not None:

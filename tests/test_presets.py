@@ -40,6 +40,11 @@ no-context-shift = true
 mmproj = /m/chat-mmproj.gguf
 no-mmproj-offload = true
 image-max-tokens = 256
+model-draft = /m/chat-draft.gguf
+ngld = 12
+ctkd = q8_0
+spec-type = draft-simple
+spec-draft-n-max = 6
 
 [embed]
 model = /m/bge.gguf
@@ -63,6 +68,10 @@ no-mmap = true
     spec_args = s.to_args()
     assert spec_args[spec_args.index("--mmproj") + 1] == "/m/chat-mmproj.gguf" and "--no-mmproj-offload" in spec_args
     assert spec_args[spec_args.index("--image-max-tokens") + 1] == "256"
+    # so is a draft model and what sizes its buffers
+    assert (s.draft, s.draft_n_gpu_layers, s.draft_type_k, s.spec_type, s.draft_n_max) == \
+        ("/m/chat-draft.gguf", 12, "q8_0", "draft-simple", 6)
+    assert spec_args[spec_args.index("-md") + 1] == "/m/chat-draft.gguf" and "--spec-type" not in chat.args
     # llama-server's other keys reach the engine as llama-server's router passes them to a child
     # (a negated key as the negated flag), checked by llama.cpp's own parser
     args = chat.args

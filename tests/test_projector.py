@@ -45,7 +45,7 @@ def test_the_probe_counts_the_projector_weights_and_compute_on_its_device(tiny, 
 
 def test_a_missing_or_corrupt_projector_is_named(tiny, projector, tmp_path):
     missing = tmp_path / "gone.gguf"
-    with pytest.raises(ProbeError, match="gone.gguf: file not found") as e:
+    with pytest.raises(ProbeError, match="gone.gguf: projector: file not found") as e:
         probe(ModelSpec(tiny["tiny-llama"], mmproj=str(missing)), use_cache=False)
     assert e.value.path == str(missing)
     # a GGUF that is not a projector (the text model itself)
@@ -54,7 +54,7 @@ def test_a_missing_or_corrupt_projector_is_named(tiny, projector, tmp_path):
     assert e.value.path == str(tiny["tiny-llama"])
     noise = tmp_path / "noise.gguf"
     noise.write_bytes(b"not a gguf at all")
-    with pytest.raises(ProbeError, match="noise.gguf: not a GGUF file"):
+    with pytest.raises(ProbeError, match="noise.gguf: projector: not a GGUF file"):
         probe(ModelSpec(tiny["tiny-llama"], mmproj=str(noise)), use_cache=False)
 
 
@@ -80,6 +80,10 @@ def test_an_image_request_answers_through_the_router(tiny, projector):
         assert seen["usage"]["prompt_tokens"] >= text_only["usage"]["prompt_tokens"] + 16
         status = r.status()["models"]["vision"]
         assert status["requirement"]["GPU0"]["GPU0"] == probe(spec).total
+        # the components, named, per memory pool the worker sees
+        parts = status["components"]["GPU0"]["CPU"]
+        assert parts["projector"] == probe(spec).devices[0].projector > 0
+        assert sum(parts.values()) == probe(spec).total
 
 
 @pytest.mark.slow
@@ -89,7 +93,7 @@ def test_a_bad_projector_fails_its_model_and_unloads_nothing(tiny, tmp_path):
                           devices=("GPU0",))]
     with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0, max_models=1) as r:
         r.load("text")
-        with pytest.raises(LoadFailed, match="gone.gguf: file not found"):
+        with pytest.raises(LoadFailed, match="gone.gguf: projector: file not found"):
             r.chat("vision", image_chat(), max_tokens=2)
         assert r.status()["models"]["text"]["state"] == "loaded"
         assert r.chat("text", [{"role": "user", "content": "hi"}], max_tokens=2)["choices"]

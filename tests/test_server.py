@@ -136,6 +136,8 @@ def test_load_unload_and_per_model_memory(http):
     entry = next(m for m in http.get("/models").json()["data"] if m["id"] == "e")
     assert entry["status"]["value"] == "loaded" and entry["memory"]["devices"] == ["GPU1"]
     assert entry["memory"]["requirement"]["GPU1"]["GPU1"] > 0
+    parts = entry["memory"]["components"]["GPU1"]["CPU"]  # named, per pool the worker sees
+    assert sum(parts.values()) == entry["memory"]["requirement"]["GPU1"]["GPU1"] and parts["weights"] > 0
     assert entry["memory"]["fit"] is None  # loaded as given
     devices = http.get("/devices").json()
     assert devices["devices"]["GPU1"]["held"] >= entry["memory"]["requirement"]["GPU1"]["GPU1"]

@@ -53,8 +53,9 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
         raw = nat.probe_server(spec.to_args())
     except nat.LlamaError as e:
         reason = str(e)
-        if spec.mmproj is not None and reason.startswith(f"projector {spec.mmproj}: "):
-            raise ProbeError(spec.mmproj, reason.removeprefix(f"projector {spec.mmproj}: ")) from None
+        for kind, path in (("projector", spec.mmproj), ("draft", spec.draft)):
+            if path is not None and reason.startswith(f"{kind} {path}: "):
+                raise ProbeError(path, f"{kind}: " + reason.removeprefix(f"{kind} {path}: ")) from None
         raise ProbeError(spec.path, reason.removeprefix(spec.path + ": ")) from None
     except ValueError as e:  # llama.cpp's parser refused an argument
         reason = str(e)

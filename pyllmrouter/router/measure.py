@@ -13,6 +13,7 @@ way in and out; inside, the worker's own (masked) names.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, Callable
 
 from pyllmrouter.devices import HOST, Inventory
@@ -43,9 +44,13 @@ class Measurer:
         self.timeout = timeout
         self._running_worker = running_worker
 
-    def requirement(self, spec: ModelSpec, device_set: frozenset[str]) -> dict[str, int]:
-        """Bytes per inventory device of ``spec`` (a worker spec) loaded masked to ``device_set``."""
-        return self.inventory.to_inventory(device_set, self._probe(spec, device_set).per_device())
+    def requirement(self, spec: ModelSpec, device_set: frozenset[str]) -> tuple[dict[str, int], dict[str, dict]]:
+        """Bytes per inventory device of ``spec`` (a worker spec) loaded masked to
+        ``device_set``, and its components per memory pool as the worker sees them
+        (weights, kv, compute, output, cache, projector, draft)."""
+        est = self._probe(spec, device_set)
+        components = {d.device: {k: v for k, v in asdict(d).items() if k != "device"} for d in est.devices}
+        return self.inventory.to_inventory(device_set, est.per_device()), components
 
     def fit(self, spec: ModelSpec, device_set: frozenset[str], grant: dict[str, int]) -> Fitted:
         """``spec`` fitted into ``grant`` (layers per device, MoE experts to the host);

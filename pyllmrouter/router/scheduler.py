@@ -66,6 +66,7 @@ class Record:
     worker: WorkerHandle | None = None
     reason: str | None = None  # why it is UNLOADED (failed load, dead worker)
     requirements: dict[frozenset[str], dict[str, int]] | None = None
+    components: dict[frozenset[str], dict[str, dict]] = field(default_factory=dict)  # per pool, as probed
     fits: Fits = field(default_factory=Fits)  # specs fitted into grants, per device set
     fitting: bool = False
     fit: Fitted | None = None  # the fit being loaded or loaded (None: the spec as given)
@@ -393,10 +394,11 @@ class Scheduler:
 
     def _probe_requirements(self, rec: Record) -> None:
         reqs: dict[frozenset[str], dict[str, int]] = {}
+        parts: dict[frozenset[str], dict[str, dict]] = {}
         error = None
         try:
             for ds in self._candidates(rec):
-                reqs[ds] = self._measure.requirement(worker_spec(rec.config.spec, ds), ds)
+                reqs[ds], parts[ds] = self._measure.requirement(worker_spec(rec.config.spec, ds), ds)
                 if self.options.max_models:
                     reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
@@ -404,7 +406,7 @@ class Scheduler:
         with self._cond:
             rec.probing = False
             if error is None:
-                rec.requirements = reqs
+                rec.requirements, rec.components = reqs, parts
             else:
                 rec.error_epoch += 1
                 rec.reason = f"cannot measure memory: {error}"
@@ -595,6 +597,7 @@ class Scheduler:
                     "devices": sorted(r.device_set) if r.device_set and holds_memory(r.state) else [],
                     "requirement": {"+".join(sorted(ds)): {d: n for d, n in need.items() if d != placement.COUNT}
                                     for ds, need in (r.requirements or {}).items()},
+                    "components": {"+".join(sorted(ds)): parts for ds, parts in r.components.items()},
                     "fit": r.fit.to_dict() if r.fit and holds_memory(r.state) else None,
                     "live": dict(r.live), "reason": r.reason, "loads": r.loads,
                     "persistent": r.config.persistent, "ttl": r.config.ttl,

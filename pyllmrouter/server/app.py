@@ -63,8 +63,8 @@ def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
     return {
         "id": name, "object": "model", "owned_by": "pyllmrouter", "aliases": m["aliases"],
         "path": cfg.spec.path, "status": status,
-        "memory": {"requirement": m["requirement"], "devices": m["devices"], "live": m["live"],
-                   "fit": m["fit"]},
+        "memory": {"requirement": m["requirement"], "components": m["components"], "devices": m["devices"],
+                   "live": m["live"], "fit": m["fit"]},
         "in_flight": m["leases"], "loads": m["loads"], "persistent": m["persistent"], "ttl": m["ttl"],
     }
 

@@ -1,0 +1,90 @@
+"""A draft model for speculative decoding: counted in the probe with the context
+llama-server gives it, served (speculation runs), and a bad draft named."""
+
+from __future__ import annotations
+
+import pytest
+
+from pyllmrouter import ModelSpec, ProbeError, probe
+from pyllmrouter.config import ModelConfig
+from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.engine.loader import load, request
+from pyllmrouter.errors import NeverFits
+from pyllmrouter.router.api import Router
+from pyllmrouter.tools import tinymodels
+
+DRAFT_SHAPE = tinymodels.Shape("llama", n_embd=64, n_layer=1, n_head=2, n_head_kv=1, n_ff=128)
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    """A smaller llama with the target's vocabulary."""
+    return tinymodels.write_llama(tmp_path_factory.mktemp("draft") / "tiny-draft.gguf", DRAFT_SHAPE, seed=1)
+
+
+def rows(est, component):
+    return [(b.buffer_type, b.model, b.context, b.compute, b.output) for b in est.buffers if b.component == component]
+
+
+@pytest.mark.parametrize("target", [
+    dict(n_ctx=512, n_seq_max=2),
+    dict(n_ctx=1024, n_seq_max=4, kv_unified=False, draft_type_k="q8_0", draft_type_v="q8_0"),
+    dict(n_ctx=256, n_seq_max=1, spec_type="draft-simple", draft_n_max=8),
+])
+def test_the_draft_is_counted_with_the_context_llama_server_gives_it(tiny, draft, target):
+    spec = ModelSpec(tiny["tiny-llama"], draft=str(draft), **target)
+    est = probe(spec, use_cache=False)
+    # the target's own rows are those of the model probed alone with the same speculation
+    alone = probe(spec.replace(draft=None), use_cache=False)
+    assert rows(est, "model") == rows(alone, "model")
+    # the draft: its own model and a context as long as the target's, with the target's
+    # slots, the draft's cache types and one output row per slot
+    expected = probe(ModelSpec(draft, n_ctx=est.n_ctx, n_seq_max=spec.n_seq_max, kv_unified=spec.kv_unified,
+                               type_k=spec.draft_type_k, type_v=spec.draft_type_v), use_cache=False)
+    assert rows(est, "draft") == rows(expected, "model")
+    assert est.devices[0].draft == expected.total
+    assert est.total == alone.total + expected.total
+
+
+def test_speculation_widens_the_targets_output_buffer(tiny, draft):
+    base = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=2, draft=str(draft))
+    plain = sum(b.output for b in probe(base, use_cache=False).buffers if b.component == "model")
+    speculating = probe(base.replace(spec_type="draft-simple", draft_n_max=8), use_cache=False)
+    outputs = sum(b.output for b in speculating.buffers if b.component == "model")
+    assert outputs == plain * (1 + 8)  # a row per drafted token and slot, as llama-server reserves
+
+
+def test_a_loaded_draft_speculates(tiny, draft):
+    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1, draft=str(draft), spec_type="draft-simple")
+    engine = load(spec)
+    try:
+        reply = request(engine, "/v1/completions", {"prompt": "hello", "max_tokens": 16, "temperature": 0})
+    finally:
+        engine.close()
+    assert reply["usage"]["completion_tokens"] == 16
+    assert reply["timings"]["draft_n"] > 0  # the draft model drafted tokens the target verified
+
+
+def test_a_missing_or_wrong_draft_is_named(tiny, tmp_path):
+    gone = tmp_path / "gone.gguf"
+    with pytest.raises(ProbeError, match="gone.gguf: draft: file not found") as e:
+        probe(ModelSpec(tiny["tiny-llama"], draft=str(gone)), use_cache=False)
+    assert e.value.path == str(gone)
+    projector = tinymodels.write_projector(tmp_path / "projector.gguf")
+    with pytest.raises(ProbeError, match="projector.gguf: draft: cannot load model") as e:
+        probe(ModelSpec(tiny["tiny-llama"], draft=str(projector)), use_cache=False)
+    assert e.value.path == str(projector)
+
+
+@pytest.mark.slow
+def test_the_router_admits_by_the_total_with_the_draft(tiny, draft):
+    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1, draft=str(draft), spec_type="draft-simple")
+    need = probe(spec).total
+    too_small = need - probe(spec.replace(draft=None, spec_type=None)).total // 2  # fits only without the draft
+    with Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": too_small}), margin=0) as r:
+        with pytest.raises(NeverFits, match=f"needs {need} bytes"):
+            r.complete("m", "x", max_tokens=2)
+    with Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": need}), margin=0) as r:
+        reply = r.complete("m", "hello", max_tokens=8, temperature=0)
+        assert reply["timings"]["draft_n"] > 0
+        assert r.status()["models"]["m"]["requirement"]["GPU0"]["GPU0"] == need
