@@ -55,3 +55,9 @@ class RouterOptions:
     autoload: bool = True
     keep_idle_workers: bool = True
     heartbeat: float = 5.0  # seconds a worker has to answer a ping before it is killed as hung; 0: off
+    # prompt states kept across eviction (slot saves): bytes in host RAM (None: an eighth of
+    # the host memory free at start; 0: off), and a directory on disk for what overflows,
+    # with its cap in bytes
+    kv_keep_ram: int | None = None
+    kv_keep_dir: str | None = None
+    kv_keep_disk: int = 4 * GiB

@@ -33,12 +33,15 @@ class LoadModel:
     name: str
     spec: ModelSpec
     args: tuple[str, ...] = ()  # llama-server arguments beyond the spec's (chat template, sampling...)
+    keep_dir: str | None = None  # where the engine saves and restores slot states (--slot-save-path)
+    restore: tuple[str, ...] = ()  # slot state files in keep_dir to restore, one per slot
 
 
 @dataclass(frozen=True)
 class UnloadModel:
     req_id: int
     name: str
+    keep: bool = False  # save each slot's state into the model's keep_dir first
 
 
 @dataclass(frozen=True)
@@ -99,12 +102,15 @@ class Loaded:
     name: str
     pools: dict[str, int]  # live breakdown + output buffer, per pool
     seconds: float
+    restored: dict[str, int] = field(default_factory=dict)  # kept state file -> tokens now in its slot
+    refused: dict[str, str] = field(default_factory=dict)  # kept state file -> why llama.cpp refused it
 
 
 @dataclass(frozen=True)
 class Unloaded:
     req_id: int
     name: str
+    kept: tuple[tuple[str, int, int], ...] = ()  # saved slot states: (file name, tokens, bytes)
 
 
 @dataclass(frozen=True)

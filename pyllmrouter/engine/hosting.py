@@ -99,8 +99,10 @@ class EngineHost:
                         self._stops.pop(rid, None)
                 self._lock.notify_all()
 
-    def close(self) -> None:
-        """Stop every request in flight, wait for its last reply, free the engine."""
+    def close(self, before_free: Callable[[Any], Any] | None = None) -> Any:
+        """Stop every request in flight, wait for its last reply, call ``before_free(engine)``
+        (with no request running: to save the slots), free the engine; ``before_free``'s
+        result."""
         with self._lock:
             self._closing = True
             for flag in self._stops.values():
@@ -108,4 +110,7 @@ class EngineHost:
             self._lock.wait_for(lambda: not self._stops)
         self._outbox.wake()
         self._sender.join()
-        self.engine.close()
+        try:
+            return before_free(self.engine) if before_free is not None else None
+        finally:
+            self.engine.close()

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from pyllmrouter.engine.hosting import EngineHost
+from pyllmrouter.engine.slots import restore_all, save_all
 from pyllmrouter.protocol import (Call, Cancel, ErrorKind, Failed, Fit, LoadModel, Loaded, Ping, Probe, Ready,
                                   Result, Shutdown, Unloaded, UnloadModel)
 
@@ -47,6 +48,7 @@ class _Worker:
         self.conn = conn
         self.send_lock = threading.Lock()
         self.models: dict[str, EngineHost] = {}  # main thread and loader threads, under models_lock
+        self.keep_dirs: dict[str, str | None] = {}  # model -> its slot save path, under models_lock
         self.models_lock = threading.Lock()
 
     def send(self, msg: Any) -> None:
@@ -61,27 +63,36 @@ class _Worker:
 
         try:
             t0 = time.perf_counter()
-            engine = load(msg.spec, *msg.args, name=msg.name)
+            keep = ("--slot-save-path", msg.keep_dir) if msg.keep_dir else ()
+            engine = load(msg.spec, *msg.args, *keep, name=msg.name)
             pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
+            restored, refused = restore_all(engine, list(msg.restore)) if msg.restore else ({}, {})
             with self.models_lock:
                 taken = msg.name in self.models
                 if not taken:
                     self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send)
+                    self.keep_dirs[msg.name] = msg.keep_dir
             if taken:
                 engine.close()
                 raise RuntimeError(f"model {msg.name!r} is already loaded in this worker")
-            self.send(Loaded(msg.req_id, msg.name, pools, time.perf_counter() - t0))
+            self.send(Loaded(msg.req_id, msg.name, pools, time.perf_counter() - t0, restored, refused))
         except (ValueError, RuntimeError, OSError) as e:  # llama.cpp's refusal: arguments, file, memory
             self.send(Failed(msg.req_id, ErrorKind.LOAD_FAILED, f"{type(e).__name__}: {e}"))
         except Exception as e:  # noqa: BLE001 - a bug: logged, and the load fails
             _LOG.exception("loading %s", msg.name)
             self.send(Failed(msg.req_id, ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"))
 
-    def _unload(self, msg: UnloadModel, host: EngineHost) -> None:
+    def _unload(self, msg: UnloadModel, host: EngineHost, keep_dir: str | None) -> None:
+        kept: list = []
         try:
-            host.close()
+            if msg.keep and keep_dir:
+                kept = host.close(lambda engine: save_all(engine, keep_dir)) or []
+            else:
+                host.close()
+        except Exception:  # noqa: BLE001 - a state not saved is a state not kept; the unload goes on
+            _LOG.exception("saving the slots of %s", msg.name)
         finally:
-            self.send(Unloaded(msg.req_id, msg.name))
+            self.send(Unloaded(msg.req_id, msg.name, tuple(kept)))
 
     def _probe(self, msg: Probe | Fit) -> None:
         from pyllmrouter.engine.fit import FitError, fit_here  # noqa: PLC0415
@@ -122,10 +133,11 @@ class _Worker:
             elif isinstance(msg, UnloadModel):
                 with self.models_lock:
                     host = self.models.pop(msg.name, None)
+                    keep_dir = self.keep_dirs.pop(msg.name, None)
                 if host is None:
                     self.send(Unloaded(msg.req_id, msg.name))
                 else:
-                    threading.Thread(target=self._unload, args=(msg, host), daemon=True).start()
+                    threading.Thread(target=self._unload, args=(msg, host, keep_dir), daemon=True).start()
             elif isinstance(msg, Call):
                 with self.models_lock:
                     host = self.models.get(msg.name)

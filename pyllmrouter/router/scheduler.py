@@ -44,6 +44,7 @@ from pyllmrouter.devices import HOST, Inventory
 from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel,
                                 WorkerDied, Withdrawn)
 from pyllmrouter.router.fitbook import Fits, Fitted
+from pyllmrouter.router.keep import KeepStore, identity
 from pyllmrouter.router.measure import Measurer, worker_spec
 from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, UnloadModel
 from pyllmrouter.spec import ModelSpec
@@ -76,6 +77,7 @@ class Record:
     drain: tuple[float, int] | None = None  # (deadline, seq of the ticket that waits)
     loads: int = 0
     live: dict[str, int] = field(default_factory=dict)  # bytes the worker measured after load
+    identity: str | None = None  # the loaded configuration's, for kept prompt states (keep.py)
 
     @property
     def name(self) -> str:
@@ -130,6 +132,10 @@ class Scheduler:
         self.counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0}
         self.on_wait: Any = None  # called as on_wait(model, seconds) for every lease (metrics)
         self._measure = Measurer(inventory, options.load_timeout, self._running_worker)
+        ram = options.kv_keep_ram
+        if ram is None:
+            ram = inventory.free().get(HOST, 0) // 8
+        self._keep = KeepStore(ram, options.kv_keep_dir, options.kv_keep_disk) if ram > 0 else None
 
     # -- lookup --------------------------------------------------------------
 
@@ -158,6 +164,8 @@ class Scheduler:
         for w in self._workers.values():
             for d, n in w.overhead.items():
                 held[d] = held.get(d, 0) + n
+        if self._keep is not None:  # kept prompt states in RAM are host memory
+            held[HOST] = held.get(HOST, 0) + self._keep.held_ram()
         return held
 
     def _available(self, free: dict[str, int]) -> dict[str, int]:
@@ -361,6 +369,22 @@ class Scheduler:
         return admission.Request(rec.name, options, rec.fits, self._earlier_loader_blocks(rec, ticket),
                                  rec.probing, rec.fitting)
 
+    @property
+    def keep(self) -> KeepStore | None:
+        """The store of prompt states kept across eviction (None: keeping is off)."""
+        return self._keep
+
+    def kept(self) -> dict[str, Any]:
+        """Prompt states kept across eviction: per model, bytes in RAM and on disk and
+        files (its loaded or last configuration); the store's counters."""
+        if self._keep is None:
+            return {"enabled": False, "models": {}, "counters": {}}
+        by_identity = self._keep.status()
+        with self._cond:
+            names = {r.identity: r.name for r in self._records.values() if r.identity}
+        return {"enabled": True, "ram_budget": self._keep.ram_budget, "disk_budget": self._keep.disk_budget,
+                "models": {names.get(i, i): s for i, s in by_identity.items()}, "counters": dict(self._keep.counters)}
+
     def _move(self, rec: Record, new: State, reason: str | None = None) -> None:
         """The one place a model's state changes (lock held), checked against
         state.TRANSITIONS.  UNLOADED holds nothing: the reservation, the worker, a
@@ -481,8 +505,13 @@ class Scheduler:
                     return
             cfg = rec.config
             spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set)
-            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, cfg.args))
+            ident, keep_dir, restore = None, None, []
+            if self._keep is not None and (ident := identity(spec)) is not None:
+                keep_dir, restore = str(self._keep.dir_for(ident)), self._keep.prepare(ident)
+            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, cfg.args, keep_dir, tuple(restore)))
             reply = pending.get(self.options.load_timeout)
+            if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused
+                self._keep.consumed(ident, restore, reply.restored, reply.refused)
         except Exception as e:  # noqa: BLE001
             reply = Failed(0, ErrorKind.WORKER_DIED if isinstance(e, WorkerDied) else ErrorKind.INTERNAL,
                            f"{type(e).__name__}: {e}")
@@ -491,7 +520,7 @@ class Scheduler:
                 return
             if isinstance(reply, Loaded):
                 self._move(rec, State.LOADED)
-                rec.worker, rec.live = worker, dict(reply.pools)
+                rec.worker, rec.live, rec.identity = worker, dict(reply.pools), ident
                 rec.last_used = time.monotonic()
                 rec.loads += 1
                 self.counters["loads"] += 1
@@ -508,10 +537,14 @@ class Scheduler:
             self._refresh_overhead(worker)
 
     def _unload(self, rec: Record) -> None:
-        worker = rec.worker
+        with self._cond:
+            worker, ident = rec.worker, rec.identity
+        keep = self._keep is not None and ident is not None
         if worker is not None and worker.alive:
             try:
-                worker.call(lambda rid: UnloadModel(rid, rec.name)).get(self.options.load_timeout)
+                reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep)).get(self.options.load_timeout)
+                if keep and getattr(reply, "kept", ()):
+                    self._keep.add(ident, list(reply.kept))  # I/O: outside the lock
             except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
                 pass
         with self._cond:
@@ -583,11 +616,14 @@ class Scheduler:
             w.stop()
         for t in list(self._threads):
             t.join(5)
+        if self._keep is not None:
+            self._keep.close()
 
     # -- status ----------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         free = self.inventory.free()
+        kept = self.kept()
         with self._cond:
             available = self._available(free)
             held = self._held()
@@ -601,6 +637,7 @@ class Scheduler:
                     "fit": r.fit.to_dict() if r.fit and holds_memory(r.state) else None,
                     "live": dict(r.live), "reason": r.reason, "loads": r.loads,
                     "persistent": r.config.persistent, "ttl": r.config.ttl,
+                    "kept": kept["models"].get(r.name, {"ram": 0, "disk": 0, "files": 0}),
                 }
                 for r in self._records.values()
             }
@@ -612,4 +649,4 @@ class Scheduler:
             workers = [{"devices": sorted(w.devices), "pid": w.pid, "alive": w.alive, "overhead": w.overhead}
                        for w in self._workers.values()]
             return {"models": models, "devices": devices, "workers": workers, "counters": dict(self.counters),
-                    "queue": len(self._queue)}
+                    "queue": len(self._queue), "kept": {k: v for k, v in kept.items() if k != "models"}}

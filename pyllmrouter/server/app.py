@@ -64,7 +64,7 @@ def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
         "id": name, "object": "model", "owned_by": "pyllmrouter", "aliases": m["aliases"],
         "path": cfg.spec.path, "status": status,
         "memory": {"requirement": m["requirement"], "components": m["components"], "devices": m["devices"],
-                   "live": m["live"], "fit": m["fit"]},
+                   "live": m["live"], "fit": m["fit"], "kept": m["kept"]},
         "in_flight": m["leases"], "loads": m["loads"], "persistent": m["persistent"], "ttl": m["ttl"],
     }
 

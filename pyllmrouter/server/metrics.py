@@ -43,6 +43,16 @@ class _StatusCollector:
         w = GaugeMetricFamily("pyllmrouter_queue_waiting", "Requests waiting for admission")
         w.add_metric([], st["queue"])
         yield w
+        k = GaugeMetricFamily("pyllmrouter_model_kept_bytes", "Bytes of prompt states kept across eviction",
+                              labels=["model", "place"])
+        for name, m in st["models"].items():
+            for place in ("ram", "disk"):
+                k.add_metric([name, place], m["kept"][place])
+        yield k
+        for name, value in st["kept"].get("counters", {}).items():
+            c = CounterMetricFamily(f"pyllmrouter_kv_keep_{name}", f"Kept prompt states: {name.replace('_', ' ')}")
+            c.add_metric([], value)
+            yield c
 
 
 class Metrics:

@@ -49,6 +49,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a worker has to answer a ping before it is killed as hung (0: off)")
     p.add_argument("--turn", type=float, default=5.0,
                    help="seconds a busy model keeps taking requests once another model waits for its memory")
+    p.add_argument("--kv-keep-ram", type=int, default=None, metavar="MiB",
+                   help="host RAM for prompt states kept across eviction (default: an eighth of the free host "
+                        "memory; 0: off)")
+    p.add_argument("--kv-keep-dir", default=_env("PYLLMROUTER_KV_KEEP_DIR"),
+                   help="directory for kept prompt states that overflow the RAM (default: none, they are dropped)")
+    p.add_argument("--kv-keep-disk", type=int, default=4096, metavar="MiB", help="cap of --kv-keep-dir (MiB)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to let requests in flight finish on SIGTERM/SIGINT")
@@ -78,7 +84,8 @@ def router_from_args(a: argparse.Namespace) -> Router:
                                                                                                       1024 * MiB),
         budgets=parse_budgets(a.device_budget) if a.device_budget else {},
         max_models=a.models_max, queue_timeout=a.queue_timeout, turn=a.turn, autoload=a.autoload,
-        heartbeat=a.heartbeat,
+        heartbeat=a.heartbeat, kv_keep_ram=None if a.kv_keep_ram is None else a.kv_keep_ram * MiB,
+        kv_keep_dir=a.kv_keep_dir, kv_keep_disk=a.kv_keep_disk * MiB,
     )
     return Router(models, inventory=inventory, options=options)
 

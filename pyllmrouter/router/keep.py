@@ -1,0 +1,248 @@
+"""Prompt states kept across eviction: files of llama-server's slot save, per model identity.
+
+    unload (evict, unload, ttl) ──▶ worker saves each busy slot (POST /slots/N?action=save)
+                                    into dir_for(identity) ──▶ Unloaded(kept files)
+        add(identity, files) ──▶ counted in RAM; over the RAM budget the least recently
+                                 used files move to the disk directory; over its cap
+                                 (or without one) they are deleted
+    load ──▶ prepare(identity): its files back in the RAM directory ──▶ LoadModel(restore)
+             worker restores each into its slot (POST /slots/N?action=restore)
+        consumed(identity, ...) ──▶ the files are deleted: the state lives in the KV now;
+                                    a file llama.cpp refused is counted as discarded
+
+A file is checked before it is offered (its size and CRC-32 as saved, kept in a
+sidecar ``.meta``): llama.cpp asserts on a truncated state, so a damaged file is
+discarded with a warning, never loaded.  A state is tied to its identity: a hash of the model file's identity and of the
+whole spec (context, slots, cache types, everything that shapes the KV), so it is
+only ever offered to the very configuration that wrote it.  The RAM directory is
+a tmpfs (/dev/shm) where there is one: its bytes are host memory, which admission
+counts as held.  The store does file I/O under its own lock only, never under
+the scheduler's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from pyllmrouter.spec import ModelSpec
+
+__all__ = ["KeepStore", "Kept", "identity"]
+
+_LOG = logging.getLogger(__name__)
+
+
+def identity(spec: ModelSpec) -> str | None:
+    """The configuration a kept state belongs to: the model file and the whole spec
+    (None if the file cannot be read: nothing is kept for it)."""
+    try:
+        st = os.stat(spec.path)
+    except OSError:
+        return None
+    ident = {"file": [os.path.realpath(spec.path), st.st_size, st.st_mtime_ns, st.st_ino], "spec": spec.to_dict()}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
+
+
+@dataclass(frozen=True)
+class Kept:
+    identity: str
+    name: str  # file name (one slot's state), the same in either place
+    tokens: int
+    size: int
+    place: str  # "ram" | "disk"
+    used: float  # when it was saved (monotonic)
+    crc: int = 0  # CRC-32 of the file as saved
+
+
+def _crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+class KeepStore:
+    def __init__(self, ram_budget: int, disk_dir: str | os.PathLike | None = None, disk_budget: int = 0,
+                 ram_dir: str | os.PathLike | None = None):
+        self.ram_budget = max(0, ram_budget)
+        self.disk_budget = max(0, disk_budget) if disk_dir else 0
+        self._lock = threading.Lock()
+        self._files: dict[tuple[str, str], Kept] = {}  # (identity, name) -> where and how big
+        self.counters = {"saved": 0, "restores": 0, "restored_tokens": 0, "discarded": 0, "dropped": 0}
+        if ram_dir is None:
+            shm = Path("/dev/shm")
+            base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+            ram_dir = tempfile.mkdtemp(prefix="pyllmrouter-kv-", dir=base)
+        self.ram_dir = Path(ram_dir)
+        self.ram_dir.mkdir(parents=True, exist_ok=True)
+        self.disk_dir = Path(disk_dir) if disk_dir else None
+        if self.disk_dir is not None:
+            self.disk_dir.mkdir(parents=True, exist_ok=True)
+            self._index_disk()
+
+    @property
+    def enabled(self) -> bool:
+        return self.ram_budget > 0
+
+    def _index_disk(self) -> None:
+        """States a previous run left on disk, with their sidecars (by identity: safe to
+        offer again; checked when offered)."""
+        for f in sorted(self.disk_dir.glob("*/*.bin")):
+            try:
+                meta = json.loads(f.with_suffix(".meta").read_text())
+                st = f.stat()
+            except (OSError, ValueError):
+                f.unlink(missing_ok=True)
+                continue
+            self._files[(f.parent.name, f.name)] = Kept(f.parent.name, f.name, meta["tokens"], meta["size"], "disk",
+                                                       time.monotonic() - (time.time() - st.st_mtime), meta["crc"])
+
+    def _path(self, k: Kept) -> Path:
+        return (self.ram_dir if k.place == "ram" else self.disk_dir) / k.identity / k.name
+
+    def dir_for(self, ident: str) -> Path:
+        """Where the engine of this identity saves and restores its slots."""
+        d = self.ram_dir / ident
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def held_ram(self) -> int:
+        with self._lock:
+            return sum(k.size for k in self._files.values() if k.place == "ram")
+
+    def add(self, ident: str, files: list[tuple[str, int, int]]) -> None:
+        """Slot files the engine of ``ident`` saved in dir_for(ident): (name, tokens, bytes)."""
+        now = time.monotonic()
+        with self._lock:
+            for name, tokens, size in files:
+                old = self._files.pop((ident, name), None)
+                if old is not None and old.place == "disk":
+                    self._unlink(old)
+                path = self.ram_dir / ident / name
+                try:
+                    crc = _crc(path)
+                    path.with_suffix(".meta").write_text(json.dumps({"tokens": tokens, "size": size, "crc": crc}))
+                except OSError as e:
+                    _LOG.warning("kept state %s of %s cannot be read back: %s", name, ident, e)
+                    continue
+                self._files[(ident, name)] = Kept(ident, name, tokens, size, "ram", now, crc)
+                self.counters["saved"] += 1
+            self._enforce()
+
+    def prepare(self, ident: str) -> list[str]:
+        """The files of ``ident``, all in its RAM directory, for the engine to restore."""
+        with self._lock:
+            names = []
+            for key, k in sorted(self._files.items(), key=lambda kv: kv[0][1]):
+                if k.identity != ident:
+                    continue
+                if k.place == "disk":
+                    try:
+                        self._move(k, self.dir_for(ident))
+                    except OSError as e:
+                        _LOG.warning("kept state %s cannot be moved back: %s", k.name, e)
+                        self._drop(k, "discarded")
+                        continue
+                    k = self._files[key] = Kept(ident, k.name, k.tokens, k.size, "ram", k.used, k.crc)
+                path = self._path(k)
+                try:
+                    intact = path.stat().st_size == k.size and _crc(path) == k.crc
+                except OSError:
+                    intact = False
+                if not intact:  # llama.cpp would assert on it: never offered
+                    _LOG.warning("kept state %s of %s is damaged (size or checksum): discarded", k.name, ident)
+                    self._drop(k, "discarded")
+                    continue
+                names.append(k.name)
+            return names
+
+    def consumed(self, ident: str, names: list[str], restored: dict[str, int], refused: dict[str, str]) -> None:
+        """After a load: ``restored`` (name -> tokens) live in the KV now, ``refused`` (name
+        -> llama.cpp's reason) were not usable; either way the files go."""
+        with self._lock:
+            for name in names:
+                k = self._files.get((ident, name))
+                if k is None:
+                    continue
+                if name in restored:
+                    self.counters["restores"] += 1
+                    self.counters["restored_tokens"] += restored[name]
+                    self._drop(k, None)
+                else:
+                    _LOG.warning("kept state %s of %s discarded: %s", name, ident, refused.get(name, "not restored"))
+                    self._drop(k, "discarded")
+
+    def status(self) -> dict[str, dict[str, int]]:
+        """Per identity: bytes kept in RAM and on disk, and files."""
+        out: dict[str, dict[str, int]] = {}
+        with self._lock:
+            for k in self._files.values():
+                s = out.setdefault(k.identity, {"ram": 0, "disk": 0, "files": 0})
+                s[k.place] += k.size
+                s["files"] += 1
+        return out
+
+    def close(self) -> None:
+        """The RAM directory goes (its states are lost); the disk directory stays."""
+        with self._lock:
+            shutil.rmtree(self.ram_dir, ignore_errors=True)
+            self._files = {key: k for key, k in self._files.items() if k.place == "disk"}
+
+    # -- lock held ---------------------------------------------------------------
+
+    def _enforce(self) -> None:
+        """RAM within its budget (least recently saved first to disk, or dropped); disk
+        within its cap (least recently saved first dropped)."""
+        ram = sorted((k for k in self._files.values() if k.place == "ram"), key=lambda k: k.used)
+        total = sum(k.size for k in ram)
+        for k in ram:
+            if total <= self.ram_budget:
+                break
+            total -= k.size
+            if self.disk_dir is not None and k.size <= self.disk_budget:
+                try:
+                    self._move(k, self.disk_dir / k.identity)
+                    self._files[(k.identity, k.name)] = Kept(k.identity, k.name, k.tokens, k.size, "disk", k.used,
+                                                             k.crc)
+                    continue
+                except OSError as e:
+                    _LOG.warning("kept state %s cannot go to disk: %s", k.name, e)
+            self._drop(k, "dropped")
+        disk = sorted((k for k in self._files.values() if k.place == "disk"), key=lambda k: k.used)
+        total = sum(k.size for k in disk)
+        for k in disk:
+            if total <= self.disk_budget:
+                break
+            total -= k.size
+            self._drop(k, "dropped")
+
+    def _drop(self, k: Kept, counter: str | None) -> None:
+        self._files.pop((k.identity, k.name), None)
+        self._unlink(k)
+        if counter:
+            self.counters[counter] += 1
+
+    def _move(self, k: Kept, directory: Path) -> None:
+        """The file and its sidecar into ``directory``."""
+        directory.mkdir(parents=True, exist_ok=True)
+        path = self._path(k)
+        shutil.move(path, directory / k.name)
+        if path.with_suffix(".meta").exists():
+            shutil.move(path.with_suffix(".meta"), directory / (Path(k.name).stem + ".meta"))
+
+    def _unlink(self, k: Kept) -> None:
+        for p in (self._path(k), self._path(k).with_suffix(".meta")):
+            try:
+                p.unlink()
+            except OSError:
+                pass

@@ -1,0 +1,184 @@
+"""Prompt states kept across eviction: the store's budgets (pure file work), and a
+conversation that survives its model's eviction (real workers, real slot saves)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pyllmrouter import ModelSpec
+from pyllmrouter.config import ModelConfig
+from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.engine.loader import load, request
+from pyllmrouter.engine.slots import restore_all, save_all
+from pyllmrouter.router.api import Router
+from pyllmrouter.router.keep import KeepStore, identity
+from pyllmrouter.tools import tinymodels
+
+
+def saved(store: KeepStore, ident: str, name: str, size: int) -> tuple[str, int, int]:
+    """A slot file of ``size`` bytes as an engine would have written it."""
+    (store.dir_for(ident) / name).write_bytes(b"x" * size)
+    return (name, size // 10, size)
+
+
+# -- the store ------------------------------------------------------------------
+
+def test_ram_over_budget_goes_to_disk_least_recently_saved_first_and_disk_keeps_its_cap(tmp_path):
+    store = KeepStore(ram_budget=250, disk_dir=tmp_path / "disk", disk_budget=250, ram_dir=tmp_path / "ram")
+    for i, ident in enumerate(["m1", "m2", "m3"]):
+        store.add(ident, [saved(store, ident, "slot0.bin", 100)])
+    # m1 was saved first: it went to disk; RAM holds 200 of its 250
+    assert store.held_ram() == 200
+    assert store.status() == {"m1": {"ram": 0, "disk": 100, "files": 1}, "m2": {"ram": 100, "disk": 0, "files": 1},
+                              "m3": {"ram": 100, "disk": 0, "files": 1}}
+    assert (tmp_path / "disk" / "m1" / "slot0.bin").stat().st_size == 100
+    for ident in ["m4", "m5"]:
+        store.add(ident, [saved(store, ident, "slot0.bin", 100)])
+    # RAM 200 (m4, m5), disk at most 250: m1, m2, m3 went there, the oldest (m1) dropped
+    assert store.held_ram() == 200 and sum(s["disk"] for s in store.status().values()) == 200
+    assert "m1" not in store.status() and store.counters["dropped"] == 1
+    assert not (tmp_path / "disk" / "m1" / "slot0.bin").exists()
+
+
+def test_without_a_disk_directory_what_overflows_is_dropped(tmp_path):
+    store = KeepStore(ram_budget=150, ram_dir=tmp_path / "ram")
+    store.add("a", [saved(store, "a", "slot0.bin", 100)])
+    store.add("b", [saved(store, "b", "slot0.bin", 100)])
+    assert store.status() == {"b": {"ram": 100, "disk": 0, "files": 1}} and store.counters["dropped"] == 1
+    assert not (tmp_path / "ram" / "a" / "slot0.bin").exists()
+
+
+def test_prepare_brings_states_back_from_disk_and_consumed_deletes_them(tmp_path):
+    store = KeepStore(ram_budget=100, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram")
+    store.add("a", [saved(store, "a", "slot0.bin", 80), saved(store, "a", "slot1.bin", 80)])  # one to disk
+    assert store.status()["a"] == {"ram": 80, "disk": 80, "files": 2}
+    names = store.prepare("a")
+    assert names == ["slot0.bin", "slot1.bin"] and all((tmp_path / "ram" / "a" / n).exists() for n in names)
+    store.consumed("a", names, {"slot0.bin": 8}, {"slot1.bin": "invalid slot save file"})
+    assert store.status() == {} and store.held_ram() == 0
+    assert store.counters["restores"] == 1 and store.counters["restored_tokens"] == 8
+    assert store.counters["discarded"] == 1
+    assert not any((tmp_path / "ram" / "a").iterdir())
+
+
+def test_a_damaged_state_is_never_offered(tmp_path):
+    store = KeepStore(ram_budget=1000, ram_dir=tmp_path / "ram")
+    store.add("a", [saved(store, "a", "slot0.bin", 100), saved(store, "a", "slot1.bin", 100)])
+    flipped = tmp_path / "ram" / "a" / "slot0.bin"
+    flipped.write_bytes(b"y" + flipped.read_bytes()[1:])  # same size, other bytes
+    truncated = tmp_path / "ram" / "a" / "slot1.bin"
+    truncated.write_bytes(truncated.read_bytes()[:50])
+    assert store.prepare("a") == []
+    assert store.counters["discarded"] == 2 and not flipped.exists() and not truncated.exists()
+
+
+def test_states_on_disk_are_offered_again_after_a_restart(tmp_path):
+    store = KeepStore(ram_budget=10, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram")
+    store.add("a", [saved(store, "a", "slot0.bin", 100)])  # over the RAM budget: to disk
+    store.close()
+    again = KeepStore(ram_budget=10, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram2")
+    assert again.status() == {"a": {"ram": 0, "disk": 100, "files": 1}}
+    assert again.prepare("a") == ["slot0.bin"]
+
+
+def test_identity_follows_the_file_and_every_setting(tiny, tmp_path):
+    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512)
+    assert identity(spec) == identity(ModelSpec(tiny["tiny-llama"], n_ctx=512))
+    assert identity(spec) != identity(spec.replace(n_ctx=1024))
+    assert identity(spec) != identity(spec.replace(type_k="q8_0"))
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(Path(tiny["tiny-llama"]).read_bytes())
+    assert identity(spec) != identity(spec.replace(path=str(copy)))  # another file, same bytes
+    assert identity(spec.replace(path=str(tmp_path / "gone.gguf"))) is None
+
+
+# -- the engine's own slot actions ------------------------------------------------
+
+LONG = "tell me a long story about the sea and the ships " * 8
+
+
+def test_llama_cpp_refuses_a_state_that_does_not_fit_the_slot(tiny, tmp_path):
+    spec = ModelSpec(tiny["tiny-llama"], n_ctx=1024, n_seq_max=1)
+    engine = load(spec, "--slot-save-path", str(tmp_path))
+    try:
+        request(engine, "/v1/completions", {"prompt": LONG, "max_tokens": 2})
+        (kept,) = save_all(engine, str(tmp_path))
+    finally:
+        engine.close()
+    assert kept[0] == "slot0.bin" and kept[1] > 128 and kept[2] == os.path.getsize(tmp_path / "slot0.bin")
+    small = load(spec.replace(n_ctx=128), "--slot-save-path", str(tmp_path))
+    try:
+        restored, refused = restore_all(small, ["slot0.bin"])
+    finally:
+        small.close()
+    assert restored == {} and "slot0.bin" in refused
+
+
+# -- through the router ------------------------------------------------------------
+
+def conversation(router: Router, evict: bool) -> tuple[list[str], list[int]]:
+    """Two turns with model a; between them (if ``evict``) model b takes a's place."""
+    messages = [{"role": "user", "content": LONG}]
+    answers, cached = [], []
+    for turn in range(2):
+        reply = router.chat("a", messages, max_tokens=8, temperature=0)
+        answers.append(reply["choices"][0]["message"]["content"])
+        cached.append(reply["usage"]["prompt_tokens_details"]["cached_tokens"])
+        messages += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": "and then?"}]
+        if evict and turn == 0:
+            router.chat("b", [{"role": "user", "content": "hi"}], max_tokens=2)
+    return answers, cached
+
+
+def two_models(tiny, **options) -> Router:
+    models = [ModelConfig("a", ModelSpec(tiny["tiny-llama"], n_ctx=1024, n_seq_max=1)),
+              ModelConfig("b", ModelSpec(tiny["tiny-moe"], n_ctx=512, n_seq_max=1))]
+    return Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0, max_models=1, **options)
+
+
+@pytest.mark.slow
+def test_an_evicted_model_resumes_its_conversation_as_if_it_never_left(tiny):
+    with two_models(tiny, kv_keep_ram=0) as r:  # never evicted: the reference
+        reference, _ = conversation(r, evict=False)
+    with two_models(tiny, kv_keep_ram=0) as r:  # evicted, nothing kept
+        answers, cached = conversation(r, evict=True)
+        assert answers == reference and cached[1] == 0
+    with two_models(tiny, kv_keep_ram=64 << 20) as r:  # evicted, its state kept
+        answers, cached = conversation(r, evict=True)
+        assert answers == reference
+        assert cached[1] > 300  # the first turn's prompt came back from the kept state
+        events = [(what, name) for _, what, name, _ in r.scheduler.events]
+        assert events == [("load", "a"), ("evict", "a"), ("load", "b"), ("evict", "b"), ("load", "a")]
+        status = r.status()
+        assert status["kept"]["counters"]["restores"] == 1 and status["models"]["a"]["kept"]["files"] == 0
+        assert status["models"]["b"]["kept"]["ram"] > 0  # b's state waits in RAM for b
+
+
+@pytest.mark.slow
+def test_a_truncated_state_is_discarded_and_the_model_answers(tiny):
+    with two_models(tiny, kv_keep_ram=64 << 20) as r:
+        r.chat("a", [{"role": "user", "content": LONG}], max_tokens=2)
+        r.chat("b", [{"role": "user", "content": "hi"}], max_tokens=2)  # a's state is saved
+        (kept,) = r.scheduler.keep.ram_dir.rglob("*.bin")  # a's: b is still loaded
+        data = kept.read_bytes()
+        kept.write_bytes(data[: len(data) // 2])
+        reply = r.chat("a", [{"role": "user", "content": LONG}], max_tokens=2)
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert r.status()["kept"]["counters"]["discarded"] == 1 and not kept.exists()
+
+
+@pytest.mark.slow
+def test_a_state_never_restores_into_another_configuration(tiny):
+    path = tiny["tiny-llama"]
+    models = [ModelConfig("a", ModelSpec(path, n_ctx=1024, n_seq_max=1)),
+              ModelConfig("a-long", ModelSpec(path, n_ctx=2048, n_seq_max=1))]
+    with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0, max_models=1,
+                kv_keep_ram=64 << 20) as r:
+        r.chat("a", [{"role": "user", "content": LONG}], max_tokens=2)
+        reply = r.chat("a-long", [{"role": "user", "content": LONG}], max_tokens=2)  # evicts a
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a's state is not a-long's
+        assert r.status()["models"]["a"]["kept"]["files"] == 1  # still kept, for a
+        assert r.status()["kept"]["counters"]["restores"] == 0
