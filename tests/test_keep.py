@@ -182,3 +182,33 @@ def test_a_state_never_restores_into_another_configuration(tiny):
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # a's state is not a-long's
         assert r.status()["models"]["a"]["kept"]["files"] == 1  # still kept, for a
         assert r.status()["kept"]["counters"]["restores"] == 0
+
+
+WIDE = tinymodels.Shape("llama", n_embd=512, n_layer=4, n_head=8, n_head_kv=8, n_ff=1024, n_ctx_train=4096)
+
+
+@pytest.mark.slow
+def test_kept_states_give_host_memory_back_before_any_model_is_evicted(tmp_path):
+    """Two models in host memory with room for one and 8 MB: loading the second evicts the
+    first, whose ~20 MB state is saved; that state then leaves RAM for the disk directory
+    so that the second fits; and the first, back, restores it from disk."""
+    from pyllmrouter import probe
+
+    a = ModelSpec(tinymodels.write_llama(tmp_path / "a.gguf", WIDE), n_ctx=4096, n_seq_max=1)
+    b = a.replace(path=str(tinymodels.write_llama(tmp_path / "b.gguf", WIDE, seed=1)))  # as big as a
+    words = "the sea ship sail wind storm harbour light night star " * 60  # ~2500 tokens
+    models = [ModelConfig("a", a, devices=("CPU",)), ModelConfig("b", b, devices=("CPU",))]
+    with Router(models, inventory=EmulatedInventory({}, host=1 << 40), margin=0, kv_keep_ram=0) as r:
+        r.load("a")
+        worker = r.status()["workers"][0]["overhead"]["CPU"]  # the worker's own memory, counted as held
+    host = worker + max(probe(a).total, probe(b).total) + (8 << 20)
+    with Router(models, inventory=EmulatedInventory({}, host=host), margin=0, kv_keep_ram=256 << 20,
+                kv_keep_dir=str(tmp_path / "kept"), kv_keep_disk=256 << 20, queue_timeout=20) as r:
+        r.chat("a", [{"role": "user", "content": words}], max_tokens=2)
+        assert r.chat("b", [{"role": "user", "content": "hi"}], max_tokens=2)["choices"]
+        events = [(what, name) for _, what, name, _ in r.scheduler.events]
+        assert events[-3:] == [("evict", "a"), ("spill", "(kept prompt states)"), ("load", "b")]
+        assert r.status()["models"]["a"]["kept"]["disk"] > 16 << 20 and r.scheduler.keep.held_ram() == 0
+        r.scheduler.check_invariant()
+        reply = r.chat("a", [{"role": "user", "content": words}], max_tokens=2)
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 2000  # restored from disk

@@ -192,6 +192,12 @@ class KeepStore:
                 s["files"] += 1
         return out
 
+    def spill(self) -> None:
+        """Make room in host memory: every state in RAM goes to the disk directory (or is
+        dropped), least recently saved first."""
+        with self._lock:
+            self._enforce(ram_budget=0)
+
     def close(self) -> None:
         """The RAM directory goes (its states are lost); the disk directory stays."""
         with self._lock:
@@ -200,13 +206,14 @@ class KeepStore:
 
     # -- lock held ---------------------------------------------------------------
 
-    def _enforce(self) -> None:
+    def _enforce(self, ram_budget: int | None = None) -> None:
         """RAM within its budget (least recently saved first to disk, or dropped); disk
         within its cap (least recently saved first dropped)."""
+        budget = self.ram_budget if ram_budget is None else ram_budget
         ram = sorted((k for k in self._files.values() if k.place == "ram"), key=lambda k: k.used)
         total = sum(k.size for k in ram)
         for k in ram:
-            if total <= self.ram_budget:
+            if total <= budget:
                 break
             total -= k.size
             if self.disk_dir is not None and k.size <= self.disk_budget:

@@ -51,7 +51,9 @@ from pyllmrouter.spec import ModelSpec
 from pyllmrouter.router.state import State, check_transition, evictable, holds_memory
 from pyllmrouter.router.pool import WorkerHandle
 
-__all__ = ["Scheduler", "Record"]
+__all__ = ["Scheduler", "Record", "KEPT"]
+
+KEPT = "(kept prompt states)"  # a resident that holds host memory: the kept states in RAM
 
 
 @dataclass(eq=False)
@@ -136,6 +138,7 @@ class Scheduler:
         if ram is None:
             ram = inventory.free().get(HOST, 0) // 8
         self._keep = KeepStore(ram, options.kv_keep_dir, options.kv_keep_disk) if ram > 0 else None
+        self._spilling = False  # kept states are leaving RAM for host memory a load wants
 
     # -- lookup --------------------------------------------------------------
 
@@ -193,7 +196,7 @@ class Scheduler:
         # an earlier request that may take a lease keeps its model (one blocked by a drain does not)
         awaited = {t.name for t in self._queue
                    if t.seq < ticket.seq and self._may_lease(self._records[t.name], t)}
-        return [
+        residents = [
             placement.Resident(
                 r.name, r.need, r.last_used,
                 (leaving and r.state is State.UNLOADING)
@@ -202,6 +205,10 @@ class Scheduler:
             )
             for r in self._records.values() if holds_memory(r.state)
         ]
+        kept = self._keep.held_ram() if self._keep is not None else 0
+        if kept:  # kept prompt states give way first (spilled to disk or dropped), before any model
+            residents.append(placement.Resident(KEPT, {HOST: kept}, float("-inf"), not self._spilling))
+        return residents
 
     def check_invariant(self) -> dict[str, int]:
         """Bytes held per device; raises if any device holds more than its capacity."""
@@ -326,7 +333,11 @@ class Scheduler:
             raise NeverFits(rec.name, decision.device, decision.need, decision.capacity, decision.why)
         if isinstance(decision, admission.Evict):
             for v in decision.victims:
-                self._begin_unload(self._records[v], evicted=True)
+                if v == KEPT:
+                    self._spilling = True
+                    self._spawn(self._spill)
+                else:
+                    self._begin_unload(self._records[v], evicted=True)
             return "evicting idle models"
         if isinstance(decision, admission.Wait):
             if decision.probe:
@@ -415,6 +426,16 @@ class Scheduler:
         where = "+".join(sorted(rec.device_set)) if rec.device_set else ""
         self.events.append((time.monotonic(), what, name, where))
         del self.events[:-1000]
+
+    def _spill(self) -> None:
+        """Host memory is wanted: kept prompt states leave RAM (file work, outside the lock)."""
+        try:
+            self._keep.spill()
+        finally:
+            with self._cond:
+                self._spilling = False
+                self.events.append((time.monotonic(), "spill", KEPT, HOST))
+                self._cond.notify_all()
 
     def _probe_requirements(self, rec: Record) -> None:
         reqs: dict[frozenset[str], dict[str, int]] = {}
