@@ -169,7 +169,8 @@ def cmd_fit(a: argparse.Namespace) -> int:
         return 0
     s = plan.spec
     print(f"{spec.path}: n_gpu_layers={s.n_gpu_layers} tensor_split={s.tensor_split} "
-          f"experts of the first {plan.experts_on_host} layers in host memory ({plan.probes} probes, "
+          f"experts of the first {plan.experts_on_host} layers in host memory"
+          f"{''.join(f', the {p} in host memory' for p in plan.to_host)} ({plan.probes} probes, "
           f"{seconds * 1000:.0f} ms)")
     rows = [[p, plan.layers.get(p, "-") if p != HOST else "-", mib(plan.per_device.get(p, 0)), mib(grants[p]),
              mib(grants[p] - plan.per_device.get(p, 0))] for p in pools]

@@ -126,3 +126,38 @@ def test_grant_is_what_is_free_after_the_evictions_policy_allows(rpc_servers, ti
         assert st["m"]["fit"]["need"]["RPC0"] <= capacity - size["small"] < size["m"]
         assert ("evict", "idle") in {(what, name) for _t, what, name, _d in r.scheduler.events}
         r.scheduler.check_invariant()
+
+
+def test_fit_moves_the_projector_and_the_draft_to_host_before_any_layer(rpc_servers, tiny, tmp_path):
+    """A model with a projector and a draft, granted on its device all it needs but half of
+    the projector: the projector goes to host memory and every layer stays; granted less
+    than its draft too, the draft goes as well; each decision is in the plan."""
+    from pyllmrouter.tools import tinymodels
+
+    projector = tinymodels.write_projector(tmp_path / "projector.gguf")
+    draft = tinymodels.write_llama(tmp_path / "draft.gguf", tinymodels.Shape("llama", n_embd=64, n_layer=1, n_head=2,
+                                                                             n_head_kv=1, n_ff=128), seed=1)
+    out = run_py(f"""
+        import json
+        from pyllmrouter.engine.backend import native
+        from pyllmrouter import ModelSpec, probe
+        from pyllmrouter.engine.fit import fit_here
+        native().add_rpc_servers({rpc_servers[:1]!r})
+        spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, mmproj={str(projector)!r},
+                         draft={str(draft)!r})
+        parts = probe(spec, use_cache=False).devices
+        rpc0 = next(d for d in parts if d.device == "RPC0")
+        plans = []
+        for room in (rpc0.total - rpc0.projector // 2, rpc0.total - rpc0.projector - rpc0.draft // 2):
+            plan = fit_here(spec, {{"RPC0": room, "CPU": 1 << 40}})
+            on = {{d.device: (d.projector, d.draft) for d in probe(plan.spec).devices}}
+            plans.append({{"to_host": list(plan.to_host), "ngl": plan.spec.n_gpu_layers, "on": on,
+                           "rpc0": plan.per_device["RPC0"], "room": room}})
+        print(json.dumps({{"projector": rpc0.projector, "draft": rpc0.draft, "plans": plans}}))
+    """)
+    assert out["projector"] > 0 and out["draft"] > 0  # both offloaded with the model as given
+    first, second = out["plans"]
+    assert first["to_host"] == ["projector"] and first["ngl"] == -1  # every layer still on the device
+    assert first["on"]["RPC0"][0] == 0 and first["on"]["CPU"][0] > 0 and first["on"]["RPC0"][1] > 0
+    assert second["to_host"] == ["projector", "draft"] and second["ngl"] == -1
+    assert second["on"]["RPC0"] == [0, 0] and first["rpc0"] <= first["room"] and second["rpc0"] <= second["room"]

@@ -3,6 +3,8 @@
     fit(spec, devices, grants, probe)            devices fastest first (ggml names as
         │                                        the probing process sees them)
         ├─ probe the spec as given: fits? ──▶ done (one probe)
+        ├─ the projector, then the draft model, to host memory (one probe each):
+        │  fits? ──▶ done; what moved is in the plan (``to_host``)
         ├─ costs measured once: per-layer weights and expert weights from the GGUF
         │  header, KV per layer and compute per device from that first probe
         ├─ plan: the output and the last layers on the last device, earlier blocks on
@@ -46,10 +48,12 @@ class FitPlan:
     experts_on_host: int  # MoE: layers whose experts stay in host memory
     probes: int
     grants: dict[str, int] = field(default_factory=dict)
+    to_host: tuple[str, ...] = ()  # parts moved to host memory before any layer: "projector", "draft"
 
     def to_dict(self) -> dict:
         return {"spec": self.spec.to_dict(), "per_device": self.per_device, "layers": self.layers,
-                "experts_on_host": self.experts_on_host, "probes": self.probes, "grants": self.grants}
+                "experts_on_host": self.experts_on_host, "probes": self.probes, "grants": self.grants,
+                "to_host": list(self.to_host)}
 
 
 def _over(per_device: Mapping[str, int], grants: Mapping[str, int]) -> dict[str, int]:
@@ -160,6 +164,18 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
     totals = {d: u["total"] for d, u in first.items()}
     if not _over(totals, grants):
         return FitPlan(spec, totals, {}, spec.n_cpu_moe, v.count, grants)
+    to_host: list[str] = []
+    for part, offloaded, change in (("projector", spec.mmproj is not None and spec.mmproj_offload,
+                                     {"mmproj_offload": False}),
+                                    ("draft", spec.draft is not None and spec.draft_n_gpu_layers != 0,
+                                     {"draft_n_gpu_layers": 0})):
+        if offloaded and any(d in _over(totals, grants) for d in devices):  # before any layer moves
+            spec = spec.replace(**change)
+            first = v.measure(spec)
+            totals = {d: u["total"] for d, u in first.items()}
+            to_host.append(part)
+            if not _over(totals, grants):
+                return FitPlan(spec, totals, {}, spec.n_cpu_moe, v.count, grants, tuple(to_host))
     c = _costs(tensors, n_layer, first, devices)
     room = {d: grants.get(d, 0) for d in devices}
     k = n_layer if moe else 0
@@ -176,7 +192,8 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
         counts = _fill(c, devices, room, k)
     quick = _with_extras(v, spec, counts, devices, k, moe, c, tensors, n_layer, buffer_types) if moe else None
     if quick is not None:  # room the estimate left unused takes more expert tensors, if one fits
-        return replace(_top_up(v, quick, devices, tensors, n_layer, buffer_types), probes=v.count)
+        return replace(_top_up(v, quick, devices, tensors, n_layer, buffer_types), probes=v.count,
+                       to_host=tuple(to_host))
     while True:
         candidate = _spec_for(spec, counts, devices, k, moe)
         totals, over = v.check(candidate)
@@ -196,7 +213,8 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
         for d in shrink:
             counts[d] -= 1
     candidate, totals = _grow(v, c, counts, devices, spec, k, moe, candidate, totals)
-    plan = FitPlan(candidate, totals, {d: n for d, n in counts.items() if n}, k if moe else 0, v.count, grants)
+    plan = FitPlan(candidate, totals, {d: n for d, n in counts.items() if n}, k if moe else 0, v.count, grants,
+                   tuple(to_host))
     plan = _top_up(v, plan, devices, tensors, n_layer, buffer_types)
     return replace(plan, probes=v.count)
 

@@ -31,6 +31,7 @@ class Fitted:
     need: Mapping[str, int] = field(default_factory=dict)  # probed bytes of ``spec`` per device
     layers: Mapping[str, int] = field(default_factory=dict)
     experts_on_host: int = 0
+    to_host: tuple[str, ...] = ()  # parts moved to host memory before any layer ("projector", "draft")
     error: str | None = None
 
     @property
@@ -39,7 +40,7 @@ class Fitted:
 
     def to_dict(self) -> dict:
         return {"grant": dict(self.grant), "need": dict(self.need), "layers": dict(self.layers),
-                "experts_on_host": self.experts_on_host, "error": self.error}
+                "experts_on_host": self.experts_on_host, "to_host": list(self.to_host), "error": self.error}
 
 
 def mib(per_device: Mapping[str, int]) -> str:

@@ -66,7 +66,7 @@ class Measurer:
         v = reply.value
         to_inv = self.inventory.to_inventory
         return Fitted(grant, ModelSpec.from_dict(v["spec"]), to_inv(device_set, v["per_device"]),
-                      to_inv(device_set, v["layers"]), v["experts_on_host"])
+                      to_inv(device_set, v["layers"]), v["experts_on_host"], tuple(v.get("to_host", ())))
 
     def _probe(self, spec: ModelSpec, device_set: frozenset[str]) -> MemoryEstimate:
         hit = cached_estimate(spec, self.inventory.mask_env(device_set))
