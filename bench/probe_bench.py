@@ -5,7 +5,8 @@ Prints a table and writes JSON (default bench/results/probe_bench.json).
 Models: the three tiny models, and sparse files with the layout of a 7B dense
 and a 30B-A3B MoE (probed only: their data region is a hole); the tiny llama and
 the 7B shape also with a vision projector (a tiny one; a CLIP ViT-L/14-336
-shape), whose cost the table shows beside the model alone; and Gemma 3 270M
+shape) and with a draft model as well (a tiny one; a 0.4B shape), whose cost
+the table shows beside the model alone; and Gemma 3 270M
 (a real 262k-token vocabulary) where its package is installed.  A cold probe
 reads the header and probes a copy of it without the vocabulary's content
 (csrc/probe.cpp, write_vocab_free_header), so no tokenizer is built.  ``rchar`` is
@@ -81,13 +82,23 @@ def main() -> None:
         vit_l = tinymodels.write_projector(Path(tmp) / "vit-l-mmproj.gguf", n_embd_text=tinymodels.SHAPE_7B.n_embd,
                                            n_embd=1024, n_layer=24, n_ff=4096, n_head=16, image_size=336,
                                            patch_size=14, sparse=True)
+        tiny_draft = tinymodels.write_llama(Path(tmp) / "tiny-draft.gguf", tinymodels.Shape(
+            "llama", n_embd=64, n_layer=1, n_head=2, n_head_kv=1, n_ff=128), seed=1)
+        # a ~0.4B draft with the 7B shape's vocabulary
+        draft_7b = tinymodels.write_shape(Path(tmp) / "shape-draft.gguf", tinymodels.Shape(
+            "llama", n_embd=1024, n_layer=16, n_head=16, n_head_kv=8, n_ff=4096, n_ctx_train=32768, n_vocab=32000))
         cases = [
             ("tiny-llama", ModelSpec(tiny["tiny-llama"]), True),
             ("tiny-llama + projector", ModelSpec(tiny["tiny-llama"], mmproj=str(tiny_proj)), True),
+            ("tiny-llama + projector + draft", ModelSpec(tiny["tiny-llama"], mmproj=str(tiny_proj),
+                                                         draft=str(tiny_draft), spec_type="draft-simple"), True),
             ("tiny-moe", ModelSpec(tiny["tiny-moe"]), True),
             ("tiny-bert", ModelSpec(tiny["tiny-bert"], n_ctx=512, embedding=True), True),
             ("7B shape Q4_0", ModelSpec(s7, n_ctx=4096), args.load_shapes),
             ("7B shape + ViT-L projector", ModelSpec(s7, n_ctx=4096, mmproj=str(vit_l)), False),
+            ("7B shape + ViT-L projector + 0.4B draft", ModelSpec(s7, n_ctx=4096, mmproj=str(vit_l),
+                                                                  draft=str(draft_7b), spec_type="draft-simple"),
+             False),
             ("30B-A3B shape Q4_0", ModelSpec(s30, n_ctx=4096), args.load_shapes),
         ]
         try:  # a real model with a 262k-token vocabulary, where the test extras installed it

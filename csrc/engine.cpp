@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -199,7 +200,7 @@ common_params parse_server_args(const std::vector<std::string> & args) {
 // The multimodal projector's bytes per device, as llama.cpp counts them for its own
 // fit (mtmd_get_memory_usage: weights and the compute buffer of a warm-up image),
 // with the mtmd_context_params server_context::load_model builds from the same params.
-std::vector<BufferRow> projector_rows(const common_params & params) {
+static std::vector<BufferRow> projector_rows(const common_params & params) {
     const std::string & path = params.mmproj.path;
     std::FILE * f = std::fopen(path.c_str(), "rb");
     if (f == nullptr) {
@@ -239,6 +240,32 @@ std::vector<BufferRow> projector_rows(const common_params & params) {
     return rows;
 }
 
+// probe_file of `path`, or with vocab_free of a copy of its header without the
+// vocabulary's content (a tokenizer costs time, not memory); the real file where the
+// copy does not apply or fails, so that errors name the real path.
+static ProbeResult probe_path(const std::string & path, const llama_model_params & mp, const llama_context_params & cp,
+                              std::uint32_t n_outputs, bool vocab_free) {
+    if (vocab_free) {
+        static std::atomic<unsigned> serial{0};
+        const auto copy = std::filesystem::temp_directory_path() /
+                          ("pyllmrouter-probe-" + std::to_string(::getpid()) + "-" + std::to_string(serial++) + ".gguf");
+        if (write_vocab_free_header(path, copy.string())) {
+            std::optional<ProbeResult> result;
+            try {
+                result = probe_file(copy.string(), mp, cp, n_outputs);
+            } catch (const probe_error &) {
+                // the real file gives the real error, naming the real path
+            }
+            std::error_code ec;
+            std::filesystem::remove(copy, ec);
+            if (result) {
+                return std::move(*result);
+            }
+        }
+    }
+    return probe_file(path, mp, cp, n_outputs);
+}
+
 ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free) {
     common_params params = parse_server_args(args);
     // the output limits server_context::load_model sets (server_output_limits, server-context.cpp)
@@ -259,26 +286,7 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
         projector = projector_rows(params);  // first: a bad projector fails before the model is read
     }
     const auto n_outputs = static_cast<std::uint32_t>(params.n_outputs_max);
-    ProbeResult result;
-    bool probed = false;
-    if (vocab_free) {  // a tokenizer costs time, not memory: probe a copy of the header without it
-        static std::atomic<unsigned> serial{0};
-        const auto copy = std::filesystem::temp_directory_path() /
-                          ("pyllmrouter-probe-" + std::to_string(::getpid()) + "-" + std::to_string(serial++) + ".gguf");
-        if (write_vocab_free_header(params.model.path, copy.string())) {
-            try {
-                result = probe_file(copy.string(), mp, cp, n_outputs);
-                probed = true;
-            } catch (const probe_error &) {
-                // the real file gives the real error, naming the real path
-            }
-            std::error_code ec;
-            std::filesystem::remove(copy, ec);
-        }
-    }
-    if (!probed) {
-        result = probe_file(params.model.path, mp, cp, n_outputs);
-    }
+    ProbeResult result = probe_path(params.model.path, mp, cp, n_outputs, vocab_free);
     result.rows.insert(result.rows.end(), projector.begin(), projector.end());
     if (params.speculative.has_dft()) {
         // the draft model and its context, as server_context::load_model makes them
@@ -297,7 +305,7 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
         }
         ProbeResult d;
         try {
-            d = probe_file(path, dmp, dcp, static_cast<std::uint32_t>(draft.n_outputs_max));
+            d = probe_path(path, dmp, dcp, static_cast<std::uint32_t>(draft.n_outputs_max), vocab_free);
         } catch (const probe_error & e) {
             std::string reason = e.what();
             if (reason.rfind(path + ": ", 0) == 0) reason.erase(0, path.size() + 2);

@@ -198,6 +198,12 @@ class KeepStore:
         with self._lock:
             self._enforce(ram_budget=0)
 
+    def report(self, names: dict[str, str]) -> dict:
+        """Per model (``names``: identity -> model name), bytes in RAM and on disk and
+        files; the budgets and counters."""
+        return {"enabled": True, "ram_budget": self.ram_budget, "disk_budget": self.disk_budget,
+                "models": {names.get(i, i): s for i, s in self.status().items()}, "counters": dict(self.counters)}
+
     def close(self) -> None:
         """The RAM directory goes (its states are lost); the disk directory stays."""
         with self._lock:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from pyllmrouter.router import admission
@@ -43,65 +42,17 @@ from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import HOST, Inventory
 from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel,
                                 WorkerDied, Withdrawn)
-from pyllmrouter.router.fitbook import Fits, Fitted
 from pyllmrouter.router.keep import KeepStore, identity
 from pyllmrouter.router.measure import Measurer, worker_spec
 from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, UnloadModel
 from pyllmrouter.spec import ModelSpec
 from pyllmrouter.router.state import State, check_transition, evictable, holds_memory
 from pyllmrouter.router.pool import WorkerHandle
+from pyllmrouter.router.records import Lease, Record, Ticket
 
-__all__ = ["Scheduler", "Record", "KEPT"]
+__all__ = ["Scheduler", "Record", "Lease", "KEPT"]
 
 KEPT = "(kept prompt states)"  # a resident that holds host memory: the kept states in RAM
-
-
-@dataclass(eq=False)
-class Record:
-    """The router's view of one model (guarded by the scheduler lock)."""
-
-    config: ModelConfig
-    state: State = State.UNLOADED
-    leases: int = 0
-    last_used: float = 0.0
-    device_set: frozenset[str] | None = None
-    need: dict[str, int] = field(default_factory=dict)  # reserved bytes per device (+ COUNT)
-    worker: WorkerHandle | None = None
-    reason: str | None = None  # why it is UNLOADED (failed load, dead worker)
-    requirements: dict[frozenset[str], dict[str, int]] | None = None
-    components: dict[frozenset[str], dict[str, dict]] = field(default_factory=dict)  # per pool, as probed
-    fits: Fits = field(default_factory=Fits)  # specs fitted into grants, per device set
-    fitting: bool = False
-    fit: Fitted | None = None  # the fit being loaded or loaded (None: the spec as given)
-    load_spec: ModelSpec | None = None  # the worker spec chosen at admission
-    probing: bool = False
-    error_epoch: int = 0  # bumped by each failure: tickets older than it give up
-    drain: tuple[float, int] | None = None  # (deadline, seq of the ticket that waits)
-    loads: int = 0
-    live: dict[str, int] = field(default_factory=dict)  # bytes the worker measured after load
-    identity: str | None = None  # the loaded configuration's, for kept prompt states (keep.py)
-
-    @property
-    def name(self) -> str:
-        return self.config.name
-
-
-@dataclass(frozen=True, eq=False)
-class Lease:
-    """A request's hold on a LOADED model: its name and the worker that hosted it when
-    the lease was taken (captured under the lock).  If that worker dies, a call on it
-    raises WorkerDied.  ``Scheduler.release`` ends it, once."""
-
-    name: str
-    worker: WorkerHandle
-
-
-@dataclass(eq=False)
-class _Ticket:
-    name: str
-    seq: int
-    epoch: int
-    created: float
 
 
 class Scheduler:
@@ -124,7 +75,7 @@ class Scheduler:
                     raise ValueError(f"alias {a!r} of model {m.name!r} is used twice")
                 self._aliases[a] = m.name
         self._cond = threading.Condition()
-        self._queue: list[_Ticket] = []
+        self._queue: list[Ticket] = []
         self._seq = itertools.count(1)
         self._workers: dict[frozenset[str], WorkerHandle] = {}
         self._worker_locks: dict[frozenset[str], threading.Lock] = {}
@@ -190,7 +141,7 @@ class Scheduler:
         gpus = [n for n, d in self._devices.items() if d.kind != "cpu"]
         return [frozenset({g}) for g in gpus] or [frozenset({HOST})]
 
-    def _residents(self, ticket: _Ticket, ignore_busy: bool = False, leaving: bool = False) -> list[placement.Resident]:
+    def _residents(self, ticket: Ticket, ignore_busy: bool = False, leaving: bool = False) -> list[placement.Resident]:
         """Models holding memory; evictable only if idle and no earlier request waits for them
         (``ignore_busy``: if not persistent; ``leaving``: models already unloading count too)."""
         # an earlier request that may take a lease keeps its model (one blocked by a drain does not)
@@ -237,7 +188,7 @@ class Scheduler:
                 raise RouterClosed("router is closed")
             if rec.state is not State.LOADED and not autoload:
                 raise NotLoaded(rec.name, rec.state.value)
-            ticket = _Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
+            ticket = Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
             self._queue.append(ticket)
         deadline = ticket.created + timeout
         free: dict[str, int] | None = None  # the inventory's reading, taken since the last wait
@@ -285,10 +236,10 @@ class Scheduler:
         with self._cond:
             if self._closed or rec.state is not State.LOADED:
                 return None
-            ticket = _Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
+            ticket = Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
             return self._take(rec, ticket) if self._may_lease(rec, ticket) else None
 
-    def _take(self, rec: Record, ticket: _Ticket) -> Lease:
+    def _take(self, rec: Record, ticket: Ticket) -> Lease:
         rec.leases += 1
         rec.last_used = time.monotonic()
         if self.on_wait is not None:
@@ -302,7 +253,7 @@ class Scheduler:
             rec.last_used = time.monotonic()
             self._cond.notify_all()
 
-    def _may_lease(self, rec: Record, ticket: _Ticket) -> bool:
+    def _may_lease(self, rec: Record, ticket: Ticket) -> bool:
         if rec.drain is None:
             return True
         deadline, waiter_seq = rec.drain
@@ -310,7 +261,7 @@ class Scheduler:
 
     # -- admission (lock held) -----------------------------------------------
 
-    def _earlier_loader_blocks(self, rec: Record, ticket: _Ticket) -> bool:
+    def _earlier_loader_blocks(self, rec: Record, ticket: Ticket) -> bool:
         mine = set().union(*self._candidates(rec))
         for t in self._queue:
             if t.seq >= ticket.seq:
@@ -322,7 +273,7 @@ class Scheduler:
                 return True
         return False
 
-    def _admit(self, rec: Record, ticket: _Ticket, free: dict[str, int]) -> str:
+    def _admit(self, rec: Record, ticket: Ticket, free: dict[str, int]) -> str:
         """Move ``rec`` towards LOADING if it is this ticket's turn; say why not.
         ``free`` is the inventory's reading, taken before the lock."""
         available = self._available(free)
@@ -359,7 +310,7 @@ class Scheduler:
         self._spawn(self._load, rec)
         return "loading"
 
-    def _view(self, ticket: _Ticket, available: dict[str, int]) -> admission.View:
+    def _view(self, ticket: Ticket, available: dict[str, int]) -> admission.View:
         capacity = {d: self._capacity(d) for d in self._devices}
         if self.options.max_models:
             capacity[placement.COUNT] = self.options.max_models
@@ -367,7 +318,7 @@ class Scheduler:
                               tuple(self._residents(ticket, ignore_busy=True)),
                               tuple(self._residents(ticket, ignore_busy=True, leaving=True)))
 
-    def _request(self, rec: Record, ticket: _Ticket) -> admission.Request:
+    def _request(self, rec: Record, ticket: Ticket) -> admission.Request:
         options = None
         if rec.requirements is not None:
             options = []
@@ -384,17 +335,6 @@ class Scheduler:
     def keep(self) -> KeepStore | None:
         """The store of prompt states kept across eviction (None: keeping is off)."""
         return self._keep
-
-    def kept(self) -> dict[str, Any]:
-        """Prompt states kept across eviction: per model, bytes in RAM and on disk and
-        files (its loaded or last configuration); the store's counters."""
-        if self._keep is None:
-            return {"enabled": False, "models": {}, "counters": {}}
-        by_identity = self._keep.status()
-        with self._cond:
-            names = {r.identity: r.name for r in self._records.values() if r.identity}
-        return {"enabled": True, "ram_budget": self._keep.ram_budget, "disk_budget": self._keep.disk_budget,
-                "models": {names.get(i, i): s for i, s in by_identity.items()}, "counters": dict(self._keep.counters)}
 
     def _move(self, rec: Record, new: State, reason: str | None = None) -> None:
         """The one place a model's state changes (lock held), checked against
@@ -644,24 +584,13 @@ class Scheduler:
 
     def status(self) -> dict[str, Any]:
         free = self.inventory.free()
-        kept = self.kept()
+        with self._cond:
+            names = {r.identity: r.name for r in self._records.values() if r.identity}
+        kept = self._keep.report(names) if self._keep is not None else {"enabled": False, "models": {}}
         with self._cond:
             available = self._available(free)
             held = self._held()
-            models = {
-                r.name: {
-                    "state": r.state.value, "aliases": list(r.config.aliases), "leases": r.leases,
-                    "devices": sorted(r.device_set) if r.device_set and holds_memory(r.state) else [],
-                    "requirement": {"+".join(sorted(ds)): {d: n for d, n in need.items() if d != placement.COUNT}
-                                    for ds, need in (r.requirements or {}).items()},
-                    "components": {"+".join(sorted(ds)): parts for ds, parts in r.components.items()},
-                    "fit": r.fit.to_dict() if r.fit and holds_memory(r.state) else None,
-                    "live": dict(r.live), "reason": r.reason, "loads": r.loads,
-                    "persistent": r.config.persistent, "ttl": r.config.ttl,
-                    "kept": kept["models"].get(r.name, {"ram": 0, "disk": 0, "files": 0}),
-                }
-                for r in self._records.values()
-            }
+            models = {r.name: r.report(kept["models"].get(r.name)) for r in self._records.values()}
             devices = {
                 n: {"kind": d.kind, "total": d.total, "free": free.get(n), "capacity": self._capacity(n),
                     "held": held.get(n, 0), "available": available.get(n)}

@@ -1,0 +1,82 @@
+"""The scheduler's records: what it knows of each model, what a request holds (a
+Lease), and what a waiting request is (a Ticket).  Records change only under the
+scheduler's lock, and a model's state only through ``Scheduler._move``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pyllmrouter.config import ModelConfig
+from pyllmrouter.router.fitbook import Fits, Fitted
+from pyllmrouter.router.pool import WorkerHandle
+from pyllmrouter.router.placement import COUNT
+from pyllmrouter.router.state import State, holds_memory
+from pyllmrouter.spec import ModelSpec
+
+__all__ = ["Record", "Lease", "Ticket"]
+
+
+@dataclass(eq=False)
+class Record:
+    """The router's view of one model (guarded by the scheduler lock)."""
+
+    config: ModelConfig
+    state: State = State.UNLOADED
+    leases: int = 0
+    last_used: float = 0.0
+    device_set: frozenset[str] | None = None
+    need: dict[str, int] = field(default_factory=dict)  # reserved bytes per device (+ COUNT)
+    worker: WorkerHandle | None = None
+    reason: str | None = None  # why it is UNLOADED (failed load, dead worker)
+    requirements: dict[frozenset[str], dict[str, int]] | None = None
+    components: dict[frozenset[str], dict[str, dict]] = field(default_factory=dict)  # per pool, as probed
+    fits: Fits = field(default_factory=Fits)  # specs fitted into grants, per device set
+    fitting: bool = False
+    fit: Fitted | None = None  # the fit being loaded or loaded (None: the spec as given)
+    load_spec: ModelSpec | None = None  # the worker spec chosen at admission
+    probing: bool = False
+    error_epoch: int = 0  # bumped by each failure: tickets older than it give up
+    drain: tuple[float, int] | None = None  # (deadline, seq of the ticket that waits)
+    loads: int = 0
+    live: dict[str, int] = field(default_factory=dict)  # bytes the worker measured after load
+    identity: str | None = None  # the loaded configuration's, for kept prompt states (keep.py)
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def report(self, kept: dict[str, int] | None) -> dict:
+        """The model in ``status()`` (lock held): plain values only."""
+        held = holds_memory(self.state)
+        return {
+            "state": self.state.value, "aliases": list(self.config.aliases), "leases": self.leases,
+            "devices": sorted(self.device_set) if self.device_set and held else [],
+            "requirement": {"+".join(sorted(ds)): {d: n for d, n in need.items() if d != COUNT}
+                            for ds, need in (self.requirements or {}).items()},
+            "components": {"+".join(sorted(ds)): parts for ds, parts in self.components.items()},
+            "fit": self.fit.to_dict() if self.fit and held else None,
+            "live": dict(self.live), "reason": self.reason, "loads": self.loads,
+            "persistent": self.config.persistent, "ttl": self.config.ttl,
+            "kept": kept or {"ram": 0, "disk": 0, "files": 0},
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class Lease:
+    """A request's hold on a LOADED model: its name and the worker that hosted it when
+    the lease was taken (captured under the lock).  If that worker dies, a call on it
+    raises WorkerDied.  ``Scheduler.release`` ends it, once."""
+
+    name: str
+    worker: WorkerHandle
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request waiting for its model: its place in the FIFO queue (seq), the model's
+    failure count when it arrived (epoch) and when it arrived."""
+
+    name: str
+    seq: int
+    epoch: int
+    created: float
