@@ -111,6 +111,7 @@ class Unloaded:
     req_id: int
     name: str
     kept: tuple[tuple[str, int, int], ...] = ()  # saved slot states: (file name, tokens, bytes)
+    hits: int = 0  # slots restored at load whose state a request then took tokens from
 
 
 @dataclass(frozen=True)

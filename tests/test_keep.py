@@ -155,6 +155,9 @@ def test_an_evicted_model_resumes_its_conversation_as_if_it_never_left(tiny):
         status = r.status()
         assert status["kept"]["counters"]["restores"] == 1 and status["models"]["a"]["kept"]["files"] == 0
         assert status["models"]["b"]["kept"]["ram"] > 0  # b's state waits in RAM for b
+        assert status["kept"]["counters"]["hits"] == 0  # counted when a leaves again
+        r.chat("b", [{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.status()["kept"]["counters"]["hits"] == 1  # the restored state served the second turn
 
 
 @pytest.mark.slow
@@ -168,6 +171,8 @@ def test_a_truncated_state_is_discarded_and_the_model_answers(tiny):
         reply = r.chat("a", [{"role": "user", "content": LONG}], max_tokens=2)
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert r.status()["kept"]["counters"]["discarded"] == 1 and not kept.exists()
+        r.chat("b", [{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.status()["kept"]["counters"]["hits"] == 0  # nothing was restored, so nothing hit
 
 
 @pytest.mark.slow

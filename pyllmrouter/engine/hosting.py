@@ -19,6 +19,7 @@ together.  Nothing here reads a request body.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from typing import Any, Callable
 
@@ -27,6 +28,7 @@ from pyllmrouter.protocol import Batch, Call, Chunk, ErrorKind, Failed, HttpRepl
 __all__ = ["EngineHost"]
 
 _LOG = logging.getLogger(__name__)
+_CACHE_N = re.compile(rb'"cache_n":(\d+)')  # in llama-server's timings of a request's final reply
 
 
 class EngineHost:
@@ -42,6 +44,8 @@ class EngineHost:
         self._lock = threading.Condition()
         self._stops: dict[int, Any] = {}  # req_id -> StopFlag of a request in flight
         self._closing = False
+        self._awaited = 0  # slots restored at load whose first use is still to come
+        self.hits = 0  # requests that took tokens from a restored slot's cache
         self._outbox = native.Outbox()
         self._sender = threading.Thread(target=self._send_chunks, name=f"send-{name}", daemon=True)
         self._sender.start()
@@ -54,6 +58,19 @@ class EngineHost:
                 return
             self._stops[msg.req_id] = flag
         threading.Thread(target=self._serve, args=(msg, flag), name=f"call-{self.name}", daemon=True).start()
+
+    def expect_hits(self, restored: int) -> None:
+        """``restored`` slots hold kept states: count the requests that use them."""
+        with self._lock:
+            self._awaited = restored
+
+    def _seen(self, data: bytes) -> None:
+        """A reply's bytes, while restored states await their use: a request whose timings
+        say it took tokens from the cache used one (``_lock`` held)."""
+        for m in _CACHE_N.finditer(data):
+            if self._awaited and int(m.group(1)) > 0:
+                self._awaited -= 1
+                self.hits += 1
 
     def cancel(self, req_id: int) -> bool:
         with self._lock:
@@ -68,6 +85,9 @@ class EngineHost:
             reply = self.engine.handle(msg.method, msg.path, msg.query, msg.headers, msg.body, "", flag)
             head = HttpReply(reply.status, reply.content_type, dict(reply.headers), reply.data, reply.is_stream)
             if not head.stream:
+                if self._awaited:
+                    with self._lock:
+                        self._seen(head.body)
                 self._send(Result(rid, head))
                 return
             self._send(Chunk(rid, head))  # before any chunk: the pump starts after this send
@@ -94,9 +114,11 @@ class EngineHost:
             msgs = [Result(rid, None) if last else Chunk(rid, chunk) for rid, chunk, last in items]
             self._send(msgs[0] if len(msgs) == 1 else Batch(msgs))
             with self._lock:
-                for rid, _, last in items:
+                for rid, chunk, last in items:
                     if last:
                         self._stops.pop(rid, None)
+                    elif self._awaited:
+                        self._seen(chunk)
                 self._lock.notify_all()
 
     def close(self, before_free: Callable[[Any], Any] | None = None) -> Any:

@@ -70,7 +70,8 @@ class _Worker:
             with self.models_lock:
                 taken = msg.name in self.models
                 if not taken:
-                    self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send)
+                    self.models[msg.name] = host = EngineHost(msg.name, engine, native(), self.send)
+                    host.expect_hits(len(restored))
                     self.keep_dirs[msg.name] = msg.keep_dir
             if taken:
                 engine.close()
@@ -92,7 +93,7 @@ class _Worker:
         except Exception:  # noqa: BLE001 - a state not saved is a state not kept; the unload goes on
             _LOG.exception("saving the slots of %s", msg.name)
         finally:
-            self.send(Unloaded(msg.req_id, msg.name, tuple(kept)))
+            self.send(Unloaded(msg.req_id, msg.name, tuple(kept), host.hits))
 
     def _probe(self, msg: Probe | Fit) -> None:
         from pyllmrouter.engine.fit import FitError, fit_here  # noqa: PLC0415

@@ -78,7 +78,7 @@ class KeepStore:
         self.disk_budget = max(0, disk_budget) if disk_dir else 0
         self._lock = threading.Lock()
         self._files: dict[tuple[str, str], Kept] = {}  # (identity, name) -> where and how big
-        self.counters = {"saved": 0, "restores": 0, "restored_tokens": 0, "discarded": 0, "dropped": 0}
+        self.counters = {"saved": 0, "restores": 0, "restored_tokens": 0, "hits": 0, "discarded": 0, "dropped": 0}
         if ram_dir is None:
             shm = Path("/dev/shm")
             base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
@@ -181,6 +181,12 @@ class KeepStore:
                 else:
                     _LOG.warning("kept state %s of %s discarded: %s", name, ident, refused.get(name, "not restored"))
                     self._drop(k, "discarded")
+
+    def hit(self, n: int) -> None:
+        """``n`` restored states served a request from their cache (counted when their
+        model leaves: llama-server's /slots says so then)."""
+        with self._lock:
+            self.counters["hits"] += n
 
     def status(self) -> dict[str, dict[str, int]]:
         """Per identity: bytes kept in RAM and on disk, and files."""

@@ -506,6 +506,8 @@ class Scheduler:
                 reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep)).get(self.options.load_timeout)
                 if keep and getattr(reply, "kept", ()):
                     self._keep.add(ident, list(reply.kept))  # I/O: outside the lock
+                if self._keep is not None and getattr(reply, "hits", 0):
+                    self._keep.hit(reply.hits)
             except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
                 pass
         with self._cond:
