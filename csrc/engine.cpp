@@ -244,7 +244,7 @@ static std::vector<BufferRow> projector_rows(const common_params & params) {
 // vocabulary's content (a tokenizer costs time, not memory); the real file where the
 // copy does not apply or fails, so that errors name the real path.
 static ProbeResult probe_path(const std::string & path, const llama_model_params & mp, const llama_context_params & cp,
-                              std::uint32_t n_outputs, bool vocab_free) {
+                              std::uint32_t n_outputs, bool vocab_free, const std::vector<std::string> & loras = {}) {
     if (vocab_free) {
         static std::atomic<unsigned> serial{0};
         const auto copy = std::filesystem::temp_directory_path() /
@@ -252,7 +252,7 @@ static ProbeResult probe_path(const std::string & path, const llama_model_params
         if (write_vocab_free_header(path, copy.string())) {
             std::optional<ProbeResult> result;
             try {
-                result = probe_file(copy.string(), mp, cp, n_outputs);
+                result = probe_file(copy.string(), mp, cp, n_outputs, loras);
             } catch (const probe_error &) {
                 // the real file gives the real error, naming the real path
             }
@@ -263,7 +263,7 @@ static ProbeResult probe_path(const std::string & path, const llama_model_params
             }
         }
     }
-    return probe_file(path, mp, cp, n_outputs);
+    return probe_file(path, mp, cp, n_outputs, loras);
 }
 
 ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free) {
@@ -286,7 +286,16 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
         projector = projector_rows(params);  // first: a bad projector fails before the model is read
     }
     const auto n_outputs = static_cast<std::uint32_t>(params.n_outputs_max);
-    ProbeResult result = probe_path(params.model.path, mp, cp, n_outputs, vocab_free);
+    std::vector<std::string> loras;
+    for (const auto & lora : params.lora_adapters) {
+        if (std::FILE * f = std::fopen(lora.path.c_str(), "rb")) {
+            std::fclose(f);
+        } else {
+            throw probe_error("lora " + lora.path + ": file not found or not readable");
+        }
+        loras.push_back(lora.path);
+    }
+    ProbeResult result = probe_path(params.model.path, mp, cp, n_outputs, vocab_free, loras);
     result.rows.insert(result.rows.end(), projector.begin(), projector.end());
     if (params.speculative.has_dft()) {
         // the draft model and its context, as server_context::load_model makes them

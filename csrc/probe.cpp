@@ -214,7 +214,8 @@ std::vector<BufferRow> breakdown_of(const llama_context * ctx) {
 }
 
 ProbeResult probe_file(const std::string & path, const llama_model_params & mparams,
-                       const llama_context_params & cparams, std::uint32_t n_outputs) {
+                       const llama_context_params & cparams, std::uint32_t n_outputs,
+                       const std::vector<std::string> & loras) {
     backend_init_once();
     std::lock_guard<std::mutex> lock(probe_mutex());
     LogCapture capture;
@@ -229,6 +230,11 @@ ProbeResult probe_file(const std::string & path, const llama_model_params & mpar
     if (!model) {
         throw probe_error(path + ": cannot load model: " + capture.reason());
     }
+    std::vector<BufferRow> adapters;
+    for (const auto & lora : loras) {
+        const auto rows = lora_rows(model.get(), lora);
+        adapters.insert(adapters.end(), rows.begin(), rows.end());
+    }
     llama_context_params cp = cparams;
     cp.cb_eval = nullptr;
     cp.abort_callback = nullptr;
@@ -240,6 +246,7 @@ ProbeResult probe_file(const std::string & path, const llama_model_params & mpar
     ProbeResult result;
     result.rows = breakdown_of(ctx.get());
     result.rows.push_back(output_row(model.get(), cp, n_outputs));
+    result.rows.insert(result.rows.end(), adapters.begin(), adapters.end());
     result.facts = facts_of(model.get());
     result.n_ctx = llama_n_ctx(ctx.get());
     result.n_seq_max = llama_n_seq_max(ctx.get());

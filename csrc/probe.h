@@ -16,6 +16,7 @@
 #include <vector>
 
 struct llama_context;
+struct llama_model;
 struct llama_model_params;
 struct llama_context_params;
 
@@ -76,9 +77,15 @@ struct DeviceInfo {
 using MetaValue = std::pair<char, std::string>;  // ('i'|'f'|'b'|'s'|'a', text)
 
 // n_outputs: rows of the output buffer to reserve (n_seq_max for generation,
-// n_batch when every token of a batch yields logits or an embedding).
+// n_batch when every token of a batch yields logits or an embedding); loras: LoRA
+// adapter files loaded with the model (rows of component "lora").
 ProbeResult probe_file(const std::string & path, const llama_model_params & mparams,
-                       const llama_context_params & cparams, std::uint32_t n_outputs);
+                       const llama_context_params & cparams, std::uint32_t n_outputs,
+                       const std::vector<std::string> & loras = {});
+
+// A LoRA adapter's bytes per buffer type for `model` (csrc/lora.cpp); throws
+// probe_error naming the file.
+std::vector<BufferRow> lora_rows(const llama_model * model, const std::string & path);
 
 std::vector<BufferRow> breakdown_of(const llama_context * ctx);
 

@@ -58,6 +58,7 @@ def add_spec_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-ngld", "--spec-draft-ngl", dest="draft_n_gpu_layers", type=int, default=-1)
     p.add_argument("-ctkd", "--spec-draft-type-k", dest="draft_type_k", default="f16", choices=sorted(KV_TYPES))
     p.add_argument("-ctvd", "--spec-draft-type-v", dest="draft_type_v", default="f16", choices=sorted(KV_TYPES))
+    p.add_argument("--lora", dest="lora", action="append", default=[], help="LoRA adapter (repeatable)")
     add_rpc_argument(p)
 
 
@@ -76,6 +77,7 @@ def spec_from_args(a: argparse.Namespace) -> ModelSpec:
         offload_kqv=a.offload_kqv, use_mmap=a.use_mmap, cache_ram=a.cache_ram,
         mmproj=a.mmproj, mmproj_offload=a.mmproj_offload, draft=a.draft,
         draft_n_gpu_layers=a.draft_n_gpu_layers, draft_type_k=a.draft_type_k, draft_type_v=a.draft_type_v,
+        lora=tuple((p, 1.0) for p in a.lora),
     )
 
 
@@ -85,9 +87,9 @@ def estimate_table(est: MemoryEstimate, free: dict[str, int], margin: int) -> st
         f = free.get(d.device)
         fits = "-" if f is None else ("yes" if d.total <= f - margin else "no")
         rows.append([d.device, mib(d.weights), mib(d.kv), mib(d.compute), mib(d.output), mib(d.cache),
-                     mib(d.projector), mib(d.draft), mib(d.total), mib(f), fits])
+                     mib(d.projector), mib(d.draft), mib(d.lora), mib(d.total), mib(f), fits])
     head = ["device", "weights MiB", "KV MiB", "compute MiB", "output MiB", "prompt cache MiB", "projector MiB",
-            "draft MiB", "total MiB", "free MiB",
+            "draft MiB", "LoRA MiB", "total MiB", "free MiB",
             f"fits (margin {margin // MiB} MiB)"]
     return render(head, rows)
 

@@ -65,7 +65,7 @@ class BufferUse:
     output: int = 0
     cache: int = 0  # the engine's host prompt cache, at its cap (llama-server's --cache-ram)
     projector: int = 0  # the multimodal projector (mmproj): weights and compute
-    component: str = "model"  # "model" (the model and its context), "draft" (the draft's), "projector"
+    component: str = "model"  # "model" (the model and its context), "draft" (the draft's), "projector", "lora"
 
     @property
     def pool(self) -> str:
@@ -88,10 +88,12 @@ class DeviceUse:
     cache: int = 0  # host prompt cache cap
     projector: int = 0  # multimodal projector
     draft: int = 0  # the draft model: its weights, KV, compute and output together
+    lora: int = 0  # LoRA adapters' weights
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.compute + self.output + self.cache + self.projector + self.draft
+        return (self.weights + self.kv + self.compute + self.output + self.cache + self.projector + self.draft
+                + self.lora)
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,9 @@ def aggregate(buffers: Iterable[BufferUse]) -> tuple[DeviceUse, ...]:
     """Fold buffer rows into one row per pool: devices by name (CUDA2 before CUDA10), host last."""
     sums: dict[str, list[int]] = {}
     for b in buffers:
-        s = sums.setdefault(b.pool, [0, 0, 0, 0, 0, 0, 0])
-        if b.component == "draft":
-            s[6] += b.total
+        s = sums.setdefault(b.pool, [0, 0, 0, 0, 0, 0, 0, 0])
+        if b.component in ("draft", "lora"):
+            s[6 if b.component == "draft" else 7] += b.total
             continue
         s[0] += b.model
         s[1] += b.context

@@ -68,6 +68,17 @@ def _names(v: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in v.split(",") if x.strip())
 
 
+def _scaled(v: str) -> tuple[tuple[str, float], ...]:
+    """llama-server's --lora-scaled: FNAME:SCALE,..."""
+    out = []
+    for item in _names(v):
+        path, sep, scale = item.rpartition(":")
+        if not sep or not path:
+            raise ValueError(f"{item!r}: expected FNAME:SCALE")
+        out.append((path, float(scale)))
+    return tuple(out)
+
+
 _POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 
@@ -119,6 +130,8 @@ OPTIONS: tuple[Option, ...] = (
            "spec.draft_type_v", _choice(KV_TYPES)),
     Option(("spec-draft-n-max",), "LLAMA_ARG_SPEC_DRAFT_N_MAX", "spec.draft_n_max", int),
     Option(("spec-type",), "LLAMA_ARG_SPEC_TYPE", "spec.spec_type", str),
+    Option(("lora",), None, "spec.lora", lambda v: tuple((p, 1.0) for p in _names(v))),
+    Option(("lora-scaled",), None, "spec.lora", _scaled),
     Option(("threads", "t"), "LLAMA_ARG_THREADS", "spec.n_threads", int),
     Option(("threads-batch", "tb"), None, "spec.n_threads_batch", int),
     Option(("device", "dev", "devices"), "LLAMA_ARG_DEVICE", "config.devices", _names),

@@ -80,6 +80,9 @@ class ModelSpec:
     draft_type_v: str = "f16"
     draft_n_max: int = -1  # tokens drafted per step (-1: llama.cpp's default); sizes the output buffers
     spec_type: str | None = None  # llama-server --spec-type (e.g. "draft-simple"): sizes the output buffers
+    # LoRA adapters loaded with the model (llama-server --lora-scaled): (file, scale) pairs,
+    # each adapter counted on the buffer types of the tensors it adapts
+    lora: tuple[tuple[str, float], ...] = ()
     n_threads: int | None = None
     n_threads_batch: int | None = None
 
@@ -94,6 +97,7 @@ class ModelSpec:
                 object.__setattr__(self, name, tuple(value))
         if not isinstance(self.tensor_overrides, tuple):
             object.__setattr__(self, "tensor_overrides", tuple(tuple(p) for p in self.tensor_overrides))
+        object.__setattr__(self, "lora", tuple((os.fspath(p), float(s)) for p, s in self.lora))
         self.validate()
 
     def validate(self) -> None:
@@ -116,6 +120,8 @@ class ModelSpec:
         need(self.draft_type_k in KV_TYPES, "draft_type_k", f"must be one of {sorted(KV_TYPES)}")
         need(self.draft_type_v in KV_TYPES, "draft_type_v", f"must be one of {sorted(KV_TYPES)}")
         need(self.draft_n_max >= -1, "draft_n_max", "must be >= -1 (-1 = llama.cpp's default)")
+        need(all("," not in p and ":" not in p for p, _ in self.lora), "lora",
+             "a LoRA file name may not contain ',' or ':' (llama.cpp's list separators)")
         need(self.cache_ram >= 0, "cache_ram",
              "must be >= 0 MiB: an unlimited prompt cache (-1) cannot be admitted; give its cap in MiB")
         if self.tensor_split is not None:
@@ -167,6 +173,8 @@ class ModelSpec:
             a += ["--spec-draft-n-max", str(self.draft_n_max)]
         if self.spec_type:
             a += ["--spec-type", self.spec_type]
+        if self.lora:
+            a += ["--lora-scaled", ",".join(f"{p}:{s:g}" for p, s in self.lora)]
         if self.n_threads is not None:
             a += ["-t", str(self.n_threads)]
         if self.n_threads_batch is not None:

@@ -45,6 +45,7 @@ ngld = 12
 ctkd = q8_0
 spec-type = draft-simple
 spec-draft-n-max = 6
+lora-scaled = /m/style.gguf:0.5,/m/tone.gguf:1
 
 [embed]
 model = /m/bge.gguf
@@ -72,6 +73,9 @@ no-mmap = true
     assert (s.draft, s.draft_n_gpu_layers, s.draft_type_k, s.spec_type, s.draft_n_max) == \
         ("/m/chat-draft.gguf", 12, "q8_0", "draft-simple", 6)
     assert spec_args[spec_args.index("-md") + 1] == "/m/chat-draft.gguf" and "--spec-type" not in chat.args
+    # and LoRA adapters
+    assert s.lora == (("/m/style.gguf", 0.5), ("/m/tone.gguf", 1.0))
+    assert spec_args[spec_args.index("--lora-scaled") + 1] == "/m/style.gguf:0.5,/m/tone.gguf:1"
     # llama-server's other keys reach the engine as llama-server's router passes them to a child
     # (a negated key as the negated flag), checked by llama.cpp's own parser
     args = chat.args

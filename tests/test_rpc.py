@@ -146,3 +146,30 @@ def test_a_projector_goes_to_a_device_or_to_the_host_as_the_engine_puts_it(rpc_s
     assert [r[:2] for r in off["rows"]] == [["CPU", True]]  # not offloaded: all in host memory
     assert off["rows"][0][2] > sum(r[2] for r in on["rows"] if r[1])
     assert on["prompt"] == off["prompt"] > 16
+
+
+def test_a_lora_adapter_is_counted_on_the_devices_of_the_layers_it_adapts(rpc_servers, tiny, tmp_path):
+    """Layer 0 on RPC0, layer 1 and the output on RPC1: each adapter pair is counted
+    where its layer is, and the engine so loaded answers with the adapter applied."""
+    from pyllmrouter.tools import tinymodels
+
+    lora = tinymodels.write_lora(tmp_path / "lora.gguf", targets=("attn_q", "output"))
+    out = run_py(f"""
+        import json
+        from pyllmrouter.engine.backend import native
+        from pyllmrouter import ModelSpec, probe
+        from pyllmrouter.engine.loader import load, request
+        native().add_rpc_servers({rpc_servers[:2]!r})
+        spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, tensor_split=(1, 2),
+                         lora=(({str(lora)!r}, 1.0),))
+        rows = {{b.device: b.model for b in probe(spec, use_cache=False).buffers if b.component == "lora"}}
+        llm = load(spec)
+        text = request(llm, "/v1/completions", {{"prompt": "hello", "max_tokens": 4}})["choices"][0]["text"]
+        llm.close()
+        print(json.dumps({{"rows": rows, "sizes": dict(native().tensor_sizes({str(lora)!r})), "text": text}}))
+    """)
+    sizes = out["sizes"]
+    layer0 = sizes["blk.0.attn_q.weight.lora_a"] + sizes["blk.0.attn_q.weight.lora_b"]
+    rest = sum(sizes.values()) - layer0
+    assert out["rows"] == {"RPC0": layer0, "RPC1": rest}
+    assert isinstance(out["text"], str)

@@ -53,7 +53,7 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
         raw = nat.probe_server(spec.to_args())
     except nat.LlamaError as e:
         reason = str(e)
-        for kind, path in (("projector", spec.mmproj), ("draft", spec.draft)):
+        for kind, path in (("projector", spec.mmproj), ("draft", spec.draft), *(("lora", p) for p, _ in spec.lora)):
             if path is not None and reason.startswith(f"{kind} {path}: "):
                 raise ProbeError(path, f"{kind}: " + reason.removeprefix(f"{kind} {path}: ")) from None
         raise ProbeError(spec.path, reason.removeprefix(spec.path + ": ")) from None

@@ -4,6 +4,7 @@ Every writer here produces a real GGUF file that llama.cpp loads and runs:
 
     write_llama(path)   dense llama, SentencePiece (SPM) vocabulary, chat template
     write_projector(path)  a LLaVA-style vision projector (mmproj) for the llama
+    write_lora(path)    a LoRA adapter for the llama
     write_moe(path)     qwen3moe mixture of experts, same SPM vocabulary
     write_bert(path)    bert encoder with a WordPiece vocabulary (embeddings)
     write_shape(path)   a large model *shape* (7B dense, 30B-A3B MoE): header and
@@ -32,6 +33,7 @@ __all__ = [
     "SHAPE_30B_A3B",
     "write_llama",
     "write_projector",
+    "write_lora",
     "png",
     "write_moe",
     "write_bert",
@@ -425,6 +427,33 @@ def write_projector(path: os.PathLike | str, n_embd_text: int = LLAMA.n_embd, se
     w.mat("mm.2.weight", n_embd_text, n_embd_text)
     w.vec("mm.2.bias", n_embd_text)
     return _finish_sparse(writer, path) if sparse else finish(writer, path)
+
+
+def write_lora(path: os.PathLike | str, shape: Shape = LLAMA, rank: int = 8, seed: int = 0,
+               targets: tuple[str, ...] = ("attn_q", "attn_v", "output")) -> Path:
+    """A LoRA adapter for a model of ``shape``: lora_a/lora_b pairs of ``rank`` for the
+    named tensors of every layer (and ``output``), as convert_lora_to_gguf writes them.
+    Its weights are large (not 0.02-small): applied, it changes what the model says."""
+    import gguf
+
+    path = Path(path)
+    writer = gguf.GGUFWriter(path, shape.arch)
+    writer.add_type("adapter")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", float(rank))
+    rng = np.random.default_rng(seed)
+    n_vocab = shape.n_vocab or len(_spm_vocab()[0])
+    e, hd = shape.n_embd, shape.head_dim
+    out_dims = {"attn_q": hd * shape.n_head, "attn_k": hd * shape.n_head_kv, "attn_v": hd * shape.n_head_kv,
+                "attn_output": e, "output": n_vocab}
+    names = [("output.weight", e, n_vocab)] if "output" in targets else []
+    names += [(f"blk.{i}.{t}.weight", hd * shape.n_head if t == "attn_output" else e, out_dims[t])
+              for i in range(shape.n_layer) for t in targets if t != "output"]
+    for name, n_in, n_out in names:
+        # ggml order: a is (n_in, rank), b is (rank, n_out); numpy wants them reversed
+        writer.add_tensor(name + ".lora_a", (rng.standard_normal((rank, n_in)) * 0.5).astype(np.float32))
+        writer.add_tensor(name + ".lora_b", (rng.standard_normal((n_out, rank)) * 0.5).astype(np.float32))
+    return finish(writer, path)
 
 
 def png(width: int = 16, height: int = 16, seed: int = 0) -> bytes:
