@@ -129,6 +129,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(("spec-draft-type-v", "cache-type-v-draft", "ctvd"), "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V",
            "spec.draft_type_v", _choice(KV_TYPES)),
     Option(("spec-draft-n-max",), "LLAMA_ARG_SPEC_DRAFT_N_MAX", "spec.draft_n_max", int),
+    Option(("spec-draft-device", "device-draft", "devd"), None, "spec.draft_devices", _names),
     Option(("spec-type",), "LLAMA_ARG_SPEC_TYPE", "spec.spec_type", str),
     Option(("lora",), None, "spec.lora", lambda v: tuple((p, 1.0) for p in _names(v))),
     Option(("lora-scaled",), None, "spec.lora", _scaled),

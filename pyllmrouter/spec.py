@@ -79,6 +79,7 @@ class ModelSpec:
     draft_type_k: str = "f16"
     draft_type_v: str = "f16"
     draft_n_max: int = -1  # tokens drafted per step (-1: llama.cpp's default); sizes the output buffers
+    draft_devices: tuple[str, ...] | None = None  # the draft's devices (llama-server -devd; None: the model's)
     spec_type: str | None = None  # llama-server --spec-type (e.g. "draft-simple"): sizes the output buffers
     # LoRA adapters loaded with the model (llama-server --lora-scaled): (file, scale) pairs,
     # each adapter counted on the buffer types of the tensors it adapts
@@ -91,7 +92,7 @@ class ModelSpec:
         for name in ("mmproj", "draft"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
-        for name in ("tensor_split", "devices"):
+        for name in ("tensor_split", "devices", "draft_devices"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
@@ -169,6 +170,8 @@ class ModelSpec:
         if self.draft is not None:
             a += ["-md", self.draft, "-ngld", "all" if self.draft_n_gpu_layers < 0 else str(self.draft_n_gpu_layers),
                   "-ctkd", self.draft_type_k, "-ctvd", self.draft_type_v]
+            if self.draft_devices is not None:
+                a += ["-devd", ",".join(self.draft_devices) if self.draft_devices else "none"]
         if self.draft_n_max >= 0:
             a += ["--spec-draft-n-max", str(self.draft_n_max)]
         if self.spec_type:

@@ -88,3 +88,15 @@ def test_the_router_admits_by_the_total_with_the_draft(tiny, draft):
         reply = r.complete("m", "hello", max_tokens=8, temperature=0)
         assert reply["timings"]["draft_n"] > 0
         assert r.status()["models"]["m"]["requirement"]["GPU0"]["GPU0"] == need
+
+
+def test_the_router_gives_a_worker_its_drafts_devices_by_the_names_the_worker_sees(tiny, draft):
+    from pyllmrouter.router.measure import worker_spec
+
+    spec = ModelSpec(tiny["tiny-llama"], draft=str(draft), draft_devices=("gpu-b",))
+    ds = frozenset({"gpu-a", "gpu-b"})
+    local = worker_spec(spec, ds, {"gpu-a": "CUDA0", "gpu-b": "CUDA1"})
+    assert local.draft_devices == ("CUDA1",) and local.devices is None
+    assert worker_spec(spec, ds, {}).draft_devices is None  # emulated devices: the mask decides
+    with pytest.raises(ValueError, match="draft's devices gpu-b must be among the devices it is pinned to"):
+        Router([ModelConfig("m", spec, devices=("gpu-a",))], inventory=EmulatedInventory({"gpu-a": 1 << 30}))

@@ -173,3 +173,28 @@ def test_a_lora_adapter_is_counted_on_the_devices_of_the_layers_it_adapts(rpc_se
     rest = sum(sizes.values()) - layer0
     assert out["rows"] == {"RPC0": layer0, "RPC1": rest}
     assert isinstance(out["text"], str)
+
+
+def test_a_draft_on_a_device_of_its_own(rpc_servers, tiny, tmp_path):
+    """The model on RPC0, its draft on RPC1 (-devd): each counted where it is, and the
+    engine so loaded speculates."""
+    from pyllmrouter.tools import tinymodels
+
+    draft = tinymodels.write_llama(tmp_path / "draft.gguf", tinymodels.Shape("llama", n_embd=64, n_layer=1, n_head=2,
+                                                                             n_head_kv=1, n_ff=128), seed=1)
+    out = run_py(f"""
+        import json
+        from pyllmrouter.engine.backend import native
+        from pyllmrouter import ModelSpec, probe
+        from pyllmrouter.engine.loader import load, request
+        native().add_rpc_servers({rpc_servers[:2]!r})
+        spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, devices=("RPC0",), draft={str(draft)!r},
+                         draft_devices=("RPC1",), spec_type="draft-simple")
+        est = probe(spec, use_cache=False)
+        where = lambda c: sorted({{b.device for b in est.buffers if b.component == c and not b.host and b.model}})
+        llm = load(spec)
+        reply = request(llm, "/v1/completions", {{"prompt": "hello", "max_tokens": 8, "temperature": 0}})
+        llm.close()
+        print(json.dumps({{"model": where("model"), "draft": where("draft"), "drafted": reply["timings"]["draft_n"]}}))
+    """)
+    assert out["model"] == ["RPC0"] and out["draft"] == ["RPC1"] and out["drafted"] > 0

@@ -14,7 +14,7 @@ way in and out; inside, the worker's own (masked) names.
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from pyllmrouter.devices import HOST, Inventory
 from pyllmrouter.router.fitbook import Fitted
@@ -26,11 +26,16 @@ from pyllmrouter.router.pool import WorkerHandle
 __all__ = ["Measurer", "worker_spec"]
 
 
-def worker_spec(spec: ModelSpec, device_set: frozenset[str]) -> ModelSpec:
+def worker_spec(spec: ModelSpec, device_set: frozenset[str], local: Mapping[str, str] | None = None) -> ModelSpec:
     """The spec a worker gets: the mask decides its devices (ggml names inside
     differ), and a split over several devices is explicit, because llama.cpp's
-    default split follows free memory, which changes between probe and load."""
-    spec = spec.replace(devices=None)
+    default split follows free memory, which changes between probe and load.  A
+    draft's devices (inventory names) become the names the worker sees (``local``:
+    Inventory.to_local); where there are none (emulated devices), the mask decides."""
+    draft = spec.draft_devices
+    if draft is not None:
+        draft = tuple(local[d] for d in draft if d in local) if local else None
+    spec = spec.replace(devices=None, draft_devices=draft)
     n = len([d for d in device_set if d != HOST])
     if n > 1 and spec.tensor_split is None:
         spec = spec.replace(tensor_split=(1.0,) * n)

@@ -69,6 +69,9 @@ class Scheduler:
                 if d not in self._devices:
                     raise ValueError(f"model {m.name!r} is pinned to unknown device {d!r} "
                                      f"(devices: {', '.join(self._devices)})")
+            if m.spec.draft_devices and not set(m.spec.draft_devices) <= set(m.devices or ()):
+                raise ValueError(f"model {m.name!r}: its draft's devices {', '.join(m.spec.draft_devices)} must be "
+                                 f"among the devices it is pinned to")
             self._records[m.name] = Record(m)
             for a in m.aliases:
                 if a in self._records or a in self._aliases:
@@ -323,7 +326,7 @@ class Scheduler:
         if rec.requirements is not None:
             options = []
             for ds in self._candidates(rec):
-                spec = worker_spec(rec.config.spec, ds)
+                spec = worker_spec(rec.config.spec, ds, self.inventory.to_local(ds))
                 local = self.inventory.to_local(ds)  # a fit can only move bytes off real devices
                 options.append(admission.Option(ds, rec.requirements[ds], spec,
                                                 (*sorted(local), HOST) if spec.fit and local else ()))
@@ -383,7 +386,8 @@ class Scheduler:
         error = None
         try:
             for ds in self._candidates(rec):
-                reqs[ds], parts[ds] = self._measure.requirement(worker_spec(rec.config.spec, ds), ds)
+                spec = worker_spec(rec.config.spec, ds, self.inventory.to_local(ds))
+                reqs[ds], parts[ds] = self._measure.requirement(spec, ds)
                 if self.options.max_models:
                     reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
@@ -465,7 +469,7 @@ class Scheduler:
                     self._cond.notify_all()
                     return
             cfg = rec.config
-            spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set)
+            spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set, self.inventory.to_local(rec.device_set))
             ident, keep_dir, restore = None, None, []
             if self._keep is not None and (ident := identity(spec)) is not None:
                 keep_dir, restore = str(self._keep.dir_for(ident)), self._keep.prepare(ident)
