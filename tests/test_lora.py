@@ -92,3 +92,25 @@ def test_the_router_counts_the_adapter_and_shows_it(tiny, adapters):
         status = r.status()["models"]["m"]
         assert status["requirement"]["GPU0"]["GPU0"] == need
         assert status["components"]["GPU0"]["CPU"]["lora"] == lora_rows(probe(spec))[0].model
+
+
+def test_an_applied_adapter_needs_no_compute_beyond_the_probe(tiny, adapters):
+    """llama.cpp reserves its compute buffers again once an adapter is applied (at load and
+    per request): after requests with the adapter on, the live buffers are the probe's."""
+    from pyllmrouter.engine.probe import live_breakdown
+
+    for ubatch in (512, 64):
+        spec = ModelSpec(tiny["tiny-llama"], n_ctx=1024, n_seq_max=1, n_batch=ubatch, n_ubatch=ubatch,
+                         lora=((str(adapters["wide"]), 1.0),))
+        est = probe(spec, use_cache=False)
+        engine = load(spec)
+        try:
+            for scale in (1.0, 0.5):
+                request(engine, "/v1/completions", {"prompt": "hello " * 100, "max_tokens": 4,
+                                                    "lora": [{"id": 0, "scale": scale}]})
+            live = {b.buffer_type: (b.context, b.compute) for b in live_breakdown(engine) if b.context or b.compute}
+        finally:
+            engine.close()
+        probed = {b.buffer_type: (b.context, b.compute) for b in est.buffers
+                  if b.component == "model" and (b.context or b.compute)}
+        assert live == probed
