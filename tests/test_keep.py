@@ -64,6 +64,21 @@ def test_prepare_brings_states_back_from_disk_and_consumed_deletes_them(tmp_path
     assert not any((tmp_path / "ram" / "a").iterdir())
 
 
+def test_the_ram_figure_is_read_without_waiting_for_the_stores_file_work(tmp_path):
+    """The scheduler reads held_ram under its own lock: it must not wait while the store
+    moves or checks files under the store's."""
+    import threading
+
+    store = KeepStore(ram_budget=1000, ram_dir=tmp_path / "ram")
+    store.add("a", [saved(store, "a", "slot0.bin", 100)])
+    got = []
+    with store._lock:  # the store busy with file work
+        reader = threading.Thread(target=lambda: got.append(store.held_ram()))
+        reader.start()
+        reader.join(2)
+    assert got == [100]
+
+
 def test_a_damaged_state_is_never_offered(tmp_path):
     store = KeepStore(ram_budget=1000, ram_dir=tmp_path / "ram")
     store.add("a", [saved(store, "a", "slot0.bin", 100), saved(store, "a", "slot1.bin", 100)])

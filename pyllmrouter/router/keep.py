@@ -17,7 +17,9 @@ whole spec (context, slots, cache types, everything that shapes the KV), so it i
 only ever offered to the very configuration that wrote it.  The RAM directory is
 a tmpfs (/dev/shm) where there is one: its bytes are host memory, which admission
 counts as held.  The store does file I/O under its own lock only, never under
-the scheduler's.
+the scheduler's; what the scheduler reads under its lock (``held_ram``) is a
+number the store publishes after each change, read without the store's lock,
+so the scheduler never waits on the store's file work.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class KeepStore:
         self.disk_budget = max(0, disk_budget) if disk_dir else 0
         self._lock = threading.Lock()
         self._files: dict[tuple[str, str], Kept] = {}  # (identity, name) -> where and how big
+        self._ram_bytes = 0  # the RAM files' bytes, published by _settle
         self.counters = {"saved": 0, "restores": 0, "restored_tokens": 0, "hits": 0, "discarded": 0, "dropped": 0}
         if ram_dir is None:
             shm = Path("/dev/shm")
@@ -117,27 +120,35 @@ class KeepStore:
         return d
 
     def held_ram(self) -> int:
-        with self._lock:
-            return sum(k.size for k in self._files.values() if k.place == "ram")
+        """Bytes in RAM, as of the last change (no lock: the scheduler reads it under its own)."""
+        return self._ram_bytes
+
+    def _settle(self) -> None:
+        """Publish the RAM bytes (store lock held, at the end of every change)."""
+        self._ram_bytes = sum(k.size for k in self._files.values() if k.place == "ram")
 
     def add(self, ident: str, files: list[tuple[str, int, int]]) -> None:
         """Slot files the engine of ``ident`` saved in dir_for(ident): (name, tokens, bytes)."""
         now = time.monotonic()
+        checked = []
+        for name, tokens, size in files:  # read back before the lock: the files are the engine's new ones
+            path = self.ram_dir / ident / name
+            try:
+                crc = _crc(path)
+                path.with_suffix(".meta").write_text(json.dumps({"tokens": tokens, "size": size, "crc": crc}))
+            except OSError as e:
+                _LOG.warning("kept state %s of %s cannot be read back: %s", name, ident, e)
+                continue
+            checked.append(Kept(ident, name, tokens, size, "ram", now, crc))
         with self._lock:
-            for name, tokens, size in files:
-                old = self._files.pop((ident, name), None)
+            for k in checked:
+                old = self._files.pop((ident, k.name), None)
                 if old is not None and old.place == "disk":
                     self._unlink(old)
-                path = self.ram_dir / ident / name
-                try:
-                    crc = _crc(path)
-                    path.with_suffix(".meta").write_text(json.dumps({"tokens": tokens, "size": size, "crc": crc}))
-                except OSError as e:
-                    _LOG.warning("kept state %s of %s cannot be read back: %s", name, ident, e)
-                    continue
-                self._files[(ident, name)] = Kept(ident, name, tokens, size, "ram", now, crc)
+                self._files[(ident, k.name)] = k
                 self.counters["saved"] += 1
             self._enforce()
+            self._settle()
 
     def prepare(self, ident: str) -> list[str]:
         """The files of ``ident``, all in its RAM directory, for the engine to restore."""
@@ -164,6 +175,7 @@ class KeepStore:
                     self._drop(k, "discarded")
                     continue
                 names.append(k.name)
+            self._settle()
             return names
 
     def consumed(self, ident: str, names: list[str], restored: dict[str, int], refused: dict[str, str]) -> None:
@@ -181,10 +193,11 @@ class KeepStore:
                 else:
                     _LOG.warning("kept state %s of %s discarded: %s", name, ident, refused.get(name, "not restored"))
                     self._drop(k, "discarded")
+            self._settle()
 
     def hit(self, n: int) -> None:
-        """``n`` restored states served a request from their cache (counted when their
-        model leaves: llama-server's /slots says so then)."""
+        """``n`` restored states served a request from their cache (counted by the worker
+        from llama-server's timings, reported when their model leaves)."""
         with self._lock:
             self.counters["hits"] += n
 
@@ -203,6 +216,7 @@ class KeepStore:
         dropped), least recently saved first."""
         with self._lock:
             self._enforce(ram_budget=0)
+            self._settle()
 
     def report(self, names: dict[str, str]) -> dict:
         """Per model (``names``: identity -> model name), bytes in RAM and on disk and
@@ -215,6 +229,7 @@ class KeepStore:
         with self._lock:
             shutil.rmtree(self.ram_dir, ignore_errors=True)
             self._files = {key: k for key, k in self._files.items() if k.place == "disk"}
+            self._settle()
 
     # -- lock held ---------------------------------------------------------------
 

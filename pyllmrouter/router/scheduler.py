@@ -44,7 +44,7 @@ from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, 
                                 WorkerDied, Withdrawn)
 from pyllmrouter.router.keep import KeepStore, identity
 from pyllmrouter.router.measure import Measurer, worker_spec
-from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, UnloadModel
+from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, Unloaded, UnloadModel
 from pyllmrouter.spec import ModelSpec
 from pyllmrouter.router.state import State, check_transition, evictable, holds_memory
 from pyllmrouter.router.pool import WorkerHandle
@@ -508,9 +508,8 @@ class Scheduler:
         if worker is not None and worker.alive:
             try:
                 reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep)).get(self.options.load_timeout)
-                if keep and getattr(reply, "kept", ()):
+                if keep and isinstance(reply, Unloaded):
                     self._keep.add(ident, list(reply.kept))  # I/O: outside the lock
-                if self._keep is not None and getattr(reply, "hits", 0):
                     self._keep.hit(reply.hits)
             except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
                 pass
