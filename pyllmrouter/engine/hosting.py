@@ -36,15 +36,17 @@ class EngineHost:
     until its last reply is sent: the requests in flight) and ``_closing`` change under
     ``_lock``."""
 
-    def __init__(self, name: str, engine: Any, native: Any, send: Callable[[Any], None]):
+    def __init__(self, name: str, engine: Any, native: Any, send: Callable[[Any], None],
+                 keep_dir: str | None = None, restored: int = 0):
         self.name = name
         self.engine = engine
+        self.keep_dir = keep_dir  # the engine's slot save path (kept prompt states), if any
         self._native = native
         self._send = send
         self._lock = threading.Condition()
         self._stops: dict[int, Any] = {}  # req_id -> StopFlag of a request in flight
         self._closing = False
-        self._awaited = 0  # slots restored at load whose first use is still to come
+        self._awaited = restored  # slots restored at load whose first use is still to come
         self.hits = 0  # requests that took tokens from a restored slot's cache
         self._outbox = native.Outbox()
         self._sender = threading.Thread(target=self._send_chunks, name=f"send-{name}", daemon=True)
@@ -58,11 +60,6 @@ class EngineHost:
                 return
             self._stops[msg.req_id] = flag
         threading.Thread(target=self._serve, args=(msg, flag), name=f"call-{self.name}", daemon=True).start()
-
-    def expect_hits(self, restored: int) -> None:
-        """``restored`` slots hold kept states: count the requests that use them."""
-        with self._lock:
-            self._awaited = restored
 
     def _seen(self, data: bytes) -> None:
         """A reply's bytes, while restored states await their use: a request whose timings

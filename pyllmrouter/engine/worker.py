@@ -48,7 +48,6 @@ class _Worker:
         self.conn = conn
         self.send_lock = threading.Lock()
         self.models: dict[str, EngineHost] = {}  # main thread and loader threads, under models_lock
-        self.keep_dirs: dict[str, str | None] = {}  # model -> its slot save path, under models_lock
         self.models_lock = threading.Lock()
 
     def send(self, msg: Any) -> None:
@@ -70,9 +69,8 @@ class _Worker:
             with self.models_lock:
                 taken = msg.name in self.models
                 if not taken:
-                    self.models[msg.name] = host = EngineHost(msg.name, engine, native(), self.send)
-                    host.expect_hits(len(restored))
-                    self.keep_dirs[msg.name] = msg.keep_dir
+                    self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send, msg.keep_dir,
+                                                       restored=len(restored))
             if taken:
                 engine.close()
                 raise RuntimeError(f"model {msg.name!r} is already loaded in this worker")
@@ -83,11 +81,11 @@ class _Worker:
             _LOG.exception("loading %s", msg.name)
             self.send(Failed(msg.req_id, ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"))
 
-    def _unload(self, msg: UnloadModel, host: EngineHost, keep_dir: str | None) -> None:
+    def _unload(self, msg: UnloadModel, host: EngineHost) -> None:
         kept: list = []
         try:
-            if msg.keep and keep_dir:
-                kept = host.close(lambda engine: save_all(engine, keep_dir)) or []
+            if msg.keep and host.keep_dir:
+                kept = host.close(lambda engine: save_all(engine, host.keep_dir)) or []
             else:
                 host.close()
         except Exception:  # noqa: BLE001 - a state not saved is a state not kept; the unload goes on
@@ -134,11 +132,10 @@ class _Worker:
             elif isinstance(msg, UnloadModel):
                 with self.models_lock:
                     host = self.models.pop(msg.name, None)
-                    keep_dir = self.keep_dirs.pop(msg.name, None)
                 if host is None:
                     self.send(Unloaded(msg.req_id, msg.name))
                 else:
-                    threading.Thread(target=self._unload, args=(msg, host, keep_dir), daemon=True).start()
+                    threading.Thread(target=self._unload, args=(msg, host), daemon=True).start()
             elif isinstance(msg, Call):
                 with self.models_lock:
                     host = self.models.get(msg.name)
