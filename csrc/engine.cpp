@@ -197,21 +197,28 @@ common_params parse_server_args(const std::vector<std::string> & args) {
     return params;
 }
 
-// The multimodal projector's bytes per device, as llama.cpp counts them for its own
-// fit (mtmd_get_memory_usage: weights and the compute buffer of a warm-up image),
-// with the mtmd_context_params server_context::load_model builds from the same params.
-static std::vector<BufferRow> projector_rows(const common_params & params) {
-    const std::string & path = params.mmproj.path;
+// A file the engine would open beside the model: it exists and is a GGUF, or a
+// probe_error "PATH: KIND: why" (the convention of every probe error: the file at
+// fault first, so that the error names it).
+static void require_gguf(const std::string & path, const char * kind) {
     std::FILE * f = std::fopen(path.c_str(), "rb");
     if (f == nullptr) {
-        throw probe_error("projector " + path + ": file not found or not readable");
+        throw probe_error(path + ": " + kind + ": file not found or not readable");
     }
     char magic[4] = {0, 0, 0, 0};
     const size_t n = std::fread(magic, 1, 4, f);
     std::fclose(f);
     if (n != 4 || std::string(magic, 4) != "GGUF") {
-        throw probe_error("projector " + path + ": not a GGUF file");
+        throw probe_error(path + ": " + kind + ": not a GGUF file");
     }
+}
+
+// The multimodal projector's bytes per device, as llama.cpp counts them for its own
+// fit (mtmd_get_memory_usage: weights and the compute buffer of a warm-up image),
+// with the mtmd_context_params server_context::load_model builds from the same params.
+static std::vector<BufferRow> projector_rows(const common_params & params) {
+    const std::string & path = params.mmproj.path;
+    require_gguf(path, "projector");
     mtmd_context_params mparams = mtmd_context_params_default();
     mparams.use_gpu = params.mmproj_use_gpu;
     mparams.device = params.mmproj_device;
@@ -225,7 +232,7 @@ static std::vector<BufferRow> projector_rows(const common_params & params) {
     mparams.media_marker = get_media_marker();
     const auto usage = mtmd_get_memory_usage(path.c_str(), mparams);
     if (usage.empty()) {
-        throw probe_error("projector " + path + ": llama.cpp cannot load it as a projector");
+        throw probe_error(path + ": projector: llama.cpp cannot load it as a projector");
     }
     std::vector<BufferRow> rows;
     for (const auto & [dev, bytes] : usage) {
@@ -288,11 +295,7 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
     const auto n_outputs = static_cast<std::uint32_t>(params.n_outputs_max);
     std::vector<std::string> loras;
     for (const auto & lora : params.lora_adapters) {
-        if (std::FILE * f = std::fopen(lora.path.c_str(), "rb")) {
-            std::fclose(f);
-        } else {
-            throw probe_error("lora " + lora.path + ": file not found or not readable");
-        }
+        require_gguf(lora.path, "lora");
         loras.push_back(lora.path);
     }
     ProbeResult result = probe_path(params.model.path, mp, cp, n_outputs, vocab_free, loras);
@@ -307,18 +310,14 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
         dcp.n_ctx = result.n_ctx;
         dcp.n_rs_seq = 0;
         const std::string & path = draft.model.path;
-        if (std::FILE * f = std::fopen(path.c_str(), "rb")) {
-            std::fclose(f);
-        } else {
-            throw probe_error("draft " + path + ": file not found or not readable");
-        }
+        require_gguf(path, "draft");
         ProbeResult d;
         try {
             d = probe_path(path, dmp, dcp, static_cast<std::uint32_t>(draft.n_outputs_max), vocab_free);
         } catch (const probe_error & e) {
             std::string reason = e.what();
             if (reason.rfind(path + ": ", 0) == 0) reason.erase(0, path.size() + 2);
-            throw probe_error("draft " + path + ": " + reason);
+            throw probe_error(path + ": draft: " + reason);
         }
         for (auto & row : d.rows) {
             row.component = "draft";

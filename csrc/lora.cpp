@@ -37,15 +37,15 @@ std::vector<BufferRow> lora_rows(const llama_model * model, const std::string & 
     std::unique_ptr<gguf_context, decltype(&gguf_free)> g(gguf_init_from_file(path.c_str(), ip), &gguf_free);
     std::unique_ptr<ggml_context, decltype(&ggml_free)> tensors(meta, &ggml_free);
     if (!g || !meta) {
-        throw probe_error("lora " + path + ": not a readable GGUF file");
+        throw probe_error(path + ": lora: not a readable GGUF file");
     }
     if (kv_str(g.get(), "general.type") != "adapter" || kv_str(g.get(), "adapter.type") != "lora") {
-        throw probe_error("lora " + path + ": not a LoRA adapter (general.type, adapter.type)");
+        throw probe_error(path + ": lora: not a LoRA adapter (general.type, adapter.type)");
     }
     char arch[128] = {0};
     llama_model_meta_val_str(model, "general.architecture", arch, sizeof(arch));
     if (kv_str(g.get(), "general.architecture") != arch) {
-        throw probe_error("lora " + path + ": made for " + kv_str(g.get(), "general.architecture") +
+        throw probe_error(path + ": lora: made for " + kv_str(g.get(), "general.architecture") +
                           ", the model is " + arch);
     }
     std::map<std::string, std::pair<ggml_tensor *, ggml_tensor *>> pairs;
@@ -56,7 +56,7 @@ std::vector<BufferRow> lora_rows(const llama_model * model, const std::string & 
         } else if (ends_with(name, ".lora_b")) {
             pairs[name.substr(0, name.size() - 7)].second = t;
         } else if (!ends_with(name, "_norm.weight")) {
-            throw probe_error("lora " + path + ": tensor '" + name + "' has an unexpected suffix");
+            throw probe_error(path + ": lora: tensor '" + name + "' has an unexpected suffix");
         }
     }
     // the CPU's extra buffer types (repacking): adapters fall back to the CPU's own
@@ -71,11 +71,11 @@ std::vector<BufferRow> lora_rows(const llama_model * model, const std::string & 
     std::map<ggml_backend_buffer_type_t, std::unique_ptr<ggml_context, decltype(&ggml_free)>> by_buft;
     for (const auto & [name, ab] : pairs) {
         if (ab.first == nullptr || ab.second == nullptr) {
-            throw probe_error("lora " + path + ": the pair for '" + name + "' is missing one tensor");
+            throw probe_error(path + ": lora: the pair for '" + name + "' is missing one tensor");
         }
         const ggml_tensor * base = model->get_tensor(name.c_str());
         if (base == nullptr || base->buffer == nullptr) {
-            throw probe_error("lora " + path + ": '" + name + "' is not a tensor of the model");
+            throw probe_error(path + ": lora: '" + name + "' is not a tensor of the model");
         }
         ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(base->buffer);
         for (auto * e : extra) {

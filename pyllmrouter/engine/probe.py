@@ -51,12 +51,11 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
     nat = native()  # imports llama_cpp: only on a cache miss
     try:
         raw = nat.probe_server(spec.to_args())
-    except nat.LlamaError as e:
+    except nat.LlamaError as e:  # "FILE: reason", FILE the one at fault: the model, projector, draft or adapter
         reason = str(e)
-        for kind, path in (("projector", spec.mmproj), ("draft", spec.draft), *(("lora", p) for p, _ in spec.lora)):
-            if path is not None and reason.startswith(f"{kind} {path}: "):
-                raise ProbeError(path, f"{kind}: " + reason.removeprefix(f"{kind} {path}: ")) from None
-        raise ProbeError(spec.path, reason.removeprefix(spec.path + ": ")) from None
+        at_fault = next((p for p in (spec.path, spec.mmproj, spec.draft, *(p for p, _ in spec.lora))
+                         if p is not None and reason.startswith(p + ": ")), spec.path)
+        raise ProbeError(at_fault, reason.removeprefix(at_fault + ": ")) from None
     except ValueError as e:  # llama.cpp's parser refused an argument
         reason = str(e)
         if "invalid device" in reason:
