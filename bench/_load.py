@@ -1,13 +1,50 @@
-"""Concurrent clients for the benchmarks: each thread makes its own call and repeats it."""
+"""Clients for the benchmarks: concurrent threads that each repeat a call, and one
+streamed request read as server-sent events."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["ClientRun", "percentile", "run_clients"]
+import httpx
+
+__all__ = ["ClientRun", "percentile", "run_clients", "stream_sse"]
+
+
+def stream_sse(client: httpx.Client, path: str, body: dict, text_of: Callable[[dict], str | None],
+               retries: list[int] | None = None) -> tuple[float, list[str], dict | None]:
+    """POST a streamed request: (time to the first text piece, the pieces ``text_of`` finds
+    in the events, the last usage an event carried).  A connection the server closed
+    before answering is retried at once (llama-server's HTTP library drops idle
+    keep-alive connections), as the openai client does; each retry is counted in
+    ``retries``."""
+    for attempt in range(3):
+        t0 = time.perf_counter()
+        ttft, pieces, usage = None, [], None
+        try:
+            with client.stream("POST", path, json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    event = json.loads(line[6:])
+                    usage = event.get("usage") or usage
+                    piece = text_of(event)
+                    if piece:
+                        pieces.append(piece)
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+        except httpx.RemoteProtocolError:
+            if pieces or attempt == 2:
+                raise
+            if retries is not None:
+                retries.append(1)
+            continue
+        return (ttft if ttft is not None else time.perf_counter() - t0), pieces, usage
+    raise AssertionError("unreachable")
 
 
 def percentile(xs: list[float], q: float) -> float:

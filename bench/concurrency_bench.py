@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-from _load import percentile, run_clients
+from _load import percentile, run_clients, stream_sse
 
 from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
@@ -79,36 +79,14 @@ def one_request(client: httpx.Client, model: str, tokens: int, retries: list[int
                 prompt: str = PROMPT) -> tuple[float, int]:
     """(time to first token, tokens generated).  Tokens are the usage both servers put
     on the finish chunk: text chunks are no count, the servers split invalid UTF-8
-    differently.  A connection the server closed before answering is retried at once
-    (llama-server's HTTP library drops idle keep-alive connections), as the openai
-    client does; each retry is counted in ``retries``."""
+    differently.  Retries as stream_sse does, each counted in ``retries``."""
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
             "logit_bias": {"2": -100, "4": -100}}
-    for attempt in range(3):
-        t0 = time.perf_counter()
-        ttft, n, usage = None, 0, None
-        try:
-            with client.stream("POST", "/v1/completions", json=body) as r:
-                r.raise_for_status()
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    usage = chunk.get("usage") or usage
-                    if chunk["choices"] and chunk["choices"][0].get("text"):
-                        n += 1
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-        except httpx.RemoteProtocolError:
-            if n or attempt == 2:
-                raise
-            if retries is not None:
-                retries.append(1)
-            continue
-        if usage is None:
-            raise RuntimeError("the stream ended without usage")
-        return (ttft if ttft is not None else time.perf_counter() - t0), usage["completion_tokens"]
-    raise AssertionError("unreachable")
+    ttft, _, usage = stream_sse(client, "/v1/completions", body,
+                                lambda e: e["choices"][0].get("text") if e["choices"] else None, retries)
+    if usage is None:
+        raise RuntimeError("the stream ended without usage")
+    return ttft, usage["completion_tokens"]
 
 
 def thread_cpu(pid: int) -> dict[tuple[int, int], float]:

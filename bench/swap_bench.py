@@ -29,10 +29,10 @@ import random
 import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
+from _load import stream_sse
 
 from pyllmrouter.tables import render
 from pyllmrouter.tools import tinymodels
@@ -44,37 +44,13 @@ SERVERS = ("ours, kept", "ours, not kept", "llama-server router")
 
 
 def turn(client: httpx.Client, model: str, messages: list[dict]) -> tuple[float, str, dict]:
-    """(time to first token, the answer, usage) of one streamed chat turn.  A connection the
-    server closed before answering is retried at once (llama-server's HTTP library drops
-    idle keep-alive connections), as the openai client does."""
-    for attempt in range(3):
-        try:
-            return _turn(client, model, messages)
-        except httpx.RemoteProtocolError:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _turn(client: httpx.Client, model: str, messages: list[dict]) -> tuple[float, str, dict]:
+    """(time to first token, the answer, usage) of one streamed chat turn."""
     body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft, text, usage = None, [], {}
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content")
-                if piece:
-                    text.append(piece)
-                    if ttft is None:
-                        ttft = time.perf_counter() - t0
-    return (ttft if ttft is not None else time.perf_counter() - t0), "".join(text), usage
+    ttft, pieces, usage = stream_sse(client, "/v1/chat/completions", body,
+                                     lambda e: (e["choices"][0].get("delta") or {}).get("content")
+                                     if e.get("choices") else None)
+    return ttft, "".join(pieces), usage or {}
 
 
 def run(base: str, words: int, swaps: int) -> list[dict]:

@@ -150,7 +150,7 @@ def test_a_projector_goes_to_a_device_or_to_the_host_as_the_engine_puts_it(rpc_s
 
 def test_a_lora_adapter_is_counted_on_the_devices_of_the_layers_it_adapts(rpc_servers, tiny, tmp_path):
     """Layer 0 on RPC0, layer 1 and the output on RPC1: each adapter pair is counted
-    where its layer is, and the engine so loaded answers with the adapter applied."""
+    where its layer is, and the engine so loaded answers differently with the adapter on."""
     from pyllmrouter.tools import tinymodels
 
     lora = tinymodels.write_lora(tmp_path / "lora.gguf", targets=("attn_q", "output"))
@@ -164,15 +164,18 @@ def test_a_lora_adapter_is_counted_on_the_devices_of_the_layers_it_adapts(rpc_se
                          lora=(({str(lora)!r}, 1.0),))
         rows = {{b.device: b.model for b in probe(spec, use_cache=False).buffers if b.component == "lora"}}
         llm = load(spec)
-        text = request(llm, "/v1/completions", {{"prompt": "hello", "max_tokens": 4}})["choices"][0]["text"]
+        texts = [request(llm, "/v1/completions", {{"prompt": "hello", "max_tokens": 8, "temperature": 0,
+                                                   "lora": [{{"id": 0, "scale": scale}}]}})["choices"][0]["text"]
+                 for scale in (0.0, 1.0)]
         llm.close()
-        print(json.dumps({{"rows": rows, "sizes": dict(native().tensor_sizes({str(lora)!r})), "text": text}}))
+        print(json.dumps({{"rows": rows, "sizes": dict(native().tensor_sizes({str(lora)!r})), "texts": texts}}))
     """)
     sizes = out["sizes"]
     layer0 = sizes["blk.0.attn_q.weight.lora_a"] + sizes["blk.0.attn_q.weight.lora_b"]
     rest = sum(sizes.values()) - layer0
     assert out["rows"] == {"RPC0": layer0, "RPC1": rest}
-    assert isinstance(out["text"], str)
+    off, on = out["texts"]
+    assert off != on  # the adapter, split over both devices, changes what the model says
 
 
 def test_a_draft_on_a_device_of_its_own(rpc_servers, tiny, tmp_path):
