@@ -201,3 +201,52 @@ def test_a_draft_on_a_device_of_its_own(rpc_servers, tiny, tmp_path):
         print(json.dumps({{"model": where("model"), "draft": where("draft"), "drafted": reply["timings"]["draft_n"]}}))
     """)
     assert out["model"] == ["RPC0"] and out["draft"] == ["RPC1"] and out["drafted"] > 0
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_probe_equals_what_the_rpc_servers_hold_with_projector_and_draft(tiny, tmp_path, offload):
+    """The model and its projector on RPC0, the draft on RPC1: each rpc-server's own log of
+    the buffers it holds (GGML_RPC_DEBUG) sums to the probe's bytes for that device, after
+    the load and after an image request that speculates."""
+    from pyllmrouter.tools import tinymodels
+    from pyllmrouter.tools.loopback import RpcServers
+
+    projector = tinymodels.write_projector(tmp_path / "projector.gguf")
+    draft = tinymodels.write_llama(tmp_path / "draft.gguf", tinymodels.Shape("llama", n_embd=64, n_layer=1, n_head=2,
+                                                                             n_head_kv=1, n_ff=128), seed=1)
+    with RpcServers(2, RPC_SERVER, log_dir=tmp_path) as endpoints:
+        out = run_py(f"""
+            import base64, json
+            from pathlib import Path
+            from pyllmrouter.engine.backend import native
+            from pyllmrouter import ModelSpec, probe
+            from pyllmrouter.engine.loader import load, request
+            from pyllmrouter.tools import tinymodels
+            from pyllmrouter.tools.loopback import rpc_live_bytes
+            native().add_rpc_servers({endpoints!r})
+            held = lambda: {{f"RPC{{i}}": rpc_live_bytes(Path({str(tmp_path)!r}) / f"rpc{{i}}.log") for i in range(2)}}
+            spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, devices=("RPC0",),
+                             mmproj={str(projector)!r}, mmproj_offload={offload}, draft={str(draft)!r},
+                             draft_devices=("RPC1",), spec_type="draft-simple")
+            est = probe(spec, use_cache=False)
+            before = held()
+            llm = load(spec)
+            loaded = held()
+            uri = "data:image/png;base64," + base64.b64encode(tinymodels.png()).decode()
+            reply = request(llm, "/v1/chat/completions", {{"max_tokens": 8, "temperature": 0, "messages": [
+                {{"role": "user", "content": [{{"type": "text", "text": "see"}},
+                                             {{"type": "image_url", "image_url": {{"url": uri}}}}]}}]}})
+            answered = held()
+            llm.close()
+            per = est.per_device()
+            components = {{d: sorted({{b.component for b in est.buffers if b.device == d}}) for d in ("RPC0", "RPC1")}}
+            print(json.dumps({{"probe": {{d: per.get(d, 0) for d in ("RPC0", "RPC1")}}, "components": components,
+                              "before": before, "loaded": loaded, "answered": answered, "after": held(),
+                              "drafted": reply["timings"]["draft_n"]}}))
+        """)
+    assert out["before"] == {"RPC0": 0, "RPC1": 0}
+    assert out["loaded"] == out["probe"] == out["answered"]
+    assert out["after"] == {"RPC0": 0, "RPC1": 0}  # closing the model frees it all
+    assert out["components"]["RPC1"] == ["draft"]
+    assert ("projector" in out["components"]["RPC0"]) == offload
+    assert out["drafted"] > 0

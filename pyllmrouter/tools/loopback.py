@@ -3,7 +3,9 @@ free ports, ``pyllmrouter serve`` started and awaited, llama.cpp rpc-servers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -15,7 +17,8 @@ from typing import Sequence
 
 from pyllmrouter.memory import cache_dir
 
-__all__ = ["free_port", "wait_healthy", "start_serve", "llama_tool", "rpc_server_binary", "RpcServers"]
+__all__ = ["free_port", "wait_healthy", "start_serve", "llama_tool", "rpc_server_binary", "RpcServers",
+           "rpc_live_bytes"]
 
 
 def free_port() -> int:
@@ -72,22 +75,49 @@ def rpc_server_binary() -> Path:
     return llama_tool("ggml-rpc-server")
 
 
-class RpcServers:
-    """``with RpcServers(3) as endpoints:`` n rpc-servers on loopback, stopped on exit."""
+_ALLOC = re.compile(r"\[alloc_buffer\] device: (\d+), size: (\d+) -> remote_ptr: ([0-9a-f]+)")
+_FREE = re.compile(r"\[free_buffer\] remote_ptr: ([0-9a-f]+)")
 
-    def __init__(self, n: int, binary: Path | None = None):
+
+def rpc_live_bytes(log: Path) -> int:
+    """The bytes an rpc-server holds allocated now, from its own log of buffer
+    allocations and frees (``GGML_RPC_DEBUG``): what clients asked it for, summed
+    over the buffers not freed yet."""
+    held: dict[str, int] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if m := _ALLOC.search(line):
+            held[m.group(3)] = int(m.group(2))
+        elif m := _FREE.search(line):
+            held.pop(m.group(1), None)
+    return sum(held.values())
+
+
+class RpcServers:
+    """``with RpcServers(3) as endpoints:`` n rpc-servers on loopback, stopped on exit.
+
+    With ``log_dir``, server i logs every buffer it allocates and frees to
+    ``log_dir/rpc{i}.log``; ``rpc_live_bytes`` reads what it holds from there."""
+
+    def __init__(self, n: int, binary: Path | None = None, log_dir: Path | None = None):
         self.n = n
         self.binary = binary or rpc_server_binary()
+        self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
         self.endpoints: list[str] = []
 
     def __enter__(self) -> list[str]:
         if not self.binary.exists():
             raise FileNotFoundError(f"{self.binary}: run scripts/build_llama_tools.sh ggml-rpc-server first")
-        for _ in range(self.n):
+        for i in range(self.n):
             port = free_port()
-            self.procs.append(subprocess.Popen([str(self.binary), "-H", "127.0.0.1", "-p", str(port)],
-                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            log = subprocess.DEVNULL
+            env = None
+            if self.log_dir is not None:
+                log = open(self.log_dir / f"rpc{i}.log", "wb")
+                env = {**os.environ, "GGML_RPC_DEBUG": "1"}
+            with log if log is not subprocess.DEVNULL else contextlib.nullcontext():
+                self.procs.append(subprocess.Popen([str(self.binary), "-H", "127.0.0.1", "-p", str(port)],
+                                                   stdout=subprocess.DEVNULL, stderr=log, env=env))
             self.endpoints.append(f"127.0.0.1:{port}")
         for ep in self.endpoints:
             host, port = ep.rsplit(":", 1)
