@@ -220,6 +220,21 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return serve(a)
 
 
+def cmd_ray(a: argparse.Namespace) -> int:
+    """Deploy on the Ray cluster at --address: every serve argument but --address goes to
+    each node's replica as it is; host, port, API key and body limit are the ingress's."""
+    from pyllmrouter.config import MiB  # noqa: PLC0415
+    from pyllmrouter.ray.deploy import deploy  # noqa: PLC0415
+
+    argv = list(a.argv)
+    i = next((k for k, arg in enumerate(argv) if arg == "--address" or arg.startswith("--address=")), None)
+    if i is not None:
+        del argv[i:i + (1 if "=" in argv[i] else 2)]
+    deploy(argv, address=a.address, host=a.host, port=a.port, api_key=a.api_key, max_body=int(a.max_body_mb * MiB))
+    print(f"pyllmrouter serves the cluster at http://{a.host}:{a.port} (ray serve shutdown to stop)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyllmrouter", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -247,11 +262,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("ray", help="deploy on a Ray cluster: one replica per node, one address "
+                                   "(pip install pyllmrouter[ray])")
+    add_serve_arguments(p)
+    p.add_argument("--address", default="auto", help="the Ray cluster (default: auto, the local one)")
+    p.set_defaults(func=cmd_ray)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv[1:]  # after the command's name
     try:
         return args.func(args)
     except (ProbeError, SpecError, PresetError) as e:

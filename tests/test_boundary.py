@@ -7,11 +7,11 @@ import sys
 SHARED = ["pyllmrouter", "pyllmrouter.config", "pyllmrouter.spec", "pyllmrouter.errors", "pyllmrouter.protocol",
           "pyllmrouter.tables", "pyllmrouter.devices", "pyllmrouter.memory", "pyllmrouter.presets",
           "pyllmrouter.engine_args", "pyllmrouter.cli"]
-ROUTER_PACKAGES = ["pyllmrouter.router", "pyllmrouter.server"]  # every module in them
+ROUTER_PACKAGES = ["pyllmrouter.router", "pyllmrouter.server", "pyllmrouter.ray"]  # every module in them
 
 
 def test_importing_the_router_side_loads_no_llama_cpp():
-    """In a fresh interpreter, every router-side module (the router and server
+    """In a fresh interpreter, every router-side module (the router, server and ray
     packages, whatever modules they hold, and the shared ones) imports without llama_cpp or the
     extension, and no libllama or libggml is mapped into the process."""
     code = f"""

@@ -51,6 +51,8 @@ class Record:
         return {
             "state": self.state.value, "aliases": list(self.config.aliases), "leases": self.leases,
             "devices": sorted(self.device_set) if self.device_set and held else [],
+            "held": {d: n for d, n in self.need.items() if d != COUNT} if held else {},
+            "last_used": self.last_used,
             "requirement": {"+".join(sorted(ds)): {d: n for d, n in need.items() if d != COUNT}
                             for ds, need in (self.requirements or {}).items()},
             "components": {"+".join(sorted(ds)): parts for ds, parts in self.components.items()},

@@ -401,6 +401,15 @@ class Scheduler:
                 rec.reason = f"cannot measure memory: {error}"
             self._cond.notify_all()
 
+    def measure(self, name: str) -> None:
+        """Probe ``name``'s bytes now (no load), unless measured or being measured."""
+        with self._cond:
+            rec = self.resolve(name)
+            if rec.requirements is not None or rec.probing:
+                return
+            rec.probing = True
+        self._probe_requirements(rec)
+
     def _fit(self, rec: Record, ds: frozenset[str], spec: ModelSpec, grant: dict[str, int]) -> None:
         """Fit ``spec`` into ``grant`` and remember the result for that grant."""
         fitted, error = None, None

@@ -39,7 +39,7 @@ from pyllmrouter.router.api import Router
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
 from pyllmrouter.server.metrics import Metrics
 
-__all__ = ["create_app", "ENGINE_POST", "ENGINE_GET"]
+__all__ = ["create_app", "guard_error", "ENGINE_POST", "ENGINE_GET"]
 
 PUBLIC = frozenset({"/health"})
 # llama-server's per-model POST endpoints (tools/server/server.cpp), served by the model's engine
@@ -246,6 +246,22 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
+def guard_error(path: str, headers: dict[str, str], api_key: str | None, max_body: int) -> ApiError | None:
+    """The API key and body-size checks of a request (headers by lower-case name): the
+    error to answer, or None."""
+    if api_key and path not in PUBLIC:
+        given = headers.get("x-api-key", "")
+        auth = headers.get("authorization", "")
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            return ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+    length = headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_body:
+        return ApiError(413, f"request body of {length} bytes exceeds the limit of {max_body}", code="body_too_large")
+    return None
+
+
 class _Guard:
     """API key and body-size checks as plain ASGI middleware (FastAPI's function
     middleware would add a task and a memory stream to every streamed chunk)."""
@@ -257,17 +273,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_key and scope["path"] not in PUBLIC:
-            given = headers.get("x-api-key", "")
-            auth = headers.get("authorization", "")
-            if auth.lower().startswith("bearer "):
-                given = auth[7:].strip()
-            if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-                err = ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
-                return await error_response(err)(scope, receive, send)
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            err = ApiError(413, f"request body of {length} bytes exceeds the limit of {self.max_body}",
-                           code="body_too_large")
+        err = guard_error(scope["path"], headers, self.api_key, self.max_body)
+        if err is not None:
             return await error_response(err)(scope, receive, send)
         return await self.app(scope, receive, send)

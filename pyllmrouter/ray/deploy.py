@@ -1,0 +1,55 @@
+"""Deploy pyllmrouter on a Ray cluster: one NodeRouter replica per marked node, one ingress.
+
+    ray start --head --resources='{"pyllmrouter": 1}'             # on the first host
+    ray start --address=HEAD:6379 --resources='{"pyllmrouter": 1}'  # on every other host
+    pyllmrouter ray --models-preset models.ini --port 8080          # once, anywhere
+
+A marked node gets one replica (it asks for one unit of the ``pyllmrouter``
+resource), which owns all of that node's devices; it asks Ray for no GPU, so Ray
+masks nothing and the replica's workers mask themselves.  The ingress serves the
+HTTP API on ``port``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from pyllmrouter.ray.ingress import NODE_RESOURCE, Ingress, node_ids
+from pyllmrouter.ray.replica import NodeRouter
+
+__all__ = ["build", "deploy", "APP"]
+
+APP = "pyllmrouter"
+
+
+def build(serve_args: Sequence[str], *, replicas: int | None = None, api_key: str | None = None,
+          max_body: int = 8 << 20, stats_period: float = 1.0):
+    """The Serve application: ``serve_args`` are ``pyllmrouter serve``'s arguments (models,
+    margin, limits) for every node; ``replicas`` defaults to the marked nodes alive now."""
+    n = replicas if replicas is not None else len(node_ids())
+    if n < 1:
+        raise RuntimeError(f"no alive node offers the '{NODE_RESOURCE}' resource: start each host with "
+                           f"ray start --resources='{{\"{NODE_RESOURCE}\": 1}}'")
+    nodes = serve.deployment(
+        NodeRouter, name="NodeRouter", num_replicas=n, max_ongoing_requests=1024,
+        ray_actor_options={"num_cpus": 0, "num_gpus": 0, "resources": {NODE_RESOURCE: 1}},
+        request_router_config=RequestRouterConfig(
+            request_router_class="pyllmrouter.ray.request_router:MemoryAwareRouter",
+            request_routing_stats_period_s=stats_period, request_routing_stats_timeout_s=max(5.0, stats_period)),
+    )
+    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=4096,
+                               ray_actor_options={"num_cpus": 0})
+    return ingress.bind(nodes.bind(list(serve_args)), api_key, max_body)
+
+
+def deploy(serve_args: Sequence[str], *, address: str | None = "auto", host: str = "127.0.0.1", port: int = 8080,
+           **kw) -> None:
+    """Connect to the cluster at ``address`` and run the application (returns once it serves)."""
+    if not ray.is_initialized():
+        ray.init(address=address)
+    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+    serve.run(build(serve_args, **kw), name=APP, route_prefix="/")

@@ -1,0 +1,174 @@
+"""The cluster's one address: HTTP in, each request to the node the request router picks.
+
+    client ──HTTP──▶ Ingress ──NodeRequest(model)──▶ MemoryAwareRouter ──▶ a node's NodeRouter
+                       │    ◀── Head, body chunks ───────────────────────────────┘
+                       │    507 (it never fits there): again, without that node; every node
+                       │    refused: 507 with each node's figures
+                       └── /models, /v1/models, /devices, /events: every node asked
+                           (NodeRequest(node=...)), the answers merged (cluster.py)
+
+A node that dies under a request ends it with a clear error: 502 before the reply
+started, an SSE error event after.  ``?node=ID`` sends a management GET to one node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pyllmrouter.ray import cluster
+from pyllmrouter.ray.messages import Head, NodeRequest
+from pyllmrouter.server.app import guard_error
+from pyllmrouter.server.errors import ApiError, error_response
+
+__all__ = ["Ingress", "NODE_RESOURCE", "node_ids"]
+
+NODE_RESOURCE = "pyllmrouter"  # the custom resource that marks a node for one replica
+FAN_OUT = ("/models", "/v1/models", "/devices", "/events")
+ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
+
+
+class Ingress:
+    """The ingress replica (deployed by ``pyllmrouter.ray.deploy``)."""
+
+    def __init__(self, nodes, api_key: str | None = None, max_body: int = 8 << 20):
+        self.nodes = nodes  # the NodeRouter deployment's handle
+        self.api_key, self.max_body = api_key, max_body
+
+    async def __call__(self, request: Request) -> Response:
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        err = guard_error(request.url.path, headers, self.api_key, self.max_body)
+        if err is not None:
+            return error_response(err)
+        try:
+            return await self._route(request)
+        except ApiError as e:
+            return error_response(e)
+
+    async def _route(self, request: Request) -> Response:
+        path, method = request.url.path, request.method
+        query = tuple((k, v) for k, v in request.query_params.items() if k != "node")
+        body = await request.body()
+        plain = NodeRequest(method, path, query, tuple((k, v) for k, v in request.headers.items()
+                                                       if k.lower() not in ("host", "content-length")), body)
+        node = request.query_params.get("node")
+        if node:
+            return await self._respond(replace(plain, node=node), None)
+        if path == "/health":
+            return JSONResponse({"status": "ok"})
+        if method == "GET" and path in FAN_OUT:
+            return await self._cluster_view(plain)
+        if method == "POST" and path == "/models/unload":
+            return await self._unload(plain)
+        model = _model_of(method, body, dict(query))
+        if model is None and method == "GET" and path in ("/props", "/metrics"):
+            return JSONResponse({"role": "router", "cluster": True, "nodes": sorted(node_ids())})
+        if model is None:
+            raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
+        return await self._respond(replace(plain, model=model), model)
+
+    async def _respond(self, plain: NodeRequest, model: str | None) -> Response:
+        """``plain`` on the node the request router picks; a node that refuses it (507)
+        is left out of the next attempt, until every node has refused."""
+        refusals: dict[str, Any] = {}
+        while True:
+            replies = self.nodes.options(stream=True).handle.remote(plain)
+            try:
+                head: Head = await replies.__anext__()
+            except RayActorError as e:
+                raise ApiError(502, f"the node serving '{model or plain.path}' died: {type(e).__name__}",
+                               "server_error", "node_died") from None
+            if head.status != 507 or model is None:
+                return await _relay(head, replies, model)
+            body = json.loads(b"".join([c async for c in replies]) or b"{}")
+            if head.node in refusals:  # the request router has no other node left
+                refusals[head.node] = body
+                return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
+            refusals[head.node] = body
+            plain = replace(plain, exclude=plain.exclude | {head.node})
+
+    async def _ask_all(self, plain: NodeRequest) -> dict[str, Any]:
+        """``plain`` on every node: {node: its JSON answer}; a node that cannot answer
+        gives its error instead."""
+        async def ask(node: str) -> tuple[str, Any]:
+            async def one() -> Any:
+                replies = self.nodes.options(stream=True).handle.remote(replace(plain, node=node))
+                head = await replies.__anext__()
+                data = b"".join([c async for c in replies])
+                return json.loads(data) if head.status == 200 else {"error": data.decode(errors="replace")}
+            try:
+                return node, await asyncio.wait_for(one(), ASK_TIMEOUT)
+            except (asyncio.TimeoutError, RayActorError) as e:
+                return node, {"error": f"node did not answer: {type(e).__name__}"}
+        return dict(await asyncio.gather(*(ask(n) for n in node_ids())))
+
+    async def _cluster_view(self, plain: NodeRequest) -> Response:
+        if plain.path == "/devices":
+            return JSONResponse(cluster.merge_devices(await self._ask_all(plain)))
+        if plain.path == "/events":
+            per_node = await self._ask_all(plain)
+            return JSONResponse({"data": [{**e, "node": n} for n, r in sorted(per_node.items())
+                                          for e in r.get("data", [])]})
+        merged = cluster.merge_models(await self._ask_all(replace(plain, path="/models")))
+        return JSONResponse(merged if plain.path == "/models" else cluster.openai_models(merged))
+
+    async def _unload(self, plain: NodeRequest) -> Response:
+        model = _model_of("POST", plain.body, {})
+        if model is None:
+            raise ApiError(400, "'model' is required", param="model")
+        per_node = await self._ask_all(NodeRequest("GET", "/models"))
+        where = [n for n, r in per_node.items() for e in r.get("data", [])
+                 if (e["id"] == model or model in e.get("aliases", ())) and e["status"]["value"] == "loaded"]
+        results = [await self._respond(replace(plain, node=n), model) for n in where]
+        return JSONResponse({"success": any(r.status_code == 200 for r in results), "nodes": sorted(where)})
+
+
+def node_ids() -> list[str]:
+    """The alive nodes that carry a replica's resource."""
+    return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE)]
+
+
+def _model_of(method: str, body: bytes, query: dict[str, str]) -> str | None:
+    if method == "GET":
+        return query.get("model") or None
+    try:
+        data = json.loads(body or b"{}")
+    except ValueError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    model = data.get("model")
+    return model if isinstance(model, str) and model else None
+
+
+async def _relay(head: Head, replies, model: str | None) -> Response:
+    """The node's reply: whole (a node that dies before its end gives 502), or as an event
+    stream (a node that dies ends it with an error event)."""
+    headers = {k: v for k, v in head.headers if k.lower() not in ("content-length",)}
+    headers["x-pyllmrouter-node"] = head.node
+    died = f"the node serving '{model}' died" if model else "the node died"
+    if not headers.get("content-type", "").startswith("text/event-stream"):
+        try:
+            data = b"".join([c async for c in replies])
+        except RayActorError as e:
+            raise ApiError(502, f"{died}: {type(e).__name__}", "server_error", "node_died") from None
+        return Response(data, status_code=head.status, headers=headers)
+
+    async def chunks():
+        try:
+            async for chunk in replies:
+                yield chunk
+        except RayActorError as e:
+            error = {"error": {"message": f"{died}: {type(e).__name__}", "type": "server_error", "code": 502}}
+            yield b"data: " + json.dumps(error).encode() + b"\n\n"
+        finally:
+            replies.cancel()
+
+    return StreamingResponse(chunks(), status_code=head.status, headers=headers)

@@ -1,0 +1,103 @@
+"""Where a request should go in a cluster: pure functions over the replicas' statistics.
+
+    Router.status() ──node_stats──▶ {devices, models, queue}   (each replica, every period)
+    stats of every replica ──rank(model, stats)──▶ [[loaded, shortest queue first],
+                                                    [fits in free memory, least room left first],
+                                                    [fits once idle models go, fewest bytes first],
+                                                    [could ever fit]]
+                                                    empty: it fits on no node
+
+The arithmetic is the single-node router's own (router/placement.py): the same
+shortfall, the same least-recently-used victims, the same "never fits".  Statistics
+are a period old at worst, so a replica's own admission still decides; a node that
+refuses (507) is left out of the next attempt (the request router's ``exclude``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from pyllmrouter.router import placement
+
+__all__ = ["node_stats", "Choice", "classify", "rank"]
+
+LOADED, FREE, EVICT, EVER = "loaded", "free", "evict", "ever"
+
+
+def node_stats(node: str, status: Mapping[str, Any], max_models: int = 0) -> dict[str, Any]:
+    """What a replica reports (plain values): its node, per device the most its models may
+    hold and what they may still take, and per model its state, requests in flight, the
+    bytes it holds, its probed requirement per device set and when it was last used."""
+    devices = {n: {"capacity": d["capacity"], "available": d["available"] or 0, "held": d["held"]}
+               for n, d in status["devices"].items()}
+    models = {n: {"state": m["state"], "leases": m["leases"], "held": m["held"], "last_used": m["last_used"],
+                  "persistent": m["persistent"], "requirement": m["requirement"]}
+              for n, m in status["models"].items()}
+    return {"node": node, "devices": devices, "models": models, "queue": status["queue"],
+            "max_models": max_models}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How a model would be served on one node: the class, and the figure that orders
+    nodes of the same class (queue length, headroom or bytes evicted)."""
+
+    kind: str  # loaded | free | evict | ever | never
+    order: int
+    why: str = ""
+
+
+def classify(model: str, stats: Mapping[str, Any]) -> Choice:
+    m = stats["models"].get(model)
+    if m is None:
+        return Choice("never", 0, f"node {stats['node']} does not serve {model}")
+    if m["state"] in ("loaded", "loading"):
+        return Choice(LOADED, m["leases"] + stats["queue"])
+    if not m["requirement"]:
+        return Choice(EVER, 0, "not measured yet")  # its replica measures every model at start
+    capacity = {d: v["capacity"] for d, v in stats["devices"].items()}
+    available = {d: v["available"] for d, v in stats["devices"].items()}
+    residents = [placement.Resident(n, r["held"], r["last_used"],
+                                    r["state"] == "loaded" and r["leases"] == 0 and not r["persistent"])
+                 for n, r in stats["models"].items() if r["held"]]
+    candidates = [(frozenset(key.split("+")), need) for key, need in m["requirement"].items()]
+    if stats.get("max_models"):
+        capacity[placement.COUNT] = stats["max_models"]
+        available[placement.COUNT] = stats["max_models"] - len(residents)
+        residents = [placement.Resident(r.name, {**r.need, placement.COUNT: 1}, r.last_used, r.evictable)
+                     for r in residents]
+        candidates = [(ds, {**need, placement.COUNT: 1}) for ds, need in candidates]
+    ever = [(ds, need) for ds, need in candidates if placement.never_fits(need, capacity) is None]
+    if not ever:
+        worst = placement.never_fits(candidates[0][1], capacity)
+        return Choice("never", 0, str(worst))
+    plan = placement.choose(ever, available, residents)
+    if plan is None:
+        return Choice(EVER, 0, "busy models hold the memory")
+    if not plan.victims:  # best fit: the node left with the least room, so big holes stay for big models
+        return Choice(FREE, min(available.get(d, 0) - n for d, n in plan.need.items() if d != placement.COUNT))
+    freed = sum(sum(n for d, n in r.need.items() if d != placement.COUNT)
+                for r in residents if r.name in plan.victims)
+    return Choice(EVICT, freed)
+
+
+def rank(model: str, replicas: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[list[Any]]:
+    """``replicas``: (replica, its stats) pairs.  Ranks, best first, of the replicas that
+    could serve ``model``; replicas without stats yet rank with "could ever fit".
+    Empty: no node can ever hold it."""
+    order = {LOADED: 0, FREE: 1, EVICT: 2, EVER: 3}
+    scored: list[tuple[int, int, Any]] = []
+    for i, (replica, stats) in enumerate(replicas):
+        choice = classify(model, stats) if stats else Choice(EVER, 0)
+        if choice.kind in order:
+            scored.append((order[choice.kind], choice.order, i))
+    ranks: list[list[Any]] = []
+    last = None
+    for kind, figure, i in sorted(scored):
+        key = (kind, figure if kind in (1, 2) else 0)  # loaded nodes: one rank, Serve takes the shortest queue
+        if key != last:
+            ranks.append([])
+            last = key
+        ranks[-1].append(replicas[i][0])
+    return ranks

@@ -1,0 +1,108 @@
+"""One node's replica: the ``pyllmrouter serve`` app of that node, called in-process.
+
+    ingress ──NodeRequest──▶ NodeRouter.handle ──ASGI──▶ create_app(Router): the same
+            ◀── Head, bytes, bytes...  ◀────────────────  code as ``pyllmrouter serve``
+
+The replica's Router owns every device of its node.  It is built from the same
+arguments as ``pyllmrouter serve`` (and the same LLAMA_ARG_* / PYLLMROUTER_*
+variables of that host), so the replica asks Ray for no GPU: its workers mask
+themselves as they do under ``serve``.  Every model is measured when the replica
+starts, so its statistics carry each model's bytes before any request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+from typing import Any, AsyncIterator
+from urllib.parse import urlencode
+
+import ray
+
+from pyllmrouter.errors import RouterError
+from pyllmrouter.ray.messages import Head, NodeRequest
+from pyllmrouter.ray.policy import node_stats
+from pyllmrouter.server.app import create_app
+from pyllmrouter.server.run import add_serve_arguments, router_from_args
+
+__all__ = ["NodeRouter"]
+
+
+class NodeRouter:
+    """The replica class (deployed by ``pyllmrouter.ray.deploy``): ``serve_args`` are
+    ``pyllmrouter serve``'s arguments without host and port."""
+
+    def __init__(self, serve_args: list[str]):
+        parser = argparse.ArgumentParser(prog="pyllmrouter serve")
+        add_serve_arguments(parser)
+        args = parser.parse_args(serve_args)
+        self.node = ray.get_runtime_context().get_node_id()
+        self.router = router_from_args(args)
+        self.app = create_app(self.router, close_router=False)
+        self._lifespan = None
+        self._started = asyncio.Lock()
+        threading.Thread(target=self._measure_all, name="measure", daemon=True).start()
+
+    def _measure_all(self) -> None:
+        for config in self.router.models():
+            try:
+                self.router.scheduler.measure(config.name)
+            except RouterError:
+                pass  # recorded on the model: a request for it gets the reason
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        return node_stats(self.node, self.router.status(), self.router.options.max_models)
+
+    async def _start(self) -> None:
+        async with self._started:
+            if self._lifespan is None:
+                self._lifespan = self.app.router.lifespan_context(self.app)
+                await self._lifespan.__aenter__()
+
+    async def handle(self, request: NodeRequest) -> AsyncIterator[Head | bytes]:
+        """The reply of this node's app: a Head, then the body in chunks as the app
+        writes them.  Cancelled (the client left): the app sees a disconnect, and a
+        generation stops."""
+        await self._start()
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
+            "scheme": "http", "path": request.path, "raw_path": request.path.encode(), "root_path": "",
+            "query_string": urlencode(request.query).encode(),
+            "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers],
+            "client": ("ray", 0), "server": ("pyllmrouter", 0),
+        }
+        messages: asyncio.Queue = asyncio.Queue()
+        left = asyncio.Event()
+        body_given = False
+
+        async def receive() -> dict[str, Any]:
+            nonlocal body_given
+            if not body_given:
+                body_given = True
+                return {"type": "http.request", "body": request.body, "more_body": False}
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def run() -> None:
+            try:
+                await self.app(scope, receive, messages.put)
+            finally:
+                messages.put_nowait(None)
+
+        task = asyncio.get_running_loop().create_task(run())
+        try:
+            while (message := await messages.get()) is not None:
+                if message["type"] == "http.response.start":
+                    headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"])
+                    yield Head(message["status"], headers, self.node)
+                elif message.get("body"):
+                    yield message["body"]
+            task.result()  # an error in the app is this call's error
+        finally:
+            left.set()
+
+    def __del__(self) -> None:
+        router = getattr(self, "router", None)
+        if router is not None:
+            router.close()

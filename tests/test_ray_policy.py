@@ -1,0 +1,95 @@
+"""The cluster's placement policy (pyllmrouter.ray.policy): pure ranking of nodes by a
+model's bytes against each node's statistics.  No Ray needed."""
+
+from __future__ import annotations
+
+from pyllmrouter.ray.cluster import merge_models, no_node_fits
+from pyllmrouter.ray.policy import classify, node_stats, rank
+
+MiB = 1 << 20
+
+
+def stats(node: str, capacity: int, models: dict, *, queue: int = 0, max_models: int = 0) -> dict:
+    """A node with one device GPU0 of ``capacity`` MiB; ``models``: name -> (state, leases,
+    MiB held, MiB needed, last used)."""
+    held = sum(m[2] for m in models.values()) * MiB
+    return {
+        "node": node, "queue": queue, "max_models": max_models,
+        "devices": {"GPU0": {"capacity": capacity * MiB, "available": capacity * MiB - held, "held": held}},
+        "models": {n: {"state": s, "leases": leases, "held": {"GPU0": h * MiB} if h else {}, "last_used": t,
+                       "persistent": False, "requirement": {"GPU0": {"GPU0": need * MiB}} if need else {}}
+                   for n, (s, leases, h, need, t) in models.items()},
+    }
+
+
+def test_a_loaded_model_goes_where_it_is_loaded():
+    a = stats("a", 100, {"m": ("loaded", 3, 10, 10, 1.0)})
+    b = stats("b", 100, {"m": ("unloaded", 0, 0, 10, 0.0)})
+    assert classify("m", a).kind == "loaded" and classify("m", b).kind == "free"
+    assert rank("m", [("A", a), ("B", b)]) == [["A"], ["B"]]
+
+
+def test_free_memory_before_eviction_and_the_tightest_fit_first():
+    small = stats("small", 30, {"m": ("unloaded", 0, 0, 20, 0.0)})
+    big = stats("big", 100, {"m": ("unloaded", 0, 0, 20, 0.0)})
+    full = stats("full", 30, {"m": ("unloaded", 0, 0, 20, 0.0), "x": ("loaded", 0, 25, 25, 1.0)})
+    assert [classify("m", s).kind for s in (small, big, full)] == ["free", "free", "evict"]
+    # the tightest fit first: the big node keeps its room for a model only it can hold
+    assert rank("m", [("FULL", full), ("BIG", big), ("SMALL", small)]) == [["SMALL"], ["BIG"], ["FULL"]]
+
+
+def test_fewest_bytes_evicted_first_and_busy_models_are_never_counted_as_evictable():
+    a = stats("a", 40, {"m": ("unloaded", 0, 0, 30, 0.0), "x": ("loaded", 0, 30, 30, 1.0)})
+    b = stats("b", 40, {"m": ("unloaded", 0, 0, 30, 0.0), "y": ("loaded", 0, 15, 15, 1.0)})
+    busy = stats("busy", 40, {"m": ("unloaded", 0, 0, 30, 0.0), "z": ("loaded", 2, 15, 15, 1.0)})
+    assert classify("m", a).order == 30 * MiB and classify("m", b).order == 15 * MiB
+    assert classify("m", busy).kind == "ever"  # it fits once z's requests end; z is not evicted now
+    assert rank("m", [("A", a), ("BUSY", busy), ("B", b)]) == [["B"], ["A"], ["BUSY"]]
+
+
+def test_least_recently_used_victims_as_the_node_itself_would_pick_them():
+    node = stats("n", 50, {"m": ("unloaded", 0, 0, 30, 0.0), "old": ("loaded", 0, 20, 20, 1.0),
+                           "new": ("loaded", 0, 25, 25, 5.0)})
+    # 5 MiB free: evicting the least recently used (20 MiB) is not enough, then the next
+    assert classify("m", node).order == 45 * MiB
+
+
+def test_a_model_that_fits_no_node_ranks_nowhere_and_says_why():
+    a = stats("a", 10, {"m": ("unloaded", 0, 0, 20, 0.0)})
+    assert classify("m", a).kind == "never" and "GPU0" in classify("m", a).why
+    assert rank("m", [("A", a)]) == []
+    unknown = stats("b", 10, {})
+    assert classify("m", unknown).kind == "never"  # that node does not serve it
+
+
+def test_replicas_without_statistics_or_measurements_yet_rank_last():
+    a = stats("a", 100, {"m": ("unloaded", 0, 0, 0, 0.0)})  # not measured yet
+    b = stats("b", 100, {"m": ("unloaded", 0, 0, 10, 0.0)})
+    assert rank("m", [("A", a), ("NEW", {}), ("B", b)]) == [["B"], ["A", "NEW"]]
+
+
+def test_the_model_count_limit_is_one_more_device():
+    full = stats("a", 100, {"m": ("unloaded", 0, 0, 10, 0.0), "x": ("loaded", 0, 10, 10, 1.0)}, max_models=1)
+    assert classify("m", full).kind == "evict"
+
+
+def test_node_stats_carries_what_the_policy_reads():
+    status = {"queue": 2, "devices": {"GPU0": {"capacity": 100, "available": 40, "held": 60, "kind": "emulated",
+                                               "total": 100, "free": 100}},
+              "models": {"m": {"state": "loaded", "leases": 1, "held": {"GPU0": 60}, "last_used": 3.0,
+                               "persistent": False, "requirement": {"GPU0": {"GPU0": 60}}, "aliases": []}}}
+    s = node_stats("n1", status)
+    assert s["node"] == "n1" and s["queue"] == 2 and s["devices"]["GPU0"]["available"] == 40
+    assert classify("m", s).kind == "loaded"
+
+
+def test_the_cluster_view_keeps_llama_servers_format_and_adds_the_nodes():
+    entry = lambda name, state: {"id": name, "object": "model", "owned_by": "pyllmrouter", "aliases": [],
+                                 "path": f"{name}.gguf", "status": {"value": state}}
+    view = merge_models({"n1": {"data": [entry("m", "unloaded"), entry("k", "unloaded")], "devices": {"GPU0": {}}},
+                         "n2": {"data": [entry("m", "loaded")], "devices": {}}})
+    m = next(x for x in view["data"] if x["id"] == "m")
+    assert m["status"] == {"value": "loaded"} and m["loaded_on"] == ["n2"] and set(m["nodes"]) == {"n1", "n2"}
+    assert set(view["nodes"]) == {"n1", "n2"}
+    err = no_node_fits("m", {"n1": {"error": {"needed_bytes": 5}}, "n2": {"error": {"needed_bytes": 6}}})
+    assert err["error"]["nodes"]["n2"]["needed_bytes"] == 6 and err["error"]["code"] == "model_too_large"
