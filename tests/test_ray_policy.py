@@ -4,7 +4,7 @@ model's bytes against each node's statistics.  No Ray needed."""
 from __future__ import annotations
 
 from pyllmrouter.ray.cluster import merge_models, no_node_fits
-from pyllmrouter.ray.policy import classify, node_stats, rank
+from pyllmrouter.ray.policy import assume_routed, classify, node_stats, rank
 
 MiB = 1 << 20
 
@@ -93,3 +93,16 @@ def test_the_cluster_view_keeps_llama_servers_format_and_adds_the_nodes():
     assert set(view["nodes"]) == {"n1", "n2"}
     err = no_node_fits("m", {"n1": {"error": {"needed_bytes": 5}}, "n2": {"error": {"needed_bytes": 6}}})
     assert err["error"]["nodes"]["n2"]["needed_bytes"] == 6 and err["error"]["code"] == "model_too_large"
+
+
+def test_a_routed_load_counts_until_the_nodes_statistics_show_it():
+    node = stats("n", 30, {"m": ("unloaded", 0, 0, 20, 0.0), "k": ("unloaded", 0, 0, 20, 0.0),
+                           "old": ("loaded", 0, 5, 5, 1.0)})
+    assert classify("k", node).kind == "free"
+    after = assume_routed("m", node)
+    assert after["models"]["m"]["state"] == "loading" and after["devices"]["GPU0"]["available"] == 5 * MiB
+    assert classify("m", after).kind == "loaded"
+    assert classify("k", after).kind == "ever"  # m is loading (busy): k would wait on this node
+    evicting = assume_routed("k", stats("n", 30, {"k": ("unloaded", 0, 0, 20, 0.0), "x": ("loaded", 0, 25, 25, 1.0)}))
+    assert evicting["models"]["x"]["state"] == "unloaded" and evicting["devices"]["GPU0"]["available"] == 10 * MiB
+    assert assume_routed("m", after) == after  # already counted

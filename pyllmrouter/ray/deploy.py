@@ -42,7 +42,8 @@ def build(serve_args: Sequence[str], *, replicas: int | None = None, api_key: st
             request_routing_stats_period_s=stats_period, request_routing_stats_timeout_s=max(5.0, stats_period)),
     )
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=4096,
-                               ray_actor_options={"num_cpus": 0})
+                               ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {
+                                   "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}}})
     return ingress.bind(nodes.bind(list(serve_args)), api_key, max_body)
 
 

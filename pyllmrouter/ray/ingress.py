@@ -88,26 +88,30 @@ class Ingress:
             if head.status != 507 or model is None:
                 return await _relay(head, replies, model)
             body = json.loads(b"".join([c async for c in replies]) or b"{}")
-            if head.node in refusals:  # the request router has no other node left
-                refusals[head.node] = body
-                return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
+            repeated = head.node in refusals  # the request router had no other node left
             refusals[head.node] = body
+            if repeated or set(node_ids()) <= set(refusals):
+                return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
             plain = replace(plain, exclude=plain.exclude | {head.node})
 
     async def _ask_all(self, plain: NodeRequest) -> dict[str, Any]:
         """``plain`` on every node: {node: its JSON answer}; a node that cannot answer
-        gives its error instead."""
-        async def ask(node: str) -> tuple[str, Any]:
-            async def one() -> Any:
-                replies = self.nodes.options(stream=True).handle.remote(replace(plain, node=node))
-                head = await replies.__anext__()
-                data = b"".join([c async for c in replies])
-                return json.loads(data) if head.status == 200 else {"error": data.decode(errors="replace")}
+        gives its error instead.  One node after the other: calls made while one request
+        is handled share its request id, and Serve's router matches a chosen replica to
+        a waiting call by that id, so two such calls routed at once could swap nodes."""
+        async def one(node: str) -> Any:
+            replies = self.nodes.options(stream=True).handle.remote(replace(plain, node=node))
+            head = await replies.__anext__()
+            data = b"".join([c async for c in replies])
+            return json.loads(data) if head.status == 200 else {"error": data.decode(errors="replace")}
+
+        answers = {}
+        for node in node_ids():
             try:
-                return node, await asyncio.wait_for(one(), ASK_TIMEOUT)
+                answers[node] = await asyncio.wait_for(one(node), ASK_TIMEOUT)
             except (asyncio.TimeoutError, RayActorError) as e:
-                return node, {"error": f"node did not answer: {type(e).__name__}"}
-        return dict(await asyncio.gather(*(ask(n) for n in node_ids())))
+                answers[node] = {"error": f"node did not answer: {type(e).__name__}"}
+        return answers
 
     async def _cluster_view(self, plain: NodeRequest) -> Response:
         if plain.path == "/devices":

@@ -1,7 +1,7 @@
 """Where a request should go in a cluster: pure functions over the replicas' statistics.
 
     Router.status() ──node_stats──▶ {devices, models, queue}   (each replica, every period)
-    stats of every replica ──rank(model, stats)──▶ [[loaded, shortest queue first],
+    stats of every replica (+ assume_routed: loads routed since) ──rank(model, stats)──▶ [[loaded, shortest queue first],
                                                     [fits in free memory, least room left first],
                                                     [fits once idle models go, fewest bytes first],
                                                     [could ever fit]]
@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 from pyllmrouter.router import placement
 
-__all__ = ["node_stats", "Choice", "classify", "rank"]
+__all__ = ["node_stats", "Choice", "classify", "assume_routed", "rank"]
 
 LOADED, FREE, EVICT, EVER = "loaded", "free", "evict", "ever"
 
@@ -46,6 +46,7 @@ class Choice:
     kind: str  # loaded | free | evict | ever | never
     order: int
     why: str = ""
+    plan: placement.Plan | None = None  # free or evict: where, and the victims
 
 
 def classify(model: str, stats: Mapping[str, Any]) -> Choice:
@@ -76,10 +77,31 @@ def classify(model: str, stats: Mapping[str, Any]) -> Choice:
     if plan is None:
         return Choice(EVER, 0, "busy models hold the memory")
     if not plan.victims:  # best fit: the node left with the least room, so big holes stay for big models
-        return Choice(FREE, min(available.get(d, 0) - n for d, n in plan.need.items() if d != placement.COUNT))
+        return Choice(FREE, min(available.get(d, 0) - n for d, n in plan.need.items() if d != placement.COUNT),
+                      plan=plan)
     freed = sum(sum(n for d, n in r.need.items() if d != placement.COUNT)
                 for r in residents if r.name in plan.victims)
-    return Choice(EVICT, freed)
+    return Choice(EVICT, freed, plan=plan)
+
+
+def assume_routed(model: str, stats: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``stats`` as they will read once the node has taken ``model`` (its admission does
+    what ``classify`` foresees: the victims go, the model's bytes are taken), for the
+    requests routed before the node's next statistics say so."""
+    plan = classify(model, stats).plan
+    if plan is None:
+        return stats
+    models = dict(stats["models"])
+    devices = {d: dict(v) for d, v in stats["devices"].items()}
+    for victim in plan.victims:
+        for d, n in models[victim]["held"].items():
+            devices[d]["available"] += n
+        models[victim] = {**models[victim], "state": "unloaded", "held": {}}
+    need = {d: n for d, n in plan.need.items() if d in devices}
+    for d, n in need.items():
+        devices[d]["available"] -= n
+    models[model] = {**models[model], "state": "loading", "held": need}
+    return {**stats, "models": models, "devices": devices}
 
 
 def rank(model: str, replicas: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[list[Any]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import threading
 from typing import Any, AsyncIterator
 from urllib.parse import urlencode
@@ -64,6 +65,11 @@ class NodeRouter:
         """The reply of this node's app: a Head, then the body in chunks as the app
         writes them.  Cancelled (the client left): the app sees a disconnect, and a
         generation stops."""
+        if request.node is not None and request.node != self.node:  # never answer for another node
+            yield Head(421, (("content-type", "application/json"),), self.node)
+            yield json.dumps({"error": {"message": f"this is node {self.node}, not {request.node}",
+                                        "type": "misdirected_request", "code": 421}}).encode()
+            return
         await self._start()
         scope = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,

@@ -1,34 +1,64 @@
 """Ray Serve's request router for pyllmrouter replicas: ranks replicas by the model's
 bytes against each node's free and evictable memory (policy.rank), from the statistics
-every replica records (``record_routing_stats``), a period old at worst.
+every replica records (``record_routing_stats``), a period old at worst.  A model routed
+to a node in the last few seconds counts as loading there (policy.assume_routed) until
+the node's statistics show it, so requests in between are not placed on stale figures.
 
 Serve calls ``choose_replicas`` for each request and, within the first rank that has
 room, picks the replica with the shortest queue."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+import time
+from typing import Any, List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from pyllmrouter.ray.messages import NodeRequest
-from pyllmrouter.ray.policy import rank
+from pyllmrouter.ray.policy import assume_routed, rank
 
 __all__ = ["MemoryAwareRouter"]
 
+RECENT = 5.0  # seconds a routed load is assumed before the node's statistics show it
+
 
 class MemoryAwareRouter(RequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._routed: dict[str, list[tuple[float, str]]] = {}  # replica id -> (when, model), routing loop only
+
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
-        request = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if not isinstance(request, NodeRequest):
+        request = _request_of(pending_request)
+        if request is None:
             return [candidate_replicas]
         if request.node is not None:  # a question for one node: that node's replica, or none yet
             return [[r for r in candidate_replicas if r.node_id == request.node]]
         live = [r for r in candidate_replicas if r.node_id not in request.exclude]
         if request.model is None:
             return [live]
-        ranks = rank(request.model, [(r, {**r.routing_stats, "node": r.node_id} if r.routing_stats else {})
-                                     for r in live])
-        # no node could ever hold it: any replica answers with its 507 and the figures
-        return ranks or [live]
+        ranks = rank(request.model, [(r, self._stats(r)) for r in live])
+        # no node could ever hold it: a replica answers with its 507 and the figures (every
+        # node left out already: one of them again, so the ingress sees the refusal repeat)
+        return ranks or [live or candidate_replicas]
+
+    def _stats(self, replica: RunningReplica) -> dict:
+        if not replica.routing_stats:
+            return {}
+        stats = {**replica.routing_stats, "node": replica.node_id}
+        horizon = time.monotonic() - RECENT
+        recent = [(t, m) for t, m in self._routed.get(replica.replica_id.unique_id, ()) if t > horizon]
+        self._routed[replica.replica_id.unique_id] = recent
+        for _, model in recent:
+            if model in stats["models"]:
+                stats = assume_routed(model, stats)
+        return stats
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        request = _request_of(pending_request)
+        if request is not None and request.model is not None and request.node is None:
+            self._routed.setdefault(replica_id.unique_id, []).append((time.monotonic(), request.model))
+
+
+def _request_of(pending_request: Optional[PendingRequest]) -> NodeRequest | None:
+    request = pending_request.args[0] if pending_request is not None and pending_request.args else None
+    return request if isinstance(request, NodeRequest) else None

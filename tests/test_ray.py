@@ -1,0 +1,198 @@
+"""pyllmrouter on a real local Ray cluster: a head and three nodes, each node with one
+emulated device of a different size (its own PYLLMROUTER_EMULATE_DEVICES), the Serve
+application deployed by ``pyllmrouter.ray.deploy``, real HTTP through the ingress.
+
+Models (bytes as the probe measures them; the node sizes below are chosen around them):
+a, b ~6 MiB; c, d ~15 MiB; big, big2 ~51 MiB (only the 80 MiB node holds one, not both);
+huge ~195 MiB (no node holds it).  The node-removal test runs last: it takes a node away.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pyllmrouter.tools.loopback import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.slow]  # a Ray cluster, Serve and worker processes
+
+SIZES = {"small": 24, "medium": 40, "big": 80}  # MiB of each node's one device
+MODELS = {"a": ("tiny-llama", 2048), "b": ("tiny-moe", 2048), "c": ("tiny-llama", 8192),
+          "d": ("tiny-moe", 8192), "big": ("tiny-llama", 32768), "big2": ("tiny-moe", 32768),
+          "huge": ("tiny-llama", 131072)}
+
+
+class Client:
+    def __init__(self, base: str):
+        self.base = base
+
+    def call(self, method: str, path: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict, bytes]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.base + path, data, {"content-type": "application/json"}, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def json(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict, dict]:
+        status, headers, data = self.call(method, path, body)
+        return status, headers, json.loads(data)
+
+    def complete(self, model: str, max_tokens: int = 4) -> tuple[int, str | None, dict]:
+        status, headers, body = self.json("POST", "/v1/completions",
+                                          {"model": model, "prompt": "hi", "max_tokens": max_tokens})
+        return status, headers.get("x-pyllmrouter-node"), body
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny, tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    from pyllmrouter.ray.deploy import deploy
+
+    d = tmp_path_factory.mktemp("ray")
+    preset = d / "models.ini"
+    preset.write_text("".join(f"[{name}]\nmodel = {tiny[kind]}\nctx-size = {ctx}\nparallel = 1\n\n"
+                              for name, (kind, ctx) in MODELS.items()))
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    nodes = {}
+    for label, mib in SIZES.items():
+        node = c.add_node(num_cpus=1, resources={"pyllmrouter": 1},
+                          env_vars={"PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB",
+                                    "PYLLMROUTER_CACHE": str(d / "cache")})
+        nodes[label] = node
+    ray.init(address=c.address)
+    port = free_port()
+    try:
+        deploy(["--models-preset", str(preset), "--models-memory-margin", "0", "--queue-timeout", "60"],
+               address=c.address, port=port, stats_period=0.5)
+        client = Client(f"http://127.0.0.1:{port}")
+        ids = {label: node.node_id for label, node in nodes.items()}
+        _wait_measured(client, set(ids.values()))
+        yield c, client, ids, nodes
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        c.shutdown()
+
+
+def _wait_measured(client: Client, nodes: set[str], timeout: float = 180) -> None:
+    """Until every node answers /models with every model measured."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, _, view = client.json("GET", "/models")
+        if status == 200 and set(view["nodes"]) >= nodes and view["data"] and all(
+                all(e.get("memory", {}).get("requirement") for e in m["nodes"].values()) and set(m["nodes"]) >= nodes
+                for m in view["data"]):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the cluster did not measure its models in {timeout} s: {view}")
+
+
+def _where(client: Client) -> dict[str, list[str]]:
+    _, _, view = client.json("GET", "/models")
+    return {m["id"]: m["loaded_on"] for m in view["data"]}
+
+
+def test_models_are_placed_by_memory_and_no_node_is_oversubscribed(cluster):
+    c, client, ids, _ = cluster
+    for model in ("a", "b", "c", "d"):
+        status, node, body = client.complete(model)
+        assert status == 200, body
+        time.sleep(0.6)  # a statistics period: the next choice sees this load
+    where = _where(client)
+    # a, b fill the small node most tightly; c and d no longer fit there, the medium node is next
+    assert where["a"] == where["b"] == [ids["small"]]
+    assert where["c"] == where["d"] == [ids["medium"]]
+    _, _, devices = client.json("GET", "/devices")
+    for node, view in devices["nodes"].items():
+        for dev in view["devices"].values():
+            assert dev["held"] <= dev["capacity"], (node, dev)
+    _, _, view = client.json("GET", "/models")
+    assert all(e["loads"] <= 1 for m in view["data"] for e in m["nodes"].values())  # nothing loaded twice
+
+
+def test_a_model_that_fits_only_on_the_big_node_goes_there(cluster):
+    _, client, ids, _ = cluster
+    status, node, body = client.complete("big")
+    assert status == 200, body
+    assert node == ids["big"] and _where(client)["big"] == [ids["big"]]
+
+
+def test_a_model_that_fits_nowhere_gets_507_with_every_nodes_figures(cluster):
+    _, client, ids, _ = cluster
+    status, _, body = client.complete("huge")
+    assert status == 507, body
+    err = body["error"]
+    assert err["code"] == "model_too_large" and "huge" in err["message"]
+    assert set(err["nodes"]) == set(ids.values())
+    for node, figures in err["nodes"].items():
+        assert figures["needed_bytes"] > figures["capacity_bytes"] == SIZES[
+            next(k for k, v in ids.items() if v == node)] << 20
+    assert "huge" not in {m for m, on in _where(client).items() if on}
+
+
+def test_a_busy_model_is_never_evicted(cluster):
+    """'big' streams on the big node; 'big2' fits only there, and only without 'big': it
+    waits for the stream to end, then evicts the idle 'big'."""
+    _, client, ids, _ = cluster
+    assert _where(client)["big"] == [ids["big"]]
+    done: dict = {}
+
+    def stream():
+        status, _, data = client.call("POST", "/v1/completions", {"model": "big", "prompt": "hi", "max_tokens": 400,
+                                                                  "stream": True, "ignore_eos": True})
+        done["stream"] = (status, data.decode(), time.monotonic())
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.5)  # under way
+    status, node, body = client.complete("big2")
+    answered = time.monotonic()
+    t.join(120)
+    status_stream, text, ended = done["stream"]
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert status_stream == 200 and not any("error" in e for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "length" and text.rstrip().endswith("data: [DONE]")
+    assert status == 200 and node == ids["big"], body
+    assert answered > ended  # it waited for the stream rather than evict a busy model
+    where = _where(client)
+    assert where["big2"] == [ids["big"]] and where["big"] == []  # then 'big', idle, gave way
+
+
+def test_a_removed_node_loses_its_models_and_the_next_request_loads_elsewhere(cluster):
+    c, client, ids, nodes = cluster
+    where = _where(client)
+    assert where["c"] == [ids["medium"]]
+    result: dict = {}
+
+    def stream():
+        result["reply"] = client.call("POST", "/v1/completions", {"model": "c", "prompt": "hi", "max_tokens": 4000,
+                                                                  "stream": True, "ignore_eos": True})
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(1.5)  # the stream is under way on the medium node
+    c.remove_node(nodes["medium"])
+    t.join(120)
+    status, _, data = result["reply"]
+    text = data.decode(errors="replace")
+    assert status == 200 and "died" in text and '"code": 502' in text  # a clear error ends the stream
+    deadline = time.monotonic() + 60
+    while True:  # the next request: loaded on a node still there, and answered
+        status, node, body = client.complete("c")
+        if status == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert status == 200, body
+    assert node in (ids["small"], ids["big"])
