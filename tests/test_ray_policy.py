@@ -65,7 +65,7 @@ def test_a_model_that_fits_no_node_ranks_nowhere_and_says_why():
 def test_replicas_without_statistics_or_measurements_yet_rank_last():
     a = stats("a", 100, {"m": ("unloaded", 0, 0, 0, 0.0)})  # not measured yet
     b = stats("b", 100, {"m": ("unloaded", 0, 0, 10, 0.0)})
-    assert rank("m", [("A", a), ("NEW", {}), ("B", b)]) == [["B"], ["A", "NEW"]]
+    assert rank("m", [("A", a), ("NEW", {}), ("B", b)]) == [["B"], ["A"], ["NEW"]]
 
 
 def test_the_model_count_limit_is_one_more_device():

@@ -1,10 +1,10 @@
 """Where a request should go in a cluster: pure functions over the replicas' statistics.
 
     Router.status() ──node_stats──▶ {devices, models, queue}   (each replica, every period)
-    stats of every replica (+ assume_routed: loads routed since) ──rank(model, stats)──▶ [[loaded, shortest queue first],
-                                                    [fits in free memory, least room left first],
-                                                    [fits once idle models go, fewest bytes first],
-                                                    [could ever fit]]
+    stats of every replica (+ assume_routed: loads routed since) ──rank(model, stats)──▶
+        [[r1], [r2], ...]: loaded (shortest queue first), then fits in free memory (least
+        room left first), then fits once idle models go (fewest bytes first), then could
+        ever fit
                                                     empty: it fits on no node
 
 The arithmetic is the single-node router's own (router/placement.py): the same
@@ -105,21 +105,13 @@ def assume_routed(model: str, stats: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def rank(model: str, replicas: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[list[Any]]:
-    """``replicas``: (replica, its stats) pairs.  Ranks, best first, of the replicas that
-    could serve ``model``; replicas without stats yet rank with "could ever fit".
-    Empty: no node can ever hold it."""
+    """``replicas``: (replica, its stats) pairs.  The replicas that could serve ``model``,
+    best first, one per rank (so the first is where the request goes while it has room);
+    replicas without stats yet rank with "could ever fit".  Empty: no node can ever hold it."""
     order = {LOADED: 0, FREE: 1, EVICT: 2, EVER: 3}
-    scored: list[tuple[int, int, Any]] = []
+    scored: list[tuple[int, int, int]] = []
     for i, (replica, stats) in enumerate(replicas):
         choice = classify(model, stats) if stats else Choice(EVER, 0)
         if choice.kind in order:
             scored.append((order[choice.kind], choice.order, i))
-    ranks: list[list[Any]] = []
-    last = None
-    for kind, figure, i in sorted(scored):
-        key = (kind, figure if kind in (1, 2) else 0)  # loaded nodes: one rank, Serve takes the shortest queue
-        if key != last:
-            ranks.append([])
-            last = key
-        ranks[-1].append(replicas[i][0])
-    return ranks
+    return [[replicas[i][0]] for _, _, i in sorted(scored)]

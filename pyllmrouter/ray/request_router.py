@@ -4,8 +4,9 @@ every replica records (``record_routing_stats``), a period old at worst.  A mode
 to a node in the last few seconds counts as loading there (policy.assume_routed) until
 the node's statistics show it, so requests in between are not placed on stale figures.
 
-Serve calls ``choose_replicas`` for each request and, within the first rank that has
-room, picks the replica with the shortest queue."""
+Serve calls ``choose_replicas`` for each request and sends it to the first rank that
+has room; a rank is one replica, and replicas take requests without limit (their own
+Router queues them), so the first is where it goes."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ class MemoryAwareRouter(RequestRouter):
         if request.model is None:
             return [live]
         ranks = rank(request.model, [(r, self._stats(r)) for r in live])
+        if ranks:  # the first has room (no replica limits its queue): the request goes there
+            top = ranks[0][0].replica_id.unique_id
+            self._routed.setdefault(top, []).append((time.monotonic(), request.model))
         # no node could ever hold it: a replica answers with its 507 and the figures (every
         # node left out already: one of them again, so the ingress sees the refusal repeat)
         return ranks or [live or candidate_replicas]
@@ -52,11 +56,6 @@ class MemoryAwareRouter(RequestRouter):
             if model in stats["models"]:
                 stats = assume_routed(model, stats)
         return stats
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
-        request = _request_of(pending_request)
-        if request is not None and request.model is not None and request.node is None:
-            self._routed.setdefault(replica_id.unique_id, []).append((time.monotonic(), request.model))
 
 
 def _request_of(pending_request: Optional[PendingRequest]) -> NodeRequest | None:

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Many models on a Ray cluster: pyllmrouter (memory-aware request router, one
+Router per node) against Ray Serve's own model multiplexing (count-based LRU per
+replica), on the same local cluster and the same workload, one after the other.
+
+The cluster: a head and three nodes, each with one emulated device (32, 48 and
+96 MiB; this machine has no GPU).  Seven models of mixed sizes (5 to 51 MiB by the
+probe, 144 MiB in all: placed by memory, all of them fit at once) from the tiny
+generated GGUFs, and a skewed request mix (the smallest model most asked for).
+Serve's multiplexing runs once per ``--per-replica`` value: a count per replica
+cannot be right for nodes of different sizes.  Prints a table and writes JSON
+(default bench/results/ray_bench.json).
+
+    python bench/ray_bench.py [--requests N] [--clients C] [--per-replica K,K] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _load import percentile, run_clients  # noqa: E402
+from _ray_baseline import COUNTERS, Counters, build as build_baseline  # noqa: E402
+
+from pyllmrouter.ray.deploy import deploy  # noqa: E402
+from pyllmrouter.tables import render  # noqa: E402
+from pyllmrouter.tools import tinymodels  # noqa: E402
+from pyllmrouter.tools.loopback import free_port  # noqa: E402
+
+NODES = (32, 48, 96)  # MiB: every model fits at once if placed by memory (176 MiB for 144)
+MODELS = {  # name: (tiny model, context, share of requests)
+    "a": ("tiny-llama", 2048, 30), "c": ("tiny-llama", 8192, 20), "b": ("tiny-moe", 2048, 15),
+    "e": ("tiny-llama", 16384, 12), "d": ("tiny-moe", 8192, 10), "f": ("tiny-moe", 16384, 8),
+    "big": ("tiny-llama", 32768, 5),
+}
+
+
+def workload(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    names = list(MODELS)
+    return rng.choices(names, weights=[MODELS[m][2] for m in names], k=n)
+
+
+def drive(base: str, order: list[str], clients: int, headers_for) -> dict:
+    """``clients`` threads take the requests in order; per request its latency or error."""
+    queue = list(enumerate(order))
+    import threading
+    lock = threading.Lock()
+
+    def make(_i):
+        client = httpx.Client(base_url=base, timeout=300)
+
+        def call():
+            with lock:
+                if not queue:
+                    return None
+                _, model = queue.pop(0)
+            r = client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 8},
+                            headers=headers_for(model))
+            if r.status_code != 200:
+                raise RuntimeError(f"{model}: HTTP {r.status_code}: {r.text[:200]}")
+            return model
+        return call
+
+    run = run_clients(make, clients, -(-len(order) // clients), errors=(RuntimeError, httpx.HTTPError))
+    done = [s for s, v in zip(run.seconds, run.values) if v is not None]
+    return {"ok": len(done), "errors": len(run.errors), "first_errors": run.errors[:3], "wall_s": run.wall,
+            "rps": len(done) / run.wall, "p50_ms": percentile(done, 0.5) * 1e3 if done else float("nan"),
+            "p99_ms": percentile(done, 0.99) * 1e3 if done else float("nan")}
+
+
+def ours(cluster_address: str, preset: Path, port: int, order: list[str], clients: int) -> dict:
+    deploy(["--models-preset", str(preset), "--models-memory-margin", "0", "--queue-timeout", "300"],
+           address=cluster_address, port=port, stats_period=0.5)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # every node has measured every model
+        view = httpx.get(base + "/models", timeout=60).json()
+        if view["data"] and all(len(m["nodes"]) == len(NODES) and all(
+                e["memory"]["requirement"] for e in m["nodes"].values()) for m in view["data"]):
+            break
+        time.sleep(0.5)
+    result = drive(base, order, clients, lambda m: {})
+    view = httpx.get(base + "/models", timeout=60).json()
+    events = httpx.get(base + "/events", timeout=60).json()["data"]
+    result.update(loads=sum(e["loads"] for m in view["data"] for e in m["nodes"].values()),
+                  evictions=sum(1 for e in events if e["event"] == "evict"),
+                  failed_loads=sum(1 for e in events if e["event"] == "load-failed"))
+    serve.delete("pyllmrouter")
+    return result
+
+
+def baseline(preset: Path, port: int, order: list[str], clients: int, per_replica: int) -> dict:
+    counters = Counters.options(name=COUNTERS).remote()
+    serve.run(build_baseline(str(preset), len(NODES), per_replica), name="multiplexed", route_prefix="/")
+    result = drive(f"http://127.0.0.1:{port}", order, clients, lambda m: {"serve_multiplexed_model_id": m})
+    result.update(ray.get(counters.get.remote()))
+    serve.delete("multiplexed")
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--per-replica", default="2,3", help="Serve's max_num_models_per_replica, one run each")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ray_bench.json"))
+    a = ap.parse_args()
+
+    d = Path(tempfile.mkdtemp(prefix="ray-bench-"))
+    tiny = tinymodels.write_tiny_set(d / "models")
+    preset = d / "models.ini"
+    preset.write_text("".join(f"[{name}]\nmodel = {tiny[kind]}\nctx-size = {ctx}\nparallel = 1\n\n"
+                              for name, (kind, ctx, _) in MODELS.items()))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    for mib in NODES:
+        cluster.add_node(num_cpus=1, resources={"pyllmrouter": 1},
+                         env_vars={"PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB", "PYLLMROUTER_CACHE": str(d / "cache")})
+    ray.init(address=cluster.address)
+    port = free_port()
+    order = workload(a.requests)
+    counts = [int(k) for k in a.per_replica.split(",")]
+    try:
+        mine = ours(cluster.address, preset, port, order, a.clients)
+        theirs = {k: baseline(preset, port, order, a.clients, k) for k in counts}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+    keys = ("loads", "evictions", "failed_loads", "ok", "errors", "rps", "p50_ms", "p99_ms")
+    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
+    rows = [[k, fmt(mine[k])] + [fmt(theirs[n][k]) for n in counts] for k in keys]
+    rows.append(["rps ratio (ours / theirs)", ""] + [f"{mine['rps'] / theirs[n]['rps']:.2f}" for n in counts])
+    print(f"{a.requests} requests, {a.clients} clients, 3 nodes ({', '.join(f'{n} MiB' for n in NODES)}), "
+          f"{len(MODELS)} models\n")
+    print(render(["", "pyllmrouter"] + [f"Serve multiplexing, {n} per replica" for n in counts], rows))
+    for n in counts:
+        if theirs[n]["first_errors"]:
+            print(f"\nmultiplexing, {n} per replica, first errors:", *theirs[n]["first_errors"], sep="\n  ")
+    out = {"nodes_mib": NODES, "models": {m: v[:2] for m, v in MODELS.items()}, "requests": a.requests,
+           "clients": a.clients, "pyllmrouter": mine, "serve_multiplexing": {str(n): theirs[n] for n in counts}}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
