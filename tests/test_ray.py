@@ -142,6 +142,20 @@ def test_a_model_that_fits_nowhere_gets_507_with_every_nodes_figures(cluster):
     assert "huge" not in {m for m, on in _where(client).items() if on}
 
 
+def test_bad_requests_get_clear_errors_and_the_openai_list_shows_every_model(cluster):
+    _, client, _, _ = cluster
+    status, _, body = client.complete("no-such-model")
+    assert status == 404 and "no-such-model" in body["error"]["message"]
+    req = urllib.request.Request(client.base + "/v1/completions", b"{not json", {"content-type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        raise AssertionError("bad JSON was accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 400 and json.loads(e.read())["error"]["code"] == "invalid_json"
+    status, _, listing = client.json("GET", "/v1/models")
+    assert status == 200 and {m["id"] for m in listing["data"]} == set(MODELS)
+
+
 def test_a_busy_model_is_never_evicted(cluster):
     """'big' streams on the big node; 'big2' fits only there, and only without 'big': it
     waits for the stream to end, then evicts the idle 'big'."""

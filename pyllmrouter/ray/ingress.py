@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pyllmrouter.ray import cluster
 from pyllmrouter.ray.messages import Head, NodeRequest
-from pyllmrouter.server.app import guard_error
+from pyllmrouter.server.app import guard_error, json_object
 from pyllmrouter.server.errors import ApiError, error_response
 
 __all__ = ["Ingress", "NODE_RESOURCE", "node_ids"]
@@ -142,13 +142,7 @@ def node_ids() -> list[str]:
 def _model_of(method: str, body: bytes, query: dict[str, str]) -> str | None:
     if method == "GET":
         return query.get("model") or None
-    try:
-        data = json.loads(body or b"{}")
-    except ValueError as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    model = data.get("model")
+    model = json_object(body).get("model")
     return model if isinstance(model, str) and model else None
 
 

@@ -39,7 +39,7 @@ from pyllmrouter.router.api import Router
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
 from pyllmrouter.server.metrics import Metrics
 
-__all__ = ["create_app", "guard_error", "ENGINE_POST", "ENGINE_GET"]
+__all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET"]
 
 PUBLIC = frozenset({"/health"})
 # llama-server's per-model POST endpoints (tools/server/server.cpp), served by the model's engine
@@ -97,13 +97,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         raw = await request.body()
         if len(raw) > max_body:
             raise ApiError(413, f"request body exceeds the limit of {max_body} bytes", code="body_too_large")
-        try:
-            data = json.loads(raw or b"{}")
-        except ValueError as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-        return data
+        return json_object(raw)
 
     def autoload_param(request: Request) -> bool | None:
         v = request.query_params.get("autoload")
@@ -244,6 +238,17 @@ async def _disconnected(request: Request) -> None:
     """Returns once the client has closed its connection (the body is read by then)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object (empty: {}), or the 400 that says what is wrong."""
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return data
 
 
 def guard_error(path: str, headers: dict[str, str], api_key: str | None, max_body: int) -> ApiError | None:
