@@ -34,12 +34,16 @@ class Counters:
 
 class _Loaded:
     """A model held by a replica: the engine and its bytes on the device; ``__del__``
-    (Serve's eviction) frees both."""
+    (Serve's eviction calls it, and Python again when the object goes) frees both, once."""
 
     def __init__(self, owner: "_Replica", name: str, engine, need: int):
         self.owner, self.name, self.engine, self.need = owner, name, engine, need
+        self.freed = False
 
     def __del__(self):
+        if self.freed:
+            return
+        self.freed = True
         self.owner.held -= self.need
         self.engine.close()
         self.owner.counters.add.remote("evictions")

@@ -67,27 +67,34 @@ class Ingress:
             return await self._cluster_view(plain)
         if method == "POST" and path == "/models/unload":
             return await self._unload(plain)
-        model = _model_of(method, body, dict(query))
+        data = json_object(body) if method != "GET" else {}
+        model = dict(query).get("model") if method == "GET" else data.get("model")
+        model = model if isinstance(model, str) and model else None
         if model is None and method == "GET" and path in ("/props", "/metrics"):
             return JSONResponse({"role": "router", "cluster": True, "nodes": sorted(node_ids())})
         if model is None:
             raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
-        return await self._respond(replace(plain, model=model), model)
+        return await self._respond(replace(plain, model=model), model, stream=data.get("stream") is True)
 
-    async def _respond(self, plain: NodeRequest, model: str | None) -> Response:
+    async def _respond(self, plain: NodeRequest, model: str | None, stream: bool = True) -> Response:
         """``plain`` on the node the request router picks; a node that refuses it (507)
-        is left out of the next attempt, until every node has refused."""
+        is left out of the next attempt, until every node has refused.  A request that
+        does not ask for a stream takes its reply in one piece (one message, not one per
+        chunk)."""
         refusals: dict[str, Any] = {}
         while True:
-            replies = self.nodes.options(stream=True).handle.remote(plain)
             try:
-                head: Head = await replies.__anext__()
+                if stream:
+                    replies = self.nodes.options(stream=True).handle.remote(plain)
+                    head, rest = await replies.__anext__(), replies
+                else:
+                    head, rest = await self.nodes.handle_whole.remote(plain)
             except RayActorError as e:
                 raise ApiError(502, f"the node serving '{model or plain.path}' died: {type(e).__name__}",
                                "server_error", "node_died") from None
             if head.status != 507 or model is None:
-                return await _relay(head, replies, model)
-            body = json.loads(b"".join([c async for c in replies]) or b"{}")
+                return await _relay(head, rest, model)
+            body = json.loads((rest if isinstance(rest, bytes) else b"".join([c async for c in rest])) or b"{}")
             repeated = head.node in refusals  # the request router had no other node left
             refusals[head.node] = body
             if repeated or set(node_ids()) <= set(refusals):
@@ -124,8 +131,8 @@ class Ingress:
         return JSONResponse(merged if plain.path == "/models" else cluster.openai_models(merged))
 
     async def _unload(self, plain: NodeRequest) -> Response:
-        model = _model_of("POST", plain.body, {})
-        if model is None:
+        model = json_object(plain.body).get("model")
+        if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' is required", param="model")
         per_node = await self._ask_all(NodeRequest("GET", "/models"))
         where = [n for n, r in per_node.items() for e in r.get("data", [])
@@ -139,19 +146,15 @@ def node_ids() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE)]
 
 
-def _model_of(method: str, body: bytes, query: dict[str, str]) -> str | None:
-    if method == "GET":
-        return query.get("model") or None
-    model = json_object(body).get("model")
-    return model if isinstance(model, str) and model else None
-
-
 async def _relay(head: Head, replies, model: str | None) -> Response:
-    """The node's reply: whole (a node that dies before its end gives 502), or as an event
-    stream (a node that dies ends it with an error event)."""
+    """The node's reply (``replies``: its body, or the rest of its chunks): whole (a node
+    that dies before its end gives 502), or as an event stream (a node that dies ends it
+    with an error event)."""
     headers = {k: v for k, v in head.headers if k.lower() not in ("content-length",)}
     headers["x-pyllmrouter-node"] = head.node
     died = f"the node serving '{model}' died" if model else "the node died"
+    if isinstance(replies, bytes):
+        return Response(replies, status_code=head.status, headers=headers)
     if not headers.get("content-type", "").startswith("text/event-stream"):
         try:
             data = b"".join([c async for c in replies])

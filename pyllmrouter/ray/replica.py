@@ -108,6 +108,11 @@ class NodeRouter:
         finally:
             left.set()
 
+    async def handle_whole(self, request: NodeRequest) -> tuple[Head, bytes]:
+        """``handle``'s reply in one piece, for a request that asks for no stream."""
+        parts = [part async for part in self.handle(request)]
+        return parts[0], b"".join(parts[1:])
+
     def __del__(self) -> None:
         router = getattr(self, "router", None)
         if router is not None:
