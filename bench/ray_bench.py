@@ -21,6 +21,7 @@ import json
 import random
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -54,8 +55,7 @@ def workload(n: int, seed: int = 0) -> list[str]:
 
 def drive(base: str, order: list[str], clients: int, headers_for) -> dict:
     """``clients`` threads take the requests in order; per request its latency or error."""
-    queue = list(enumerate(order))
-    import threading
+    queue = list(order)
     lock = threading.Lock()
 
     def make(_i):
@@ -65,7 +65,7 @@ def drive(base: str, order: list[str], clients: int, headers_for) -> dict:
             with lock:
                 if not queue:
                     return None
-                _, model = queue.pop(0)
+                model = queue.pop(0)
             r = client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 8},
                             headers=headers_for(model))
             if r.status_code != 200:

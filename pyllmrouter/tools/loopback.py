@@ -3,7 +3,6 @@ free ports, ``pyllmrouter serve`` started and awaited, llama.cpp rpc-servers."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import socket
@@ -110,14 +109,14 @@ class RpcServers:
             raise FileNotFoundError(f"{self.binary}: run scripts/build_llama_tools.sh ggml-rpc-server first")
         for i in range(self.n):
             port = free_port()
-            log = subprocess.DEVNULL
-            env = None
-            if self.log_dir is not None:
-                log = open(self.log_dir / f"rpc{i}.log", "wb")
-                env = {**os.environ, "GGML_RPC_DEBUG": "1"}
-            with log if log is not subprocess.DEVNULL else contextlib.nullcontext():
-                self.procs.append(subprocess.Popen([str(self.binary), "-H", "127.0.0.1", "-p", str(port)],
-                                                   stdout=subprocess.DEVNULL, stderr=log, env=env))
+            log = open(self.log_dir / f"rpc{i}.log", "wb") if self.log_dir is not None else None
+            try:  # the server keeps its own copy of the file descriptor
+                self.procs.append(subprocess.Popen(
+                    [str(self.binary), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                    stderr=log or subprocess.DEVNULL, env={**os.environ, "GGML_RPC_DEBUG": "1"} if log else None))
+            finally:
+                if log:
+                    log.close()
             self.endpoints.append(f"127.0.0.1:{port}")
         for ep in self.endpoints:
             host, port = ep.rsplit(":", 1)

@@ -155,12 +155,16 @@ def finish(writer, path: Path) -> Path:
     return path
 
 
-def _add_decoder_hparams(writer, shape: Shape, n_vocab: int) -> None:
+def _add_transformer_hparams(writer, shape: Shape) -> None:
     writer.add_context_length(shape.n_ctx_train)
     writer.add_embedding_length(shape.n_embd)
     writer.add_block_count(shape.n_layer)
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_head)
+
+
+def _add_decoder_hparams(writer, shape: Shape, n_vocab: int) -> None:
+    _add_transformer_hparams(writer, shape)
     writer.add_head_count_kv(shape.n_head_kv)
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
@@ -242,11 +246,7 @@ def write_bert(path: os.PathLike | str, shape: Shape = BERT, seed: int = 0) -> P
     tokens = _wpm_vocab()
     writer = gguf.GGUFWriter(path, "bert")
     writer.add_name("tiny-bert")
-    writer.add_context_length(shape.n_ctx_train)
-    writer.add_embedding_length(shape.n_embd)
-    writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff)
-    writer.add_head_count(shape.n_head)
+    _add_transformer_hparams(writer, shape)
     writer.add_layer_norm_eps(1e-12)
     writer.add_causal_attention(False)
     writer.add_pooling_type(gguf.PoolingType.MEAN)
