@@ -215,6 +215,8 @@ PYBIND11_MODULE(_native, m) {
           "(addresses); return the per-buffer-type breakdown, model facts and the log.");
     m.def("live_breakdown", &live_breakdown, py::arg("ctx"),
           "The per-buffer-type breakdown of a live llama_context (its address).");
+    m.def("route_log", &route_log, py::arg("floor"),
+          "Pass on to the log callback installed before only lines of this ggml_log_level or above.");
     m.def("devices", &devices, "Every ggml backend device with free and total bytes.");
     m.def("metadata", &metadata, py::arg("path"),
           "Scalar GGUF metadata (arrays as ('array', length)), read without tensor data.");

@@ -1,6 +1,7 @@
 #include "probe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -46,6 +47,9 @@ struct LogRoute {
     std::mutex mutex;
     ggml_log_callback prev_cb = nullptr;
     void * prev_ud = nullptr;
+    // lines below this level end here: llama.cpp logs debug lines on every
+    // decode, and the callback before this one may be Python's (the GIL each time)
+    std::atomic<int> floor{GGML_LOG_LEVEL_NONE};
 };
 
 LogRoute & log_route() {
@@ -53,7 +57,22 @@ LogRoute & log_route() {
     return route;
 }
 
+thread_local ggml_log_level tl_level = GGML_LOG_LEVEL_INFO;  // of the line a CONT continues
+
 void routed_log(ggml_log_level level, const char * text, void * user_data);
+
+// Makes routed_log llama.cpp's callback (once, or again if someone replaced it);
+// route.mutex held.
+void install_route(LogRoute & route) {
+    ggml_log_callback cb = nullptr;
+    void * ud = nullptr;
+    llama_log_get(&cb, &ud);
+    if (cb != &routed_log) {
+        route.prev_cb = cb;
+        route.prev_ud = ud;
+        llama_log_set(&routed_log, nullptr);
+    }
+}
 
 // Collects the log lines ("E text", "W text", ...) of the current thread
 // while alive.
@@ -62,14 +81,7 @@ class LogCapture {
     LogCapture() {
         LogRoute & route = log_route();
         std::lock_guard<std::mutex> lock(route.mutex);
-        ggml_log_callback cb = nullptr;
-        void * ud = nullptr;
-        llama_log_get(&cb, &ud);
-        if (cb != &routed_log) {  // first use, or someone replaced it since
-            route.prev_cb = cb;
-            route.prev_ud = ud;
-            llama_log_set(&routed_log, nullptr);
-        }
+        install_route(route);
         tl_capture = this;
     }
     ~LogCapture() { tl_capture = nullptr; }
@@ -126,11 +138,23 @@ void routed_log(ggml_log_level level, const char * text, void * /*user_data*/) {
         tl_capture->add(level, text);
         return;
     }
+    if (level != GGML_LOG_LEVEL_CONT) tl_level = level;
     LogRoute & route = log_route();
-    if (route.prev_cb != nullptr) {
+    if (route.prev_cb != nullptr && tl_level >= route.floor.load(std::memory_order_relaxed)) {
         route.prev_cb(level, text, route.prev_ud);
     }
 }
+
+}  // namespace
+
+void route_log(int floor) {
+    LogRoute & route = log_route();
+    std::lock_guard<std::mutex> lock(route.mutex);
+    route.floor.store(floor);
+    install_route(route);
+}
+
+namespace {
 
 std::string meta_str(const llama_model * model, const char * key) {
     char buf[256];

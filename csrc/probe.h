@@ -101,6 +101,11 @@ bool write_vocab_free_header(const std::string & src, const std::string & dest);
 
 std::vector<DeviceInfo> list_devices();
 
+// Routes llama.cpp's log (and ggml's) through this library from now on, passing
+// on to the callback installed before only lines of level >= floor (a
+// ggml_log_level; a continuation keeps its line's level).
+void route_log(int floor);
+
 // Handles for llama_model_params: a device by ggml name ("CUDA0", "RPC0"), a
 // buffer type by name ("CPU", "CUDA0", "CUDA_Host"). Unknown names throw and
 // list the known ones.

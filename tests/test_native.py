@@ -137,3 +137,32 @@ def test_probing_while_another_thread_loads_and_generates(tiny):
         print(len(reasons), sorted(reasons)[0][:40])
     """)
     assert out.strip() == "1 cannot create a context: llama_init_from"
+
+
+def test_llama_cpps_debug_lines_stop_in_cpp_unless_debug_logging_is_on(tiny):
+    # llama.cpp logs debug lines on every decode: through the Python bridge, each took the
+    # GIL (a 70 % slower step on a small model); they reach Python only when asked for
+    code = f"""
+        import collections, logging, sys
+        from pyllmrouter.engine import backend
+        if sys.argv[1] == "debug":
+            logging.getLogger("pyllmrouter.llama").setLevel(logging.DEBUG)
+        levels = collections.Counter()
+        real = backend.forward_log
+        backend.forward_log = lambda lines: levels.update(line[:1] for line in lines) or real(lines)
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.engine.loader import load, request
+        llm = load(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=256))
+        before = dict(levels)
+        request(llm, "/v1/completions", {{"prompt": "hello", "max_tokens": 8}})
+        llm.close()
+        print(before.get("I", 0) > 0, levels["D"] - before.get("D", 0))
+    """
+    runs = {}
+    for mode in ("quiet", "debug"):
+        out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), mode], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        runs[mode] = out.stdout.split()
+    assert runs["quiet"] == ["True", "0"]  # the load's information lines still arrive
+    assert runs["debug"][0] == "True" and int(runs["debug"][1]) >= 8  # a few per decoded token

@@ -71,6 +71,9 @@ def native() -> ModuleType:
     llama_cpp_module()
     from pyllmrouter import _native  # noqa: PLC0415 - after llama_cpp on purpose
 
+    # llama.cpp logs debug lines on every decode; each would take the GIL to reach the
+    # bridge, so they stop in C++ unless debug logging is on now
+    _native.route_log(1 if LOG.isEnabledFor(logging.DEBUG) else 2)
     return _native
 
 
