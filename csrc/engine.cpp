@@ -395,6 +395,10 @@ bool EngineReply::next(std::string & chunk) {
 
 // -- Outbox and pumps ------------------------------------------------------
 
+Outbox::Outbox(double interval_s)
+    : interval_(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          std::chrono::duration<double>(interval_s))) {}
+
 void Outbox::push(Item item) {
     {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -406,8 +410,16 @@ void Outbox::push(Item item) {
 std::vector<Outbox::Item> Outbox::take(double timeout_s) {
     std::unique_lock<std::mutex> lock(mutex_);
     cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), [this] { return !items_.empty(); });
+    if (items_.empty()) return {};
+    const auto due = last_take_ + interval_;
+    if (std::chrono::steady_clock::now() < due) {  // what comes meanwhile leaves with it
+        lock.unlock();
+        std::this_thread::sleep_until(due);
+        lock.lock();
+    }
     std::vector<Item> out;
     out.swap(items_);
+    last_take_ = std::chrono::steady_clock::now();
     return out;
 }
 

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -90,10 +91,13 @@ common_params parse_server_args(const std::vector<std::string> & args);
 // (write_vocab_free_header), the same bytes without building a tokenizer.
 ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free = true);
 
-// Where the streams of one worker's engines leave their chunks: pumps push
+// Where the streams of one model's engine leave their chunks: pumps push
 // (request id, chunk, last) as llama.cpp yields them, and one reader takes all
 // that is there in one go, so a decode step's chunks of every stream leave the
-// process together.
+// process together.  Takes are paced: one comes at least interval_s after the
+// one before, so a stream whose tokens come faster than that leaves in groups
+// (one pipe message and one socket write for several tokens); after a pause the
+// first chunk leaves at once.
 class Outbox {
   public:
     struct Item {
@@ -101,6 +105,7 @@ class Outbox {
         std::string chunk;
         bool last;
     };
+    explicit Outbox(double interval_s = 0.0);
     void push(Item item);
     // Everything queued, waiting up to timeout_s for the first item; empty on timeout.
     std::vector<Item> take(double timeout_s);
@@ -109,6 +114,8 @@ class Outbox {
     std::mutex mutex_;
     std::condition_variable cv_;
     std::vector<Item> items_;
+    std::chrono::steady_clock::duration interval_;
+    std::chrono::steady_clock::time_point last_take_{};
 };
 
 // Reads a streamed reply to its end on a thread of its own, into the outbox;

@@ -147,7 +147,8 @@ void bind_engine(py::module_ & m) {
         .def("cancel", &EngineReply::cancel, "Make the handler's should_stop true (a closed connection).");
     py::class_<Outbox, std::shared_ptr<Outbox>>(m, "Outbox",
                                                 "Chunks of streamed replies, taken all at once by one reader.")
-        .def(py::init<>())
+        .def(py::init<double>(), py::arg("interval") = 0.0,
+             "Takes come at least interval seconds apart (the first after a pause at once).")
         .def("take", [](Outbox & o, double timeout) {
                  std::vector<Outbox::Item> items;
                  {

@@ -61,3 +61,6 @@ class RouterOptions:
     kv_keep_ram: int | None = None
     kv_keep_dir: str | None = None
     kv_keep_disk: int = 4 * GiB
+    # seconds at least between two sends of one model's stream chunks from its worker: tokens
+    # that come faster leave together (one pipe message, one write); 0: each as it comes
+    stream_interval: float = 0.001

@@ -6,7 +6,8 @@
           stream      ─▶ Chunk(HttpReply head), then _native.pump: a C++ thread reads the
                          stream as llama.cpp yields it into the model's Outbox
     sender thread: Outbox.take() ─▶ every chunk there, of every stream, in one pipe message
-                   (Batch of Chunk(bytes)*, Result(None) at a stream's end)
+                   (Batch of Chunk(bytes)*, Result(None) at a stream's end); takes come
+                   stream_interval apart, so fast tokens leave in groups
     Cancel ──────▶ EngineHost.cancel: the request's StopFlag (llama.cpp's should_stop)
     UnloadModel ─▶ EngineHost.close: stop every request, wait for its end, free the engine
 
@@ -37,7 +38,7 @@ class EngineHost:
     ``_lock``."""
 
     def __init__(self, name: str, engine: Any, native: Any, send: Callable[[Any], None],
-                 keep_dir: str | None = None, restored: int = 0):
+                 keep_dir: str | None = None, restored: int = 0, stream_interval: float = 0.0):
         self.name = name
         self.engine = engine
         self.keep_dir = keep_dir  # the engine's slot save path (kept prompt states), if any
@@ -48,7 +49,7 @@ class EngineHost:
         self._closing = False
         self._awaited = restored  # slots restored at load whose first use is still to come
         self.hits = 0  # requests that took tokens from a restored slot's cache
-        self._outbox = native.Outbox()
+        self._outbox = native.Outbox(stream_interval)
         self._sender = threading.Thread(target=self._send_chunks, name=f"send-{name}", daemon=True)
         self._sender.start()
 

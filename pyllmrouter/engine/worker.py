@@ -70,7 +70,7 @@ class _Worker:
                 taken = msg.name in self.models
                 if not taken:
                     self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send, msg.keep_dir,
-                                                       restored=len(restored))
+                                                       restored=len(restored), stream_interval=msg.stream_interval)
             if taken:
                 engine.close()
                 raise RuntimeError(f"model {msg.name!r} is already loaded in this worker")

@@ -482,7 +482,8 @@ class Scheduler:
             ident, keep_dir, restore = None, None, []
             if self._keep is not None and (ident := identity(spec)) is not None:
                 keep_dir, restore = str(self._keep.dir_for(ident)), self._keep.prepare(ident)
-            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, cfg.args, keep_dir, tuple(restore)))
+            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, cfg.args, keep_dir, tuple(restore),
+                                                          self.options.stream_interval))
             reply = pending.get(self.options.load_timeout)
             if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused
                 self._keep.consumed(ident, restore, reply.restored, reply.refused)

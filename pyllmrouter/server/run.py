@@ -55,6 +55,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-keep-dir", default=_env("PYLLMROUTER_KV_KEEP_DIR"),
                    help="directory for kept prompt states that overflow the RAM (default: none, they are dropped)")
     p.add_argument("--kv-keep-disk", type=int, default=4096, metavar="MiB", help="cap of --kv-keep-dir (MiB)")
+    p.add_argument("--stream-interval-ms", type=float, default=1.0, metavar="MS",
+                   help="a worker sends a model's stream chunks at most once per MS: tokens that come faster "
+                        "leave together (0: each as it comes)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to let requests in flight finish on SIGTERM/SIGINT")
@@ -85,7 +88,7 @@ def router_from_args(a: argparse.Namespace) -> Router:
         budgets=parse_budgets(a.device_budget) if a.device_budget else {},
         max_models=a.models_max, queue_timeout=a.queue_timeout, turn=a.turn, autoload=a.autoload,
         heartbeat=a.heartbeat, kv_keep_ram=None if a.kv_keep_ram is None else a.kv_keep_ram * MiB,
-        kv_keep_dir=a.kv_keep_dir, kv_keep_disk=a.kv_keep_disk * MiB,
+        kv_keep_dir=a.kv_keep_dir, kv_keep_disk=a.kv_keep_disk * MiB, stream_interval=a.stream_interval_ms / 1e3,
     )
     return Router(models, inventory=inventory, options=options)
 
