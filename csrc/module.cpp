@@ -160,6 +160,10 @@ void bind_engine(py::module_ & m) {
                  return out;
              }, py::arg("timeout"),
              "[(req_id, chunk, last)] queued, waiting up to timeout seconds for the first.")
+        .def("push", [](Outbox & o, std::int64_t req_id, const py::bytes & chunk, bool last) {
+                 o.push({req_id, std::string(chunk), last});
+             }, py::arg("req_id"), py::arg("chunk"), py::arg("last") = false,
+             "Queue a chunk as a pump does.")
         .def("wake", [](Outbox & o) { o.push({-1, std::string(), true}); },
              "Wake the reader with an item of request id -1 (its signal to look at its state).");
     m.def("pump", &pump, py::arg("reply"), py::arg("req_id"), py::arg("outbox"),

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -166,3 +168,20 @@ def test_llama_cpps_debug_lines_stop_in_cpp_unless_debug_logging_is_on(tiny):
         runs[mode] = out.stdout.split()
     assert runs["quiet"] == ["True", "0"]  # the load's information lines still arrive
     assert runs["debug"][0] == "True" and int(runs["debug"][1]) >= 8  # a few per decoded token
+
+
+def test_an_outbox_sends_tokens_that_come_faster_than_its_interval_together():
+    def takes(interval: float) -> list[list[bytes]]:
+        box, out = native().Outbox(interval), []
+        box.push(1, b"a")
+        out.append([c for _, c, _ in box.take(1.0)])  # after a pause: at once
+        reader = threading.Thread(target=lambda: out.append([c for _, c, _ in box.take(1.0)]))
+        reader.start()
+        box.push(1, b"b")
+        time.sleep(0.05)  # a token 50 ms later: within 0.5 s of the last take, not of 0
+        box.push(1, b"c")
+        reader.join()
+        return out
+
+    assert takes(0.5) == [[b"a"], [b"b", b"c"]]
+    assert takes(0.0)[1] == [b"b"]
