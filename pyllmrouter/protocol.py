@@ -130,7 +130,7 @@ class Result:
 @dataclass(frozen=True)
 class HttpReply:
     """llama-server's reply to a Call: its status, content type, headers and body
-    (a stream's body follows as Chunk(bytes) messages)."""
+    (a stream's: its first chunk, the rest follows as Chunk(bytes) messages)."""
 
     status: int
     content_type: str

@@ -3,8 +3,9 @@
     worker main thread ── Call ──▶ EngineHost.call ──▶ one thread per request:
         engine.handle(method, path, query, headers, body, stop)     [GIL released]
           plain reply ─▶ Result(HttpReply)
-          stream      ─▶ Chunk(HttpReply head), then _native.pump: a C++ thread reads the
-                         stream as llama.cpp yields it into the model's Outbox
+          stream      ─▶ Chunk(HttpReply head, its body the stream's first chunk), then
+                         _native.pump: a C++ thread reads the rest of the stream as
+                         llama.cpp yields it into the model's Outbox
     sender thread: Outbox.take() ─▶ every chunk there, of every stream, in one pipe message
                    (Batch of Chunk(bytes)*, Result(None) at a stream's end); takes come
                    stream_interval apart, so fast tokens leave in groups
@@ -81,11 +82,14 @@ class EngineHost:
         rid, streaming = msg.req_id, False
         try:
             reply = self.engine.handle(msg.method, msg.path, msg.query, msg.headers, msg.body, "", flag)
-            head = HttpReply(reply.status, reply.content_type, dict(reply.headers), reply.data, reply.is_stream)
+            body = reply.data
+            if reply.is_stream and body:  # llama-server's first chunk, here already: it leaves with the head
+                body = reply.next()[1]
+            head = HttpReply(reply.status, reply.content_type, dict(reply.headers), body, reply.is_stream)
+            if self._awaited:
+                with self._lock:
+                    self._seen(head.body)
             if not head.stream:
-                if self._awaited:
-                    with self._lock:
-                        self._seen(head.body)
                 self._send(Result(rid, head))
                 return
             self._send(Chunk(rid, head))  # before any chunk: the pump starts after this send

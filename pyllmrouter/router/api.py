@@ -221,7 +221,7 @@ class Router:
     def _opened(self, lease: Lease, pending, first: Any) -> "tuple[HttpReply, Stream | None]":
         """The first reply of a Call: a whole reply, or a stream's head."""
         if isinstance(first, Chunk) and isinstance(first.value, HttpReply):
-            return first.value, Stream(lease, pending, self._sched.release)
+            return first.value, Stream(lease, pending, self._sched.release, first.value.body)
         self._sched.release(lease)
         return _value(lease, first), None
 
@@ -256,8 +256,9 @@ class Stream:
     arrives, whether the stream was read to its end, closed or cancelled.
     """
 
-    def __init__(self, lease: Lease, pending, release):
+    def __init__(self, lease: Lease, pending, release, first: bytes = b""):
         self._lease = lease
+        self._first = [first] if first else []  # the chunk that came with the head
         self._pending = pending
         self._release = release
         self._done = False
@@ -278,6 +279,8 @@ class Stream:
             if self._failure is not None:
                 failure, self._failure = self._failure, None
                 raise failure
+            if self._first:
+                return self._first.pop()
             if self._done:
                 raise StopIteration
             msg = self._pending.get()
@@ -299,7 +302,7 @@ class Stream:
         """The chunks already here, [] at the end, None if none is here yet; a failure
         is raised once, after the chunks that came before it."""
         with self._read:
-            out = []
+            out, self._first = self._first, []
             while not self._done:
                 msg = self._pending.get_nowait()
                 if msg is None:
