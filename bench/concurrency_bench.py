@@ -6,6 +6,7 @@ router mode (the same model behind --models-preset, its proxy hop included), sid
     python bench/concurrency_bench.py [--clients 1,4,8,16] [--tokens 64] [--rounds 5] [--out FILE]
     python bench/concurrency_bench.py --prompt-words 300 --ctx 16384 --tokens 8   # long distinct prompts
     python bench/concurrency_bench.py --model tiny    # steps as cheap as serving them (overhead-bound)
+    python bench/concurrency_bench.py --loaded 3      # two idle models beside the busy one in each router
 
 All three load the same generated model file with the same parallel slots,
 context, batch sizes and threads (the routers from one preset file), and are
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--model", choices=sorted(SHAPES), default="100m",
                     help="generated llama: 100m (768 wide, 8 layers) or tiny (128 wide, 2 layers)")
+    ap.add_argument("--loaded", type=int, default=1,
+                    help="models loaded in the routers (requests go to one, the others stay idle)")
     ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
                     help="one KV buffer for all slots in both servers (default: a KV buffer per slot, "
                          "llama-server's layout for an explicit -np)")
@@ -208,9 +211,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = tinymodels.write_llama(Path(tmp) / "bench-llama.gguf", SHAPES[args.model])
         preset = Path(tmp) / "bench.ini"  # read by ours and by llama-server's router mode
-        preset.write_text(f"[m]\nmodel = {model}\nc = {args.ctx}\nnp = {args.parallel}\n"
-                          f"kv-unified = {str(args.kv_unified).lower()}\n"
-                          f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\nmetrics = true\n")
+        section = (f"model = {model}\nc = {args.ctx}\nnp = {args.parallel}\n"
+                   f"kv-unified = {str(args.kv_unified).lower()}\n"
+                   f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\nmetrics = true\n")
+        # requests go to m; --loaded N loads N-1 more (idle) beside it: one worker for all of
+        # ours, a process each in router mode
+        preset.write_text("".join(f"[{name}]\n{section}" for name in ["m"] + [f"idle{i}" for i in range(1, args.loaded)]))
         single_port, router_port = free_port(), free_port()
         env = dict(os.environ, PYLLMROUTER_CACHE=str(Path(tmp) / "cache"))
         ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"], env=env)
@@ -228,14 +234,16 @@ def main() -> None:
                      "llama-server router": f"http://127.0.0.1:{router_port}"}
             for name in SERVERS[1:]:
                 wait_healthy(bases[name], procs[name])
+            idle = [f"idle{i}" for i in range(1, args.loaded)]
             for name, base in bases.items():  # warm all: loaded, and every slot has decoded before round 1
                 with httpx.Client(base_url=base, timeout=600) as c:
-                    for _ in range(600):  # a router loads its model in the background
-                        try:
-                            one_request(c, "m", 8)
-                            break
-                        except httpx.HTTPStatusError:
-                            time.sleep(0.1)
+                    for model_name in ["m"] + (idle if name != "llama-server" else []):
+                        for _ in range(600):  # a router loads its models in the background
+                            try:
+                                one_request(c, model_name, 8)
+                                break
+                            except httpx.HTTPStatusError:
+                                time.sleep(0.1)
                 run_level(base, "m", max(levels), 1, args.tokens, procs[name].pid, args.threads, prompt, name)
             for rnd in range(args.rounds):
                 for clients in levels:
@@ -282,7 +290,7 @@ def main() -> None:
           "per 1000 generated tokens, busy slots per call")
     print(render(["clients", "server", "decodes/1k tok", "slots/decode"], batch_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "concurrency", "model": args.model, "parallel": args.parallel,
+    args.out.write_text(json.dumps({"bench": "concurrency", "model": args.model, "loaded": args.loaded, "parallel": args.parallel,
                                     "tokens": args.tokens,
                                     "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,
                                     "threads": args.threads, "rounds": args.rounds,

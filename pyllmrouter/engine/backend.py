@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 from types import ModuleType
 
@@ -58,8 +59,23 @@ class _LogBridge:
         forward_log([f"{self.level} {line}" for line in lines])
 
 
+def _openmp_policy() -> None:
+    """ggml's CPU backend runs each graph in an OpenMP team of the thread that computes
+    it: one team per model's slot loop here, where llama-server has one per process.
+    With more OpenMP threads than CPUs, libgomp spins only 100 times (its default
+    policy) before a thread sleeps, and every step then waits for sleeping threads to
+    wake: two idle models beside a busy one made its steps 8-10x slower on CPU.  The
+    active policy spins 1000 times in that case, with libgomp's usual 300000 otherwise
+    (an idle model's threads still sleep within milliseconds).  libgomp reads these
+    when it loads, with llama.cpp; a policy the user set is left alone."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = "active"
+        os.environ["GOMP_SPINCOUNT"] = "300000"
+
+
 @functools.cache
 def llama_cpp_module() -> ModuleType:
+    _openmp_policy()
     import llama_cpp.llama_cpp as lc  # noqa: PLC0415 - lazy on purpose
 
     _LogBridge.install(lc)

@@ -58,6 +58,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval-ms", type=float, default=1.0, metavar="MS",
                    help="a worker sends a model's stream chunks at most once per MS: tokens that come faster "
                         "leave together (0: each as it comes)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                   help="log a line per request (off by default, as in llama-server)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to let requests in flight finish on SIGTERM/SIGINT")
@@ -112,7 +114,7 @@ def serve(a: argparse.Namespace) -> int:
 
     router = router_from_args(a)
     app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB))
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
                             timeout_graceful_shutdown=a.shutdown_timeout)
     try:
         Server(config).run()
