@@ -1,5 +1,6 @@
 """The extension links the very libllama that llama_cpp loads, and only on demand."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -185,3 +186,18 @@ def test_an_outbox_sends_tokens_that_come_faster_than_its_interval_together():
 
     assert takes(0.5) == [[b"a"], [b"b", b"c"]]
     assert takes(0.0)[1] == [b"b"]
+
+
+def test_llama_cpp_loads_with_openmps_active_wait_policy_unless_the_user_chose_one():
+    # one OpenMP team per model's slot loop: with libgomp's default policy, more threads
+    # than CPUs made idle models slow a busy one's steps (concurrency_bench --loaded)
+    code = """
+        import os
+        from pyllmrouter.engine.backend import native
+        native()
+        print(os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT"))
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    runs = [subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**env, **extra}, capture_output=True,
+                           text=True, timeout=120) for extra in ({}, {"OMP_WAIT_POLICY": "passive"})]
+    assert [r.stdout.split() for r in runs] == [["active", "300000"], ["passive", "None"]], runs[0].stderr
