@@ -1,7 +1,8 @@
 """The HTTP server: every llama-server endpoint of a model, llama-server's router API, and ours.
 
-    client ──HTTP──▶ middleware (API key, body limit) ──▶ per-model route: the model named by the
-                     body's "model" (POST) or ?model= (GET), as llama-server's router picks it
+    client ──HTTP──▶ guard (API key, body limit) ──▶ per-model request: the model named by the
+                     body's "model" (POST, taken by the guard past FastAPI's routing) or
+                     ?model= (GET), as llama-server's router picks it
                        ──▶ Router.acall(model, method, path, body) ──▶ the model's engine
                        ◀── llama.cpp's status, headers and body, written unchanged; a stream
                            chunk by chunk as the engine yields it; a client that leaves cancels
@@ -91,7 +92,6 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     async def _api_error(_req, e: ApiError):
         return error_response(e)
 
-    app.add_middleware(_Guard, api_key=api_key, max_body=max_body)
 
     async def body(request: Request) -> dict[str, Any]:
         raw = await request.body()
@@ -112,7 +112,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     async def forward(request: Request, model: str, raw: bytes) -> Response:
         """The request to ``model``'s engine; its reply unchanged."""
         t0 = time.perf_counter()
-        endpoint = request.url.path
+        endpoint = request.scope["path"]
         query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
         try:
             reply, stream = await router.acall(model, request.method, endpoint, raw, query,
@@ -142,15 +142,21 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
         return StreamingResponse(body_chunks(), status_code=reply.status, headers=headers)
 
-    async def engine_post(request: Request) -> Response:
-        data = await body(request)
-        model = data.get("model")
-        if not isinstance(model, str) or not model:
-            raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
-        return await forward(request, model, await request.body())
-
-    for path in ENGINE_POST:
-        app.add_api_route(path, engine_post, methods=["POST"], include_in_schema=False)
+    async def engine_post(scope, receive, send) -> None:
+        """A POST to one of a model's llama-server endpoints, in plain ASGI: the hot path
+        takes no routing or dependency solving (the guard has checked key and length)."""
+        request = Request(scope, receive)
+        try:
+            raw = await request.body()
+            if len(raw) > max_body:
+                raise ApiError(413, f"request body exceeds the limit of {max_body} bytes", code="body_too_large")
+            model = json_object(raw).get("model")
+            if not isinstance(model, str) or not model:
+                raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
+            response = await forward(request, model, raw)
+        except ApiError as e:
+            response = error_response(e)
+        await response(scope, receive, send)
 
     @app.get("/health")
     async def health():
@@ -231,6 +237,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return await engine_get(request)  # llama-server's own counters (needs --metrics)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
+    app.add_middleware(_Guard, api_key=api_key, max_body=max_body, engine_post=engine_post)
     return app
 
 
@@ -267,12 +274,20 @@ def guard_error(path: str, headers: dict[str, str], api_key: str | None, max_bod
     return None
 
 
+def _engine_post_path(path: str) -> bool:
+    return path in _ENGINE_POST_PATHS or path.startswith("/slots/")
+
+
+_ENGINE_POST_PATHS = frozenset(p for p in ENGINE_POST if "{" not in p)
+
+
 class _Guard:
     """API key and body-size checks as plain ASGI middleware (FastAPI's function
-    middleware would add a task and a memory stream to every streamed chunk)."""
+    middleware would add a task and a memory stream to every streamed chunk); a POST
+    to a model's llama-server endpoint then goes straight to ``engine_post``."""
 
-    def __init__(self, app, api_key: str | None, max_body: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body
+    def __init__(self, app, api_key: str | None, max_body: int, engine_post):
+        self.app, self.api_key, self.max_body, self.engine_post = app, api_key, max_body, engine_post
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -281,4 +296,6 @@ class _Guard:
         err = guard_error(scope["path"], headers, self.api_key, self.max_body)
         if err is not None:
             return await error_response(err)(scope, receive, send)
+        if scope["method"] == "POST" and _engine_post_path(scope["path"]):
+            return await self.engine_post(scope, receive, send)
         return await self.app(scope, receive, send)
