@@ -7,7 +7,7 @@
 A marked node gets one replica (it asks for one unit of the ``pyllmrouter``
 resource), which owns all of that node's devices; it asks Ray for no GPU, so Ray
 masks nothing and the replica's workers mask themselves.  The ingress serves the
-HTTP API on ``port``.
+HTTP API on ``port`` from the head node, beside Serve's one HTTP proxy.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pyllmrouter.ray.replica import NodeRouter
 __all__ = ["build", "deploy", "APP"]
 
 APP = "pyllmrouter"
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
 
 
 def build(serve_args: Sequence[str], *, replicas: int | None = None, api_key: str | None = None,
@@ -41,9 +42,12 @@ def build(serve_args: Sequence[str], *, replicas: int | None = None, api_key: st
             request_router_class="pyllmrouter.ray.request_router:MemoryAwareRouter",
             request_routing_stats_period_s=stats_period, request_routing_stats_timeout_s=max(5.0, stats_period)),
     )
+    # the ingress lives on the head node, with Serve's HTTP proxy: a worker node taken away
+    # then ends only the requests it served (an error event), not every client's connection
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=4096,
-                               ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {
-                                   "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}}})
+                               ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001},
+                                                  "runtime_env": {"env_vars": {
+                                                      "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}}})
     return ingress.bind(nodes.bind(list(serve_args)), api_key, max_body)
 
 
