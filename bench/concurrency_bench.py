@@ -216,7 +216,8 @@ def main() -> None:
                    f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\nmetrics = true\n")
         # requests go to m; --loaded N loads N-1 more (idle) beside it: one worker for all of
         # ours, a process each in router mode
-        preset.write_text("".join(f"[{name}]\n{section}" for name in ["m"] + [f"idle{i}" for i in range(1, args.loaded)]))
+        idle = [f"idle{i}" for i in range(1, args.loaded)]
+        preset.write_text("".join(f"[{name}]\n{section}" for name in ["m", *idle]))
         single_port, router_port = free_port(), free_port()
         env = dict(os.environ, PYLLMROUTER_CACHE=str(Path(tmp) / "cache"))
         ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"], env=env)
@@ -234,7 +235,6 @@ def main() -> None:
                      "llama-server router": f"http://127.0.0.1:{router_port}"}
             for name in SERVERS[1:]:
                 wait_healthy(bases[name], procs[name])
-            idle = [f"idle{i}" for i in range(1, args.loaded)]
             for name, base in bases.items():  # warm all: loaded, and every slot has decoded before round 1
                 with httpx.Client(base_url=base, timeout=600) as c:
                     for model_name in ["m"] + (idle if name != "llama-server" else []):
@@ -290,8 +290,8 @@ def main() -> None:
           "per 1000 generated tokens, busy slots per call")
     print(render(["clients", "server", "decodes/1k tok", "slots/decode"], batch_rows))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "concurrency", "model": args.model, "loaded": args.loaded, "parallel": args.parallel,
-                                    "tokens": args.tokens,
+    args.out.write_text(json.dumps({"bench": "concurrency", "model": args.model, "loaded": args.loaded,
+                                    "parallel": args.parallel, "tokens": args.tokens,
                                     "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,
                                     "threads": args.threads, "rounds": args.rounds,
                                     "requests_per_client": args.requests_per_client, "results": results,

@@ -144,7 +144,7 @@ def test_probing_while_another_thread_loads_and_generates(tiny):
 
 def test_llama_cpps_debug_lines_stop_in_cpp_unless_debug_logging_is_on(tiny):
     # llama.cpp logs debug lines on every decode: through the Python bridge, each took the
-    # GIL (a 70 % slower step on a small model); they reach Python only when asked for
+    # GIL; they reach Python only when asked for
     code = f"""
         import collections, logging, sys
         from pyllmrouter.engine import backend

@@ -62,12 +62,14 @@ class _LogBridge:
 def _openmp_policy() -> None:
     """ggml's CPU backend runs each graph in an OpenMP team of the thread that computes
     it: one team per model's slot loop here, where llama-server has one per process.
-    With more OpenMP threads than CPUs, libgomp spins only 100 times (its default
-    policy) before a thread sleeps, and every step then waits for sleeping threads to
-    wake: two idle models beside a busy one made its steps 8-10x slower on CPU.  The
+    With more OpenMP threads than CPUs, libgomp's default policy spins only 100 times
+    before a thread sleeps, idle teams count, and a busy model's steps then wait for
+    its sleeping threads to wake (``bench/concurrency_bench.py --loaded 3``).  The
     active policy spins 1000 times in that case, with libgomp's usual 300000 otherwise
-    (an idle model's threads still sleep within milliseconds).  libgomp reads these
-    when it loads, with llama.cpp; a policy the user set is left alone."""
+    (an idle model's threads still sleep within milliseconds).  Where the CPUs are
+    truly oversubscribed by busy threads (``bench/ray_bench.py``: three nodes on one
+    small machine) the longer spin costs throughput; a policy the user set (either
+    variable) is left alone.  libgomp reads these when it loads, with llama.cpp."""
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "active"
         os.environ["GOMP_SPINCOUNT"] = "300000"

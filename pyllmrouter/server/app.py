@@ -92,7 +92,6 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     async def _api_error(_req, e: ApiError):
         return error_response(e)
 
-
     async def body(request: Request) -> dict[str, Any]:
         raw = await request.body()
         if len(raw) > max_body:
@@ -147,13 +146,10 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         takes no routing or dependency solving (the guard has checked key and length)."""
         request = Request(scope, receive)
         try:
-            raw = await request.body()
-            if len(raw) > max_body:
-                raise ApiError(413, f"request body exceeds the limit of {max_body} bytes", code="body_too_large")
-            model = json_object(raw).get("model")
+            model = (await body(request)).get("model")
             if not isinstance(model, str) or not model:
                 raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
-            response = await forward(request, model, raw)
+            response = await forward(request, model, await request.body())
         except ApiError as e:
             response = error_response(e)
         await response(scope, receive, send)
