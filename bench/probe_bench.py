@@ -87,8 +87,7 @@ def main() -> None:
         vit_l = tinymodels.write_projector(Path(tmp) / "vit-l-mmproj.gguf", n_embd_text=tinymodels.SHAPE_7B.n_embd,
                                            n_embd=1024, n_layer=24, n_ff=4096, n_head=16, image_size=336,
                                            patch_size=14, sparse=True)
-        tiny_draft = tinymodels.write_llama(Path(tmp) / "tiny-draft.gguf", tinymodels.Shape(
-            "llama", n_embd=64, n_layer=1, n_head=2, n_head_kv=1, n_ff=128), seed=1)
+        tiny_draft = tinymodels.write_llama(Path(tmp) / "tiny-draft.gguf", tinymodels.DRAFT, seed=1)
         # a ~0.4B draft with the 7B shape's vocabulary
         draft_7b = tinymodels.write_shape(Path(tmp) / "shape-draft.gguf", tinymodels.Shape(
             "llama", n_embd=1024, n_layer=16, n_head=16, n_head_kv=8, n_ff=4096, n_ctx_train=32768, n_vocab=32000))

@@ -112,13 +112,16 @@ class ModelFacts:
     devices: tuple[str, ...] = ()
 
 
+_WHOLE = {"draft": 6, "lora": 7}  # components folded whole into DeviceUse.draft, DeviceUse.lora
+
+
 def aggregate(buffers: Iterable[BufferUse]) -> tuple[DeviceUse, ...]:
     """Fold buffer rows into one row per pool: devices by name (CUDA2 before CUDA10), host last."""
     sums: dict[str, list[int]] = {}
     for b in buffers:
         s = sums.setdefault(b.pool, [0, 0, 0, 0, 0, 0, 0, 0])
-        if b.component in ("draft", "lora"):
-            s[6 if b.component == "draft" else 7] += b.total
+        if (whole := _WHOLE.get(b.component)) is not None:  # counted as one part, whatever its buffers
+            s[whole] += b.total
             continue
         s[0] += b.model
         s[1] += b.context

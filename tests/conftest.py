@@ -26,6 +26,18 @@ def shape7b(tmp_path_factory):
     return tinymodels.write_shape(tmp_path_factory.mktemp("shape") / "shape-7b.gguf", tinymodels.SHAPE_7B)
 
 
+@pytest.fixture(scope="session")
+def draft(tmp_path_factory):
+    """A smaller llama with the tiny llama's vocabulary: a draft model for it."""
+    return tinymodels.write_llama(tmp_path_factory.mktemp("draft") / "tiny-draft.gguf", tinymodels.DRAFT, seed=1)
+
+
+@pytest.fixture(scope="session")
+def projector(tmp_path_factory):
+    """A LLaVA-style vision projector for the tiny llama."""
+    return tinymodels.write_projector(tmp_path_factory.mktemp("mmproj") / "tiny-projector.gguf")
+
+
 # the cache the project's own setup filled (the pinned sdist lives there)
 USER_CACHE = os.environ.get("PYLLMROUTER_CACHE")
 

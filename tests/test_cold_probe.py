@@ -61,9 +61,8 @@ def test_the_copy_keeps_the_size_and_drops_the_content(gemma, tmp_path):
     assert os.stat(copy).st_blocks * 512 < 1 << 20  # header only: the data region is a hole
 
 
-def test_the_copy_is_not_made_where_it_does_not_apply(tiny, tmp_path):
-    nat = native()
-    projector = tinymodels.write_projector(tmp_path / "projector.gguf")  # no token list
+def test_the_copy_is_not_made_where_it_does_not_apply(tiny, projector, tmp_path):
+    nat = native()  # a projector has no token list
     assert not nat.write_vocab_free_header(str(projector), str(tmp_path / "a.gguf"))
     truncated = tmp_path / "truncated.gguf"
     data = open(tiny["tiny-llama"], "rb").read()

@@ -11,15 +11,6 @@ from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.engine.loader import load, request
 from pyllmrouter.errors import NeverFits
 from pyllmrouter.router.api import Router
-from pyllmrouter.tools import tinymodels
-
-DRAFT_SHAPE = tinymodels.Shape("llama", n_embd=64, n_layer=1, n_head=2, n_head_kv=1, n_ff=128)
-
-
-@pytest.fixture(scope="module")
-def draft(tmp_path_factory):
-    """A smaller llama with the target's vocabulary."""
-    return tinymodels.write_llama(tmp_path_factory.mktemp("draft") / "tiny-draft.gguf", DRAFT_SHAPE, seed=1)
 
 
 def rows(est, component):
@@ -65,12 +56,11 @@ def test_a_loaded_draft_speculates(tiny, draft):
     assert reply["timings"]["draft_n"] > 0  # the draft model drafted tokens the target verified
 
 
-def test_a_missing_or_wrong_draft_is_named(tiny, tmp_path):
+def test_a_missing_or_wrong_draft_is_named(tiny, projector, tmp_path):
     gone = tmp_path / "gone.gguf"
     with pytest.raises(ProbeError, match="gone.gguf: draft: file not found") as e:
         probe(ModelSpec(tiny["tiny-llama"], draft=str(gone)), use_cache=False)
     assert e.value.path == str(gone)
-    projector = tinymodels.write_projector(tmp_path / "projector.gguf")
     with pytest.raises(ProbeError, match="projector.gguf: draft: cannot load model") as e:
         probe(ModelSpec(tiny["tiny-llama"], draft=str(projector)), use_cache=False)
     assert e.value.path == str(projector)

@@ -128,15 +128,10 @@ def test_grant_is_what_is_free_after_the_evictions_policy_allows(rpc_servers, ti
         r.scheduler.check_invariant()
 
 
-def test_fit_moves_the_projector_and_the_draft_to_host_before_any_layer(rpc_servers, tiny, tmp_path):
+def test_fit_moves_the_projector_and_the_draft_to_host_before_any_layer(rpc_servers, tiny, projector, draft):
     """A model with a projector and a draft, granted on its device all it needs but half of
     the projector: the projector goes to host memory and every layer stays; granted less
     than its draft too, the draft goes as well; each decision is in the plan."""
-    from pyllmrouter.tools import tinymodels
-
-    projector = tinymodels.write_projector(tmp_path / "projector.gguf")
-    draft = tinymodels.write_llama(tmp_path / "draft.gguf", tinymodels.Shape("llama", n_embd=64, n_layer=1, n_head=2,
-                                                                             n_head_kv=1, n_ff=128), seed=1)
     out = run_py(f"""
         import json
         from pyllmrouter.engine.backend import native

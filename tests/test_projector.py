@@ -16,11 +16,6 @@ from pyllmrouter.router.api import Router
 from pyllmrouter.tools import tinymodels
 
 
-@pytest.fixture(scope="module")
-def projector(tmp_path_factory):
-    return tinymodels.write_projector(tmp_path_factory.mktemp("mmproj") / "tiny-projector.gguf")
-
-
 def image_chat(text: str = "what is in it?", seed: int = 0) -> list[dict]:
     uri = "data:image/png;base64," + base64.b64encode(tinymodels.png(seed=seed)).decode()
     return [{"role": "user", "content": [{"type": "text", "text": text},

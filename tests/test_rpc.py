@@ -109,13 +109,10 @@ def test_cli_probe_on_rpc_devices(rpc_servers, tiny):
     assert [x["device"] for x in d["devices"]] == ["RPC0", "RPC1", "CPU"]
 
 
-def test_a_projector_goes_to_a_device_or_to_the_host_as_the_engine_puts_it(rpc_servers, tiny, tmp_path):
+def test_a_projector_goes_to_a_device_or_to_the_host_as_the_engine_puts_it(rpc_servers, tiny, projector):
     """The probe puts the projector's bytes where llama-server's engine puts the projector:
     on the model's device (an rpc-server here) when offloaded, in host memory with
     --no-mmproj-offload; and a model so loaded answers an image request."""
-    from pyllmrouter.tools import tinymodels
-
-    projector = tinymodels.write_projector(tmp_path / "projector.gguf")
     out = run_py(f"""
         import base64, json
         from pyllmrouter.engine.backend import native
@@ -178,13 +175,9 @@ def test_a_lora_adapter_is_counted_on_the_devices_of_the_layers_it_adapts(rpc_se
     assert off != on  # the adapter, split over both devices, changes what the model says
 
 
-def test_a_draft_on_a_device_of_its_own(rpc_servers, tiny, tmp_path):
+def test_a_draft_on_a_device_of_its_own(rpc_servers, tiny, draft):
     """The model on RPC0, its draft on RPC1 (-devd): each counted where it is, and the
     engine so loaded speculates."""
-    from pyllmrouter.tools import tinymodels
-
-    draft = tinymodels.write_llama(tmp_path / "draft.gguf", tinymodels.Shape("llama", n_embd=64, n_layer=1, n_head=2,
-                                                                             n_head_kv=1, n_ff=128), seed=1)
     out = run_py(f"""
         import json
         from pyllmrouter.engine.backend import native
@@ -204,16 +197,12 @@ def test_a_draft_on_a_device_of_its_own(rpc_servers, tiny, tmp_path):
 
 
 @pytest.mark.parametrize("offload", [True, False])
-def test_probe_equals_what_the_rpc_servers_hold_with_projector_and_draft(tiny, tmp_path, offload):
+def test_probe_equals_what_the_rpc_servers_hold_with_projector_and_draft(tiny, projector, draft, tmp_path, offload):
     """The model and its projector on RPC0, the draft on RPC1: each rpc-server's own log of
     the buffers it holds (GGML_RPC_DEBUG) sums to the probe's bytes for that device, after
     the load and after an image request that speculates."""
-    from pyllmrouter.tools import tinymodels
     from pyllmrouter.tools.loopback import RpcServers
 
-    projector = tinymodels.write_projector(tmp_path / "projector.gguf")
-    draft = tinymodels.write_llama(tmp_path / "draft.gguf", tinymodels.Shape("llama", n_embd=64, n_layer=1, n_head=2,
-                                                                             n_head_kv=1, n_ff=128), seed=1)
     with RpcServers(2, RPC_SERVER, log_dir=tmp_path) as endpoints:
         out = run_py(f"""
             import base64, json

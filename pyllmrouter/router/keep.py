@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pyllmrouter.spec import ModelSpec
@@ -92,10 +92,6 @@ class KeepStore:
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._index_disk()
-
-    @property
-    def enabled(self) -> bool:
-        return self.ram_budget > 0
 
     def _index_disk(self) -> None:
         """States a previous run left on disk, with their sidecars (by identity: safe to
@@ -164,7 +160,7 @@ class KeepStore:
                         _LOG.warning("kept state %s cannot be moved back: %s", k.name, e)
                         self._drop(k, "discarded")
                         continue
-                    k = self._files[key] = Kept(ident, k.name, k.tokens, k.size, "ram", k.used, k.crc)
+                    k = self._files[key] = replace(k, place="ram")
                 path = self._path(k)
                 try:
                     intact = path.stat().st_size == k.size and _crc(path) == k.crc
@@ -246,8 +242,7 @@ class KeepStore:
             if self.disk_dir is not None and k.size <= self.disk_budget:
                 try:
                     self._move(k, self.disk_dir / k.identity)
-                    self._files[(k.identity, k.name)] = Kept(k.identity, k.name, k.tokens, k.size, "disk", k.used,
-                                                             k.crc)
+                    self._files[(k.identity, k.name)] = replace(k, place="disk")
                     continue
                 except OSError as e:
                     _LOG.warning("kept state %s cannot go to disk: %s", k.name, e)

@@ -326,8 +326,8 @@ class Scheduler:
         if rec.requirements is not None:
             options = []
             for ds in self._candidates(rec):
-                spec = worker_spec(rec.config.spec, ds, self.inventory.to_local(ds))
                 local = self.inventory.to_local(ds)  # a fit can only move bytes off real devices
+                spec = worker_spec(rec.config.spec, ds, local)
                 options.append(admission.Option(ds, rec.requirements[ds], spec,
                                                 (*sorted(local), HOST) if spec.fit and local else ()))
             options = tuple(options)

@@ -27,6 +27,7 @@ import numpy as np
 __all__ = [
     "Shape",
     "LLAMA",
+    "DRAFT",
     "MOE",
     "BERT",
     "SHAPE_7B",
@@ -74,6 +75,7 @@ MOE = Shape(
     "qwen3moe", n_embd=128, n_layer=2, n_head=4, n_head_kv=2, n_ff=256,
     n_expert=4, n_expert_used=2, n_ff_exp=64,
 )
+DRAFT = Shape("llama", n_embd=64, n_layer=1, n_head=2, n_head_kv=1, n_ff=128)  # a draft for LLAMA (its vocabulary)
 BERT = Shape("bert", n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx_train=512)
 SHAPE_7B = Shape(
     "llama", n_embd=4096, n_layer=32, n_head=32, n_head_kv=8, n_ff=14336,
