@@ -6,7 +6,8 @@ Models: the three tiny models, and sparse files with the layout of a 7B dense
 and a 30B-A3B MoE (probed only: their data region is a hole); the tiny llama and
 the 7B shape also with a vision projector (a tiny one; a CLIP ViT-L/14-336
 shape) and with a draft model as well (a tiny one; a 0.4B shape), whose cost
-the table shows beside the model alone; and Gemma 3 270M
+the table shows beside the model alone, as the ratio of medians of the two probed
+in turn; and Gemma 3 270M
 (a real 262k-token vocabulary) where its package is installed.  A cold probe
 reads the header and probes a copy of it without the vocabulary's content
 (csrc/probe.cpp, write_vocab_free_header), so no tokenizer is built; the column
@@ -47,7 +48,19 @@ def timed(fn, repeat: int) -> tuple[list[float], object]:
     return times, result
 
 
-def bench_model(name: str, spec: ModelSpec, repeat: int, real_load: bool) -> dict:
+def paired_ratio(spec: ModelSpec, base: ModelSpec, repeat: int) -> float:
+    """Median cold probe of ``spec`` over that of ``base``, the two probed in turn so
+    that both see the same moments of a noisy machine."""
+    ours, theirs = [], []
+    for _ in range(repeat):
+        for spec_, out in ((base, theirs), (spec, ours)):
+            t0 = time.perf_counter()
+            probe(spec_, use_cache=False)
+            out.append(time.perf_counter() - t0)
+    return statistics.median(ours) / statistics.median(theirs)
+
+
+def bench_model(name: str, spec: ModelSpec, repeat: int, real_load: bool, base: ModelSpec | None) -> dict:
     probe(spec, use_cache=False)  # first call pays llama.cpp's one-time backend start
     before = rchar()
     cold, est = timed(lambda: probe(spec, use_cache=False), repeat)
@@ -63,6 +76,7 @@ def bench_model(name: str, spec: ModelSpec, repeat: int, real_load: bool) -> dic
         "probe_full_header_ms_p50": statistics.median(full) * 1e3,
         "probe_cached_ms_p50": statistics.median(cached) * 1e3, "probe_read_bytes": read,
         "total_bytes": est.total, "load_ms_p50": None,
+        "vs_model_alone": None if base is None else paired_ratio(spec, base, repeat * 3),
     }
     if real_load:
         loads, _ = timed(lambda: load(spec).close(), max(1, repeat // 2))
@@ -112,15 +126,20 @@ def main() -> None:
                           True))
         except ImportError:
             pass
-        rows = [bench_model(name, spec, args.repeat, real) for name, spec, real in cases]
+        # a model with a projector or a draft against the same model alone
+        bases = {spec.path: spec for _, spec, _ in cases if spec.mmproj is None and spec.draft is None}
+        rows = [bench_model(name, spec, args.repeat, real, None if spec.mmproj is None and spec.draft is None
+                            else bases[spec.path])
+                for name, spec, real in cases]
 
     def ms(x):
         return "-" if x is None else f"{x:.3f}"
 
     print(render(
-        ["model", "file MiB", "probe cold ms (p50)", "from the full header ms", "probe cached ms (p50)",
-         "read by probe KiB", "load ms (p50)", "probed total MiB"],
-        [[r["model"], mib(r["file_bytes"]), ms(r["probe_cold_ms_p50"]), ms(r["probe_full_header_ms_p50"]),
+        ["model", "file MiB", "probe cold ms (p50)", "x the model alone (paired)", "from the full header ms",
+         "probe cached ms (p50)", "read by probe KiB", "load ms (p50)", "probed total MiB"],
+        [[r["model"], mib(r["file_bytes"]), ms(r["probe_cold_ms_p50"]),
+          "-" if r["vs_model_alone"] is None else f"{r['vs_model_alone']:.2f}", ms(r["probe_full_header_ms_p50"]),
           ms(r["probe_cached_ms_p50"]),
           f"{r['probe_read_bytes'] / 1024:.1f}", ms(r["load_ms_p50"]), mib(r["total_bytes"])] for r in rows],
     ))

@@ -6,9 +6,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
-#include <optional>
+#include <future>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <utility>
 
@@ -140,8 +142,14 @@ void check_args(int argc, char ** argv) {
     } catch (const std::exception & e) {
         throw engine_args_error(e.what());
     }
-    common_params scratch;
-    auto ctx = common_params_parser_init(scratch, LLAMA_EXAMPLE_SERVER);
+    // llama-server's defaults (the parser sets a few per program), made once: the
+    // handlers are the options' own, from the map
+    static const common_params defaults = [] {
+        common_params p;
+        common_params_parser_init(p, LLAMA_EXAMPLE_SERVER);
+        return p;
+    }();
+    common_params scratch = defaults;
     for (const auto & [opt, value] : given) {
         const std::string name = opt.args.empty() ? std::string(opt.args_neg.front()) : std::string(opt.args.front());
         try {
@@ -218,7 +226,6 @@ static void require_gguf(const std::string & path, const char * kind) {
 // with the mtmd_context_params server_context::load_model builds from the same params.
 static std::vector<BufferRow> projector_rows(const common_params & params) {
     const std::string & path = params.mmproj.path;
-    require_gguf(path, "projector");
     mtmd_context_params mparams = mtmd_context_params_default();
     mparams.use_gpu = params.mmproj_use_gpu;
     mparams.device = params.mmproj_device;
@@ -273,6 +280,32 @@ static ProbeResult probe_path(const std::string & path, const llama_model_params
     return probe_file(path, mp, cp, n_outputs, loras);
 }
 
+// The draft model and its context, as server_context::load_model makes them
+// (common_speculative_init_result): the params common_base_params_to_speculative
+// derives, a context of n_ctx cells (the target's), no recurrent-state sequences.
+static ProbeResult probe_draft(const common_params & params, std::uint32_t n_ctx, bool vocab_free) {
+    common_params draft = common_base_params_to_speculative(params);
+    const llama_model_params dmp = common_model_params_to_llama(draft);
+    llama_context_params dcp = common_context_params_to_llama(draft);
+    dcp.n_ctx = n_ctx;
+    dcp.n_rs_seq = 0;
+    const std::string & path = draft.model.path;
+    try {
+        return probe_path(path, dmp, dcp, static_cast<std::uint32_t>(draft.n_outputs_max), vocab_free);
+    } catch (const probe_error & e) {
+        std::string reason = e.what();
+        if (reason.rfind(path + ": ", 0) == 0) reason.erase(0, path.size() + 2);
+        throw probe_error(path + ": draft: " + reason);
+    }
+}
+
+// The projector, the model and the draft are measured at once, each on its own
+// thread with its own log capture: they are independent loads (llama.cpp's
+// thread-safety test loads models side by side), and the probe's wall time is what
+// admission waits for.  The draft's context is as long as the target's, known before
+// the target is built when the arguments give it (-c N); the draft is measured again
+// in the rare case the target's context came out of another length.  Errors are
+// reported in a fixed order: projector, model, draft.
 ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free) {
     common_params params = parse_server_args(args);
     // the output limits server_context::load_model sets (server_output_limits, server-context.cpp)
@@ -288,42 +321,71 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
     }
     const llama_model_params mp = common_model_params_to_llama(params);
     const llama_context_params cp = common_context_params_to_llama(params);
-    std::vector<BufferRow> projector;
-    if (!params.mmproj.path.empty()) {
-        projector = projector_rows(params);  // first: a bad projector fails before the model is read
-    }
-    const auto n_outputs = static_cast<std::uint32_t>(params.n_outputs_max);
+    const bool has_projector = !params.mmproj.path.empty();
+    const bool has_draft = params.speculative.has_dft();
     std::vector<std::string> loras;
+    if (has_projector) require_gguf(params.mmproj.path, "projector");
     for (const auto & lora : params.lora_adapters) {
         require_gguf(lora.path, "lora");
         loras.push_back(lora.path);
     }
-    ProbeResult result = probe_path(params.model.path, mp, cp, n_outputs, vocab_free, loras);
-    result.rows.insert(result.rows.end(), projector.begin(), projector.end());
-    if (params.speculative.has_dft()) {
-        // the draft model and its context, as server_context::load_model makes them
-        // (common_speculative_init_result): the params common_base_params_to_speculative
-        // derives, a context as long as the target's, no recurrent-state sequences
-        common_params draft = common_base_params_to_speculative(params);
-        const llama_model_params dmp = common_model_params_to_llama(draft);
-        llama_context_params dcp = common_context_params_to_llama(draft);
-        dcp.n_ctx = result.n_ctx;
-        dcp.n_rs_seq = 0;
-        const std::string & path = draft.model.path;
-        require_gguf(path, "draft");
-        ProbeResult d;
+    if (has_draft) require_gguf(params.speculative.draft.mparams.path, "draft");
+
+    std::future<std::pair<std::vector<BufferRow>, std::vector<std::string>>> projector;
+    if (has_projector) {
+        projector = std::async(std::launch::async, [&params] {
+            std::vector<BufferRow> rows;
+            auto log = capture_log([&] { rows = projector_rows(params); });
+            return std::make_pair(std::move(rows), std::move(log));
+        });
+    }
+    std::future<ProbeResult> draft;
+    const std::uint32_t draft_ctx = cp.n_ctx;  // the target's context, where the arguments give it
+    if (has_draft && draft_ctx > 0) {
+        draft = std::async(std::launch::async, [&params, draft_ctx, vocab_free] {
+            ProbeResult d;
+            auto log = capture_log([&] { d = probe_draft(params, draft_ctx, vocab_free); });
+            d.log.insert(d.log.begin(), log.begin(), log.end());
+            return d;
+        });
+    }
+    std::optional<ProbeResult> model;
+    std::exception_ptr model_error;
+    try {
+        model = probe_path(params.model.path, mp, cp, static_cast<std::uint32_t>(params.n_outputs_max), vocab_free,
+                           loras);
+    } catch (...) {
+        model_error = std::current_exception();
+    }
+    std::optional<ProbeResult> drafted;
+    std::exception_ptr draft_error;
+    if (draft.valid()) {  // joined before anything is thrown
         try {
-            d = probe_path(path, dmp, dcp, static_cast<std::uint32_t>(draft.n_outputs_max), vocab_free);
-        } catch (const probe_error & e) {
-            std::string reason = e.what();
-            if (reason.rfind(path + ": ", 0) == 0) reason.erase(0, path.size() + 2);
-            throw probe_error(path + ": draft: " + reason);
+            drafted = draft.get();
+        } catch (...) {
+            draft_error = std::current_exception();
         }
-        for (auto & row : d.rows) {
+    }
+    if (projector.valid()) {
+        auto [rows, log] = projector.get();  // a bad projector is the first error
+        if (model) {
+            model->rows.insert(model->rows.end(), rows.begin(), rows.end());
+            model->log.insert(model->log.end(), log.begin(), log.end());
+        }
+    }
+    if (model_error) std::rethrow_exception(model_error);
+    ProbeResult result = std::move(*model);
+    if (has_draft) {
+        if (draft_ctx != result.n_ctx) {  // not measured yet, or with another length
+            drafted = probe_draft(params, result.n_ctx, vocab_free);
+        } else if (draft_error) {
+            std::rethrow_exception(draft_error);
+        }
+        for (auto & row : drafted->rows) {
             row.component = "draft";
             result.rows.push_back(row);
         }
-        result.log.insert(result.log.end(), d.log.begin(), d.log.end());
+        result.log.insert(result.log.end(), drafted->log.begin(), drafted->log.end());
     }
     return result;
 }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 
@@ -13,13 +14,6 @@
 
 namespace pyllmrouter {
 namespace {
-
-// llama.cpp logs through one process-wide callback, so probes run one at a time
-// and capture the log for their own duration only.
-std::mutex & probe_mutex() {
-    static std::mutex m;
-    return m;
-}
 
 void backend_init_once() {
     static std::once_flag once;
@@ -82,9 +76,10 @@ class LogCapture {
         LogRoute & route = log_route();
         std::lock_guard<std::mutex> lock(route.mutex);
         install_route(route);
+        outer_ = tl_capture;
         tl_capture = this;
     }
-    ~LogCapture() { tl_capture = nullptr; }
+    ~LogCapture() { tl_capture = outer_; }  // captures nest: an inner one takes its lines
     LogCapture(const LogCapture &) = delete;
     LogCapture & operator=(const LogCapture &) = delete;
 
@@ -128,6 +123,7 @@ class LogCapture {
     }
 
   private:
+    LogCapture * outer_ = nullptr;
     ggml_log_level level_ = GGML_LOG_LEVEL_INFO;
     std::string partial_;
     std::vector<std::string> lines_;
@@ -146,6 +142,12 @@ void routed_log(ggml_log_level level, const char * text, void * /*user_data*/) {
 }
 
 }  // namespace
+
+std::vector<std::string> capture_log(const std::function<void()> & fn) {
+    LogCapture capture;
+    fn();
+    return capture.take();
+}
 
 void route_log(int floor) {
     LogRoute & route = log_route();
@@ -207,7 +209,7 @@ std::string device_type_name(enum ggml_backend_dev_type type) {
 struct ModelFree { void operator()(llama_model * m) const { llama_model_free(m); } };
 struct GgufFree { void operator()(gguf_context * g) const { gguf_free(g); } };
 
-// The header of a GGUF file (no tensor data); the caller holds the probe mutex.
+// The header of a GGUF file (no tensor data).
 std::unique_ptr<gguf_context, GgufFree> open_header(const std::string & path) {
     LogCapture capture;
     gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/nullptr};
@@ -241,7 +243,6 @@ ProbeResult probe_file(const std::string & path, const llama_model_params & mpar
                        const llama_context_params & cparams, std::uint32_t n_outputs,
                        const std::vector<std::string> & loras) {
     backend_init_once();
-    std::lock_guard<std::mutex> lock(probe_mutex());
     LogCapture capture;
 
     llama_model_params mp = mparams;
@@ -384,7 +385,6 @@ void * buffer_type_handle(const std::string & name) {
 }
 
 std::vector<std::pair<std::string, std::uint64_t>> tensor_sizes(const std::string & path) {
-    std::lock_guard<std::mutex> lock(probe_mutex());
     auto header = open_header(path);
     gguf_context * g = header.get();
     std::vector<std::pair<std::string, std::uint64_t>> out;
@@ -421,7 +421,6 @@ std::vector<std::string> add_rpc_servers(const std::vector<std::string> & endpoi
 }
 
 std::map<std::string, MetaValue> gguf_metadata(const std::string & path) {
-    std::lock_guard<std::mutex> lock(probe_mutex());
     auto header = open_header(path);
     gguf_context * g = header.get();
     std::map<std::string, MetaValue> out;

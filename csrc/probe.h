@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -100,6 +101,10 @@ std::vector<BufferRow> breakdown_of(const llama_context * ctx);
 bool write_vocab_free_header(const std::string & src, const std::string & dest);
 
 std::vector<DeviceInfo> list_devices();
+
+// Runs fn with the llama.cpp and ggml log lines of the calling thread captured
+// ("E text", "W text", ...), and returns them; other threads log as before.
+std::vector<std::string> capture_log(const std::function<void()> & fn);
 
 // Routes llama.cpp's log (and ggml's) through this library from now on, passing
 // on to the callback installed before only lines of level >= floor (a

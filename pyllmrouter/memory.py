@@ -249,12 +249,14 @@ def cache_path(spec: ModelSpec, stats: list[os.stat_result], env: Mapping[str, s
         "spec": spec.to_dict(),
         "env": _environment(env),
     }
-    if spec.mmproj is not None:  # the projector file's identity too
-        try:
-            st = os.stat(spec.mmproj)
-            ident["mmproj"] = [os.path.realpath(spec.mmproj), st.st_size, st.st_mtime_ns, st.st_ino]
-        except OSError:
-            ident["mmproj"] = None
+    # the identity of the files loaded beside the model: the projector, the draft, adapters
+    for kind, path in [("mmproj", spec.mmproj), ("draft", spec.draft), *(("lora", p) for p, _ in spec.lora)]:
+        if path is not None:
+            try:
+                st = os.stat(path)
+                ident.setdefault(kind, []).append([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino])
+            except OSError:
+                ident.setdefault(kind, []).append(None)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
     return cache_dir() / "probes" / f"{key}.json"
 

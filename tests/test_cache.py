@@ -1,6 +1,9 @@
+import dataclasses
 import json
 import os
 import time
+
+import pytest
 
 from pyllmrouter import ModelSpec, probe
 from pyllmrouter.tools import tinymodels
@@ -57,3 +60,22 @@ def test_unwritable_cache_still_probes(tiny, monkeypatch, tmp_path):
     monkeypatch.setenv("PYLLMROUTER_CACHE", str(blocker / "sub"))
     assert probe(ModelSpec(tiny["tiny-llama"], n_ctx=256)).total > 0
     assert not os.path.isdir(blocker)
+
+
+@pytest.mark.parametrize("kind", ["mmproj", "draft", "lora"])
+def test_a_file_loaded_beside_the_model_is_part_of_the_key(tiny, tmp_path, kind):
+    # the same path, rewritten with a bigger component: probed again, not the old entry
+    write = {
+        "mmproj": lambda p, i: tinymodels.write_projector(p, n_embd=32 * i),
+        "draft": lambda p, i: tinymodels.write_llama(p, dataclasses.replace(tinymodels.DRAFT, n_embd=64 * i), seed=1),
+        "lora": lambda p, i: tinymodels.write_lora(p, rank=8 * i),
+    }[kind]
+    path = write(tmp_path / f"{kind}.gguf", 1)
+    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512, **({"lora": ((str(path), 1.0),)} if kind == "lora" else
+                                                       {kind: str(path)}))
+    first = probe(spec, refresh=True)
+    assert probe(spec).cached
+    time.sleep(0.01)  # a new mtime even on coarse clocks
+    write(tmp_path / f"{kind}.gguf", 2)
+    again = probe(spec)
+    assert not again.cached and again.total > first.total

@@ -3,6 +3,8 @@ llama-server gives it, served (speculation runs), and a bad draft named."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pyllmrouter import ModelSpec, ProbeError, probe
@@ -11,6 +13,7 @@ from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.engine.loader import load, request
 from pyllmrouter.errors import NeverFits
 from pyllmrouter.router.api import Router
+from pyllmrouter.tools import tinymodels
 
 
 def rows(est, component):
@@ -35,6 +38,20 @@ def test_the_draft_is_counted_with_the_context_llama_server_gives_it(tiny, draft
     assert rows(est, "draft") == rows(expected, "model")
     assert est.devices[0].draft == expected.total
     assert est.total == alone.total + expected.total
+
+
+@pytest.mark.parametrize("target", [dict(n_ctx=0), dict(n_ctx=1000, n_seq_max=3, kv_unified=False)])
+def test_the_draft_gets_the_context_the_target_came_out_with(tiny, tmp_path, target):
+    # the draft trains on a shorter context than the target, so a draft left to its
+    # own training context (-c 0) or to the length asked before padding differs
+    draft = tinymodels.write_llama(tmp_path / "draft-1k.gguf", dataclasses.replace(tinymodels.DRAFT, n_ctx_train=1024),
+                                   seed=1)
+    spec = ModelSpec(tiny["tiny-llama"], draft=str(draft), **target)
+    est = probe(spec, use_cache=False)
+    assert est.n_ctx != spec.n_ctx  # the training context, or the padded length
+    expected = probe(ModelSpec(draft, n_ctx=est.n_ctx, n_seq_max=spec.n_seq_max, kv_unified=spec.kv_unified),
+                     use_cache=False)
+    assert rows(est, "draft") == rows(expected, "model")
 
 
 def test_speculation_widens_the_targets_output_buffer(tiny, draft):
