@@ -8,7 +8,7 @@
                                ├─ Cancel ─────▶ the request's StopFlag
                                ├─ Probe / Fit ▶ probe thread ─▶ Result | Failed
                                ├─ Ping ───────▶ Result(None), at once (the heartbeat)
-                               └─ Shutdown / EOF (router gone) ──▶ exit
+                               └─ Shutdown / EOF (router gone) ──▶ os._exit, models and all
 
 Each model is llama.cpp's own server engine (a server_context with its slot
 loop on its own thread), so it answers every request as llama-server does;
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -157,4 +158,17 @@ def worker_main(conn, env: dict[str, str]) -> None:
     native().devices()  # initialise the backends now, so the overhead below is real
     worker = _Worker(conn)
     worker.send(Ready(os.getpid(), {"CPU": _rss()}))
-    worker.serve()
+    code = 0
+    try:
+        worker.serve()
+    except BaseException:  # a bug, or a message cut off by a router that died mid-send
+        _LOG.exception("worker %d", os.getpid())
+        code = 1
+    finally:
+        # each model's slot loop is a C++ thread still running: leaving through the
+        # interpreter's finalisation would run C++ static destructors under them, and
+        # std::terminate then aborts the process (a core and a backtrace for every exit)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)

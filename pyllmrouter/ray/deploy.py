@@ -12,14 +12,17 @@ HTTP API on ``port`` from the head node, beside Serve's one HTTP proxy.
 
 from __future__ import annotations
 
+import argparse
 from typing import Sequence
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import LoggingConfig
 
 from pyllmrouter.ray.ingress import NODE_RESOURCE, Ingress, node_ids
 from pyllmrouter.ray.replica import NodeRouter
+from pyllmrouter.server.run import add_serve_arguments
 
 __all__ = ["build", "deploy", "APP"]
 
@@ -35,8 +38,9 @@ def build(serve_args: Sequence[str], *, replicas: int | None = None, api_key: st
     if n < 1:
         raise RuntimeError(f"no alive node offers the '{NODE_RESOURCE}' resource: start each host with "
                            f"ray start --resources='{{\"{NODE_RESOURCE}\": 1}}'")
+    logs = _logging(serve_args)
     nodes = serve.deployment(
-        NodeRouter, name="NodeRouter", num_replicas=n, max_ongoing_requests=1024,
+        NodeRouter, name="NodeRouter", num_replicas=n, max_ongoing_requests=1024, logging_config=logs,
         ray_actor_options={"num_cpus": 0, "num_gpus": 0, "resources": {NODE_RESOURCE: 1}},
         request_router_config=RequestRouterConfig(
             request_router_class="pyllmrouter.ray.request_router:MemoryAwareRouter",
@@ -44,11 +48,19 @@ def build(serve_args: Sequence[str], *, replicas: int | None = None, api_key: st
     )
     # the ingress lives on the head node, with Serve's HTTP proxy: a worker node taken away
     # then ends only the requests it served (an error event), not every client's connection
-    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=4096,
+    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=4096, logging_config=logs,
                                ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001},
                                                   "runtime_env": {"env_vars": {
                                                       "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}}})
     return ingress.bind(nodes.bind(list(serve_args)), api_key, max_body)
+
+
+def _logging(serve_args: Sequence[str]) -> LoggingConfig:
+    """Serve logs a line per request in each process it passes (proxy, ingress, node);
+    as ``pyllmrouter serve``, only with ``--access-log``."""
+    parser = argparse.ArgumentParser(prog="pyllmrouter serve")
+    add_serve_arguments(parser)
+    return LoggingConfig(enable_access_log=parser.parse_args(serve_args).access_log)
 
 
 def deploy(serve_args: Sequence[str], *, address: str | None = "auto", host: str = "127.0.0.1", port: int = 8080,
@@ -56,5 +68,5 @@ def deploy(serve_args: Sequence[str], *, address: str | None = "auto", host: str
     """Connect to the cluster at ``address`` and run the application (returns once it serves)."""
     if not ray.is_initialized():
         ray.init(address=address)
-    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly")
+    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly", logging_config=_logging(serve_args))
     serve.run(build(serve_args, **kw), name=APP, route_prefix="/")
