@@ -1,6 +1,6 @@
 """Worker side: one llama.cpp server engine per loaded model.
 
-    worker main thread ── Call ──▶ EngineHost.call ──▶ one thread per request:
+    worker main thread ── Call ──▶ EngineHost.call ──▶ a call thread (kept between requests):
         engine.handle(method, path, query, headers, body, stop)     [GIL released]
           plain reply ─▶ Result(HttpReply)
           stream      ─▶ Chunk(HttpReply head, its body the stream's first chunk), then
@@ -13,7 +13,7 @@
     UnloadModel ─▶ EngineHost.close: stop every request, wait for its end, free the engine
 
 The engine is llama-server's own (``csrc/engine.cpp``): its slot loop runs on a
-thread of its own and batches the requests of every request thread, as
+thread of its own and batches the requests of every call thread, as
 llama-server's HTTP threads do; the chunks of one decode step leave the worker
 together.  Nothing here reads a request body.
 """
@@ -21,6 +21,7 @@ together.  Nothing here reads a request body.
 from __future__ import annotations
 
 import logging
+import queue
 import re
 import threading
 from typing import Any, Callable
@@ -53,6 +54,12 @@ class EngineHost:
         self._outbox = native.Outbox(stream_interval)
         self._sender = threading.Thread(target=self._send_chunks, name=f"send-{name}", daemon=True)
         self._sender.start()
+        # the call threads: kept between requests, one more only when none is idle, since
+        # starting a thread waits for it to take the GIL once (milliseconds to a first token
+        # while other threads hold it)
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (Call, StopFlag), None: leave
+        self._idle = 0  # call threads waiting on _calls, under _lock
+        self._threads = 0  # call threads started, under _lock
 
     def call(self, msg: Call) -> None:
         flag = self._native.StopFlag()
@@ -61,7 +68,20 @@ class EngineHost:
                 self._send(Failed(msg.req_id, ErrorKind.NOT_LOADED, f"model {self.name!r} is unloading"))
                 return
             self._stops[msg.req_id] = flag
-        threading.Thread(target=self._serve, args=(msg, flag), name=f"call-{self.name}", daemon=True).start()
+            grow = self._idle == 0
+            if grow:
+                self._threads += 1
+            else:
+                self._idle -= 1  # that thread's item, whichever thread takes it
+        self._calls.put((msg, flag))
+        if grow:
+            threading.Thread(target=self._call_loop, name=f"call-{self.name}", daemon=True).start()
+
+    def _call_loop(self) -> None:
+        while (item := self._calls.get()) is not None:
+            self._serve(*item)
+            with self._lock:
+                self._idle += 1
 
     def _seen(self, data: bytes) -> None:
         """A reply's bytes, while restored states await their use: a request whose timings
@@ -132,6 +152,9 @@ class EngineHost:
             for flag in self._stops.values():
                 flag.set()
             self._lock.wait_for(lambda: not self._stops)
+            threads = self._threads
+        for _ in range(threads):
+            self._calls.put(None)
         self._outbox.wake()
         self._sender.join()
         try:
