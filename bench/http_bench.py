@@ -42,9 +42,9 @@ PATHS = ("engine in-process", "python API", "HTTP", "llama-server", "llama-serve
 
 
 def measure(fn, clients: int, per_client: int) -> dict:
-    run = run_clients(fn, clients, per_client)
+    run = run_clients(fn, clients, per_client, errors=(httpx.HTTPError,))
     return {"p50_ms": percentile(run.seconds, 0.5) * 1e3, "p99_ms": percentile(run.seconds, 0.99) * 1e3,
-            "req_s": len(run.seconds) / run.wall}
+            "req_s": len(run.seconds) / run.wall, "errors": len(run.errors), "first_errors": run.errors[:3]}
 
 
 def http_calls(base: str):
@@ -117,13 +117,17 @@ def main() -> None:
         ours = results[(clients, "HTTP")]
         row = {"path": name, "clients": clients,
                "p50_ms": gmean([r["p50_ms"] for r in rounds]), "p99_ms": max(r["p99_ms"] for r in rounds),
-               "req_s": gmean([r["req_s"] for r in rounds]),
+               "req_s": gmean([r["req_s"] for r in rounds]), "errors": sum(r["errors"] for r in rounds),
                "our_http_p50_ratio": gmean([o["p50_ms"] / r["p50_ms"] for o, r in zip(ours, rounds)]),
                "rounds": rounds}
         rows.append(row)
         table.append([name, clients, f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", f"{row['req_s']:.1f}",
-                      f"{row['our_http_p50_ratio']:.2f}"])
-    print(render(["path", "clients", "p50 ms", "p99 ms (max)", "req/s", "our HTTP p50 / this p50"], table))
+                      f"{row['our_http_p50_ratio']:.2f}", row["errors"]])
+    print(render(["path", "clients", "p50 ms", "p99 ms (max)", "req/s", "our HTTP p50 / this p50",
+                  "failed requests"], table))
+    for row in rows:
+        for e in sorted({e for r in row["rounds"] for e in r["first_errors"]})[:3]:
+            print(f"  {row['path']}, {row['clients']} clients: {e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"bench": "http", "rows": rows}, indent=2))
     print(f"\nwrote {args.out}")
