@@ -58,7 +58,8 @@ class NodeRouter:
     async def _start(self) -> None:
         async with self._started:
             if self._lifespan is None:
-                self._lifespan = self.app.router.lifespan_context(self.app)
+                api = self.app.app  # the FastAPI app behind the guard
+                self._lifespan = api.router.lifespan_context(api)
                 await self._lifespan.__aenter__()
 
     async def handle(self, request: NodeRequest) -> AsyncIterator[Head | bytes]:

@@ -71,7 +71,7 @@ def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
 
 
 def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
-               close_router: bool = True, max_threads: int = 1024) -> FastAPI:
+               close_router: bool = True, max_threads: int = 1024) -> "_Guard":
     metrics = Metrics(router.status)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
     configs = {c.name: c for c in router.models()}
@@ -233,8 +233,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return await engine_get(request)  # llama-server's own counters (needs --metrics)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    app.add_middleware(_Guard, api_key=api_key, max_body=max_body, engine_post=engine_post)
-    return app
+    return _Guard(app, api_key, max_body, engine_post)
 
 
 async def _disconnected(request: Request) -> None:
@@ -278,9 +277,11 @@ _ENGINE_POST_PATHS = frozenset(p for p in ENGINE_POST if "{" not in p)
 
 
 class _Guard:
-    """API key and body-size checks as plain ASGI middleware (FastAPI's function
-    middleware would add a task and a memory stream to every streamed chunk); a POST
-    to a model's llama-server endpoint then goes straight to ``engine_post``."""
+    """The server's ASGI app: API key and body-size checks in plain ASGI, in front of the
+    FastAPI app (``app``).  A POST to a model's llama-server endpoint then goes straight
+    to ``engine_post``, past FastAPI's and Starlette's middleware, whose wrappers of
+    ``send`` would run for every streamed chunk; everything else, lifespan included, is
+    the FastAPI app's."""
 
     def __init__(self, app, api_key: str | None, max_body: int, engine_post):
         self.app, self.api_key, self.max_body, self.engine_post = app, api_key, max_body, engine_post
