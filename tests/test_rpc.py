@@ -227,6 +227,7 @@ def test_probe_equals_what_the_rpc_servers_hold_with_projector_and_draft(tiny, p
                                              {{"type": "image_url", "image_url": {{"url": uri}}}}]}}]}})
             answered = held()
             llm.close()
+            native().devices()  # a reply from each server: the frees sent before it (no reply of their own) are done
             per = est.per_device()
             components = {{d: sorted({{b.component for b in est.buffers if b.device == d}}) for d in ("RPC0", "RPC1")}}
             print(json.dumps({{"probe": {{d: per.get(d, 0) for d in ("RPC0", "RPC1")}}, "components": components,
