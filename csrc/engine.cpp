@@ -256,15 +256,19 @@ static std::vector<BufferRow> projector_rows(const common_params & params) {
 
 // probe_file of `path`, or with vocab_free of a copy of its header without the
 // vocabulary's content (a tokenizer costs time, not memory); the real file where the
-// copy does not apply or fails, so that errors name the real path.
+// copy does not apply or fails, so that errors name the real path.  The log lines of
+// making the copy go with the probe's.
 static ProbeResult probe_path(const std::string & path, const llama_model_params & mp, const llama_context_params & cp,
                               std::uint32_t n_outputs, bool vocab_free, const std::vector<std::string> & loras = {}) {
+    std::vector<std::string> copy_log;
+    std::optional<ProbeResult> result;
     if (vocab_free) {
         static std::atomic<unsigned> serial{0};
         const auto copy = std::filesystem::temp_directory_path() /
                           ("pyllmrouter-probe-" + std::to_string(::getpid()) + "-" + std::to_string(serial++) + ".gguf");
-        if (write_vocab_free_header(path, copy.string())) {
-            std::optional<ProbeResult> result;
+        bool copied = false;
+        copy_log = capture_log([&] { copied = write_vocab_free_header(path, copy.string()); });
+        if (copied) {
             try {
                 result = probe_file(copy.string(), mp, cp, n_outputs, loras);
             } catch (const probe_error &) {
@@ -272,12 +276,13 @@ static ProbeResult probe_path(const std::string & path, const llama_model_params
             }
             std::error_code ec;
             std::filesystem::remove(copy, ec);
-            if (result) {
-                return std::move(*result);
-            }
         }
     }
-    return probe_file(path, mp, cp, n_outputs, loras);
+    if (!result) {
+        result = probe_file(path, mp, cp, n_outputs, loras);
+    }
+    result->log.insert(result->log.begin(), copy_log.begin(), copy_log.end());
+    return std::move(*result);
 }
 
 // The draft model and its context, as server_context::load_model makes them
@@ -302,10 +307,10 @@ static ProbeResult probe_draft(const common_params & params, std::uint32_t n_ctx
 // The projector, the model and the draft are measured at once, each on its own
 // thread with its own log capture: they are independent loads (llama.cpp's
 // thread-safety test loads models side by side), and the probe's wall time is what
-// admission waits for.  The draft's context is as long as the target's, known before
-// the target is built when the arguments give it (-c N); the draft is measured again
-// in the rare case the target's context came out of another length.  Errors are
-// reported in a fixed order: projector, model, draft.
+// admission waits for.  The draft's context is as long as the target's: the length the
+// arguments ask (-c N) while the target is built, measured again after it where the
+// target's came out otherwise (-c 0, padding).  Errors are reported in a fixed order:
+// projector, model, draft.  (A future of std::async joins its thread when it goes.)
 ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free) {
     common_params params = parse_server_args(args);
     // the output limits server_context::load_model sets (server_output_limits, server-context.cpp)
@@ -339,14 +344,11 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
             return std::make_pair(std::move(rows), std::move(log));
         });
     }
+    const std::uint32_t draft_ctx = cp.n_ctx;  // 0: the target's training context, known once it is built
     std::future<ProbeResult> draft;
-    const std::uint32_t draft_ctx = cp.n_ctx;  // the target's context, where the arguments give it
     if (has_draft && draft_ctx > 0) {
         draft = std::async(std::launch::async, [&params, draft_ctx, vocab_free] {
-            ProbeResult d;
-            auto log = capture_log([&] { d = probe_draft(params, draft_ctx, vocab_free); });
-            d.log.insert(d.log.begin(), log.begin(), log.end());
-            return d;
+            return probe_draft(params, draft_ctx, vocab_free);
         });
     }
     std::optional<ProbeResult> model;
@@ -356,15 +358,6 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
                            loras);
     } catch (...) {
         model_error = std::current_exception();
-    }
-    std::optional<ProbeResult> drafted;
-    std::exception_ptr draft_error;
-    if (draft.valid()) {  // joined before anything is thrown
-        try {
-            drafted = draft.get();
-        } catch (...) {
-            draft_error = std::current_exception();
-        }
     }
     if (projector.valid()) {
         auto [rows, log] = projector.get();  // a bad projector is the first error
@@ -376,16 +369,13 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
     if (model_error) std::rethrow_exception(model_error);
     ProbeResult result = std::move(*model);
     if (has_draft) {
-        if (draft_ctx != result.n_ctx) {  // not measured yet, or with another length
-            drafted = probe_draft(params, result.n_ctx, vocab_free);
-        } else if (draft_error) {
-            std::rethrow_exception(draft_error);
-        }
-        for (auto & row : drafted->rows) {
+        ProbeResult d = draft.valid() && draft_ctx == result.n_ctx ? draft.get()
+                                                                   : probe_draft(params, result.n_ctx, vocab_free);
+        for (auto & row : d.rows) {
             row.component = "draft";
             result.rows.push_back(row);
         }
-        result.log.insert(result.log.end(), drafted->log.begin(), drafted->log.end());
+        result.log.insert(result.log.end(), d.log.begin(), d.log.end());
     }
     return result;
 }

@@ -242,21 +242,29 @@ def _environment(env: Mapping[str, str]) -> dict[str, Any]:
     return {"llama_cpp": version, "masks": masks, "gpus": gpus}
 
 
+def _file_id(st: os.stat_result) -> tuple[int, int, int]:
+    """What changes when a file is rewritten: size, modification time, inode."""
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _file_id_of(path: str) -> tuple[int, int, int] | None:
+    try:
+        return _file_id(os.stat(path))
+    except OSError:  # a missing file: the probe names it
+        return None
+
+
 def cache_path(spec: ModelSpec, stats: list[os.stat_result], env: Mapping[str, str]) -> Path:
     ident = {
         "path": os.path.realpath(spec.path),
-        "files": [(st.st_size, st.st_mtime_ns, st.st_ino) for st in stats],
+        "files": [_file_id(st) for st in stats],
         "spec": spec.to_dict(),
         "env": _environment(env),
+        # the files loaded beside the model: the projector, the draft, adapters
+        "beside": [(kind, os.path.realpath(path), _file_id_of(path))
+                   for kind, path in [("mmproj", spec.mmproj), ("draft", spec.draft),
+                                      *(("lora", p) for p, _ in spec.lora)] if path is not None],
     }
-    # the identity of the files loaded beside the model: the projector, the draft, adapters
-    for kind, path in [("mmproj", spec.mmproj), ("draft", spec.draft), *(("lora", p) for p, _ in spec.lora)]:
-        if path is not None:
-            try:
-                st = os.stat(path)
-                ident.setdefault(kind, []).append([os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino])
-            except OSError:
-                ident.setdefault(kind, []).append(None)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
     return cache_dir() / "probes" / f"{key}.json"
 

@@ -21,9 +21,9 @@ together.  Nothing here reads a request body.
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from pyllmrouter.protocol import Batch, Call, Chunk, ErrorKind, Failed, HttpReply, Result
@@ -31,6 +31,7 @@ from pyllmrouter.protocol import Batch, Call, Chunk, ErrorKind, Failed, HttpRepl
 __all__ = ["EngineHost"]
 
 _LOG = logging.getLogger(__name__)
+_MAX_CALLS = 1024  # a model's requests in flight in its engine at once (the rest wait for a thread)
 _CACHE_N = re.compile(rb'"cache_n":(\d+)')  # in llama-server's timings of a request's final reply
 
 
@@ -54,12 +55,10 @@ class EngineHost:
         self._outbox = native.Outbox(stream_interval)
         self._sender = threading.Thread(target=self._send_chunks, name=f"send-{name}", daemon=True)
         self._sender.start()
-        # the call threads: kept between requests, one more only when none is idle, since
-        # starting a thread waits for it to take the GIL once (milliseconds to a first token
-        # while other threads hold it)
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()  # (Call, StopFlag), None: leave
-        self._idle = 0  # call threads waiting on _calls, under _lock
-        self._threads = 0  # call threads started, under _lock
+        # the call threads: kept between requests, one more only when none is idle (the
+        # executor's own policy), since starting a thread waits for it to take the GIL once
+        # (milliseconds to a first token while other threads hold it)
+        self._calls = ThreadPoolExecutor(max_workers=_MAX_CALLS, thread_name_prefix=f"call-{name}")
 
     def call(self, msg: Call) -> None:
         flag = self._native.StopFlag()
@@ -68,20 +67,7 @@ class EngineHost:
                 self._send(Failed(msg.req_id, ErrorKind.NOT_LOADED, f"model {self.name!r} is unloading"))
                 return
             self._stops[msg.req_id] = flag
-            grow = self._idle == 0
-            if grow:
-                self._threads += 1
-            else:
-                self._idle -= 1  # that thread's item, whichever thread takes it
-        self._calls.put((msg, flag))
-        if grow:
-            threading.Thread(target=self._call_loop, name=f"call-{self.name}", daemon=True).start()
-
-    def _call_loop(self) -> None:
-        while (item := self._calls.get()) is not None:
-            self._serve(*item)
-            with self._lock:
-                self._idle += 1
+        self._calls.submit(self._serve, msg, flag)
 
     def _seen(self, data: bytes) -> None:
         """A reply's bytes, while restored states await their use: a request whose timings
@@ -152,9 +138,7 @@ class EngineHost:
             for flag in self._stops.values():
                 flag.set()
             self._lock.wait_for(lambda: not self._stops)
-            threads = self._threads
-        for _ in range(threads):
-            self._calls.put(None)
+        self._calls.shutdown()
         self._outbox.wake()
         self._sender.join()
         try:

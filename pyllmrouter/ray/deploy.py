@@ -12,7 +12,6 @@ HTTP API on ``port`` from the head node, beside Serve's one HTTP proxy.
 
 from __future__ import annotations
 
-import argparse
 from typing import Sequence
 
 import ray
@@ -22,7 +21,7 @@ from ray.serve.schema import LoggingConfig
 
 from pyllmrouter.ray.ingress import NODE_RESOURCE, Ingress, node_ids
 from pyllmrouter.ray.replica import NodeRouter
-from pyllmrouter.server.run import add_serve_arguments
+from pyllmrouter.server.run import parse_serve_args
 
 __all__ = ["build", "deploy", "APP"]
 
@@ -58,9 +57,7 @@ def build(serve_args: Sequence[str], *, replicas: int | None = None, api_key: st
 def _logging(serve_args: Sequence[str]) -> LoggingConfig:
     """Serve logs a line per request in each process it passes (proxy, ingress, node);
     as ``pyllmrouter serve``, only with ``--access-log``."""
-    parser = argparse.ArgumentParser(prog="pyllmrouter serve")
-    add_serve_arguments(parser)
-    return LoggingConfig(enable_access_log=parser.parse_args(serve_args).access_log)
+    return LoggingConfig(enable_access_log=parse_serve_args(serve_args).access_log)
 
 
 def deploy(serve_args: Sequence[str], *, address: str | None = "auto", host: str = "127.0.0.1", port: int = 8080,

@@ -12,7 +12,6 @@ starts, so its statistics carry each model's bytes before any request.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import threading
@@ -25,7 +24,7 @@ from pyllmrouter.errors import RouterError
 from pyllmrouter.ray.messages import Head, NodeRequest
 from pyllmrouter.ray.policy import node_stats
 from pyllmrouter.server.app import create_app
-from pyllmrouter.server.run import add_serve_arguments, router_from_args
+from pyllmrouter.server.run import parse_serve_args, router_from_args
 
 __all__ = ["NodeRouter"]
 
@@ -35,9 +34,7 @@ class NodeRouter:
     ``pyllmrouter serve``'s arguments without host and port."""
 
     def __init__(self, serve_args: list[str]):
-        parser = argparse.ArgumentParser(prog="pyllmrouter serve")
-        add_serve_arguments(parser)
-        args = parser.parse_args(serve_args)
+        args = parse_serve_args(serve_args)
         self.node = ray.get_runtime_context().get_node_id()
         self.router = router_from_args(args)
         self.app = create_app(self.router, close_router=False)

@@ -7,14 +7,14 @@ import argparse
 import contextlib
 import os
 import signal
-from typing import Any
+from typing import Any, Sequence
 
 from pyllmrouter.config import MiB, RouterOptions
 from pyllmrouter.devices import EmulatedInventory, RpcInventory, SystemInventory, parse_budgets
 from pyllmrouter.presets import read_preset, scan_models_dir
 from pyllmrouter.router.api import Router
 
-__all__ = ["add_serve_arguments", "router_from_args", "serve"]
+__all__ = ["add_serve_arguments", "parse_serve_args", "router_from_args", "serve"]
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -63,6 +63,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds to let requests in flight finish on SIGTERM/SIGINT")
+
+
+def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``pyllmrouter serve``'s arguments (without the command's name), parsed."""
+    parser = argparse.ArgumentParser(prog="pyllmrouter serve")
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
 
 
 def router_from_args(a: argparse.Namespace) -> Router:
