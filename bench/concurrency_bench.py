@@ -7,12 +7,13 @@ router mode (the same model behind --models-preset, its proxy hop included), sid
     python bench/concurrency_bench.py --prompt-words 300 --ctx 16384 --tokens 8   # long distinct prompts
     python bench/concurrency_bench.py --model tiny    # steps as cheap as serving them (overhead-bound)
     python bench/concurrency_bench.py --loaded 3      # two idle models beside the busy one in each router
+    python bench/concurrency_bench.py --gpu           # every layer on the GPU (CUDA builds of both)
 
 All three load the same generated model file with the same parallel slots,
-context, batch sizes and threads (the routers from one preset file), and are
-measured in turn at each concurrency level, in several rounds (the order
-rotates each time), after one
-unmeasured request per client at the highest level.  Every request
+context, batch sizes, threads and offloaded layers (the routers from one preset
+file), and are measured in turn at each concurrency level, in several rounds
+(the order rotates each time), after one unmeasured request per client at the
+highest level.  Every request
 streams a fixed number of tokens (end of sequence biased away) at temperature 0;
 its prompt is a short fixed one (reused from a slot's cache after the first
 request), or with --prompt-words a distinct prompt of that many words (nothing
@@ -200,6 +201,11 @@ def main() -> None:
     ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
                     help="one KV buffer for all slots in both servers (default: a KV buffer per slot, "
                          "llama-server's layout for an explicit -np)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="every layer offloaded in all three servers and ours on the machine's real devices "
+                         "(default: every layer on the CPU, ours on an emulated device); needs CUDA builds: "
+                         "scripts/setup.sh --cuda ARCH, and CMAKE_ARGS=\"-DGGML_CUDA=on ...\" "
+                         "scripts/build_llama_tools.sh llama-server")
     ap.add_argument("--llama-server", default=str(llama_tool("llama-server")))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "concurrency_bench.json")
     args = ap.parse_args()
@@ -211,7 +217,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = tinymodels.write_llama(Path(tmp) / "bench-llama.gguf", SHAPES[args.model])
         preset = Path(tmp) / "bench.ini"  # read by ours and by llama-server's router mode
-        section = (f"model = {model}\nc = {args.ctx}\nnp = {args.parallel}\n"
+        ngl = "all" if args.gpu else "0"
+        section = (f"model = {model}\nc = {args.ctx}\nnp = {args.parallel}\nngl = {ngl}\n"
                    f"kv-unified = {str(args.kv_unified).lower()}\n"
                    f"t = {args.threads}\ntb = {args.threads}\nload-on-startup = true\nmetrics = true\n")
         # requests go to m; --loaded N loads N-1 more (idle) beside it: one worker for all of
@@ -220,11 +227,12 @@ def main() -> None:
         preset.write_text("".join(f"[{name}]\n{section}" for name in ["m", *idle]))
         single_port, router_port = free_port(), free_port()
         env = dict(os.environ, PYLLMROUTER_CACHE=str(Path(tmp) / "cache"))
-        ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"], env=env)
+        devices = [] if args.gpu else ["--emulate-devices", "GPU0=1TiB"]
+        ours, ours_base = start_serve(["--models-preset", str(preset), *devices], env=env)
         procs = {"pyllmrouter": ours}
         procs["llama-server"] = subprocess.Popen(
             [args.llama_server, "-m", str(model), "-c", str(args.ctx), "-np", str(args.parallel),
-             "-t", str(args.threads), "-tb", str(args.threads), "--port", str(single_port),
+             "-ngl", ngl, "-t", str(args.threads), "-tb", str(args.threads), "--port", str(single_port),
              "--host", "127.0.0.1", "-a", "m", "--no-webui", "--metrics"] + (["-kvu"] if args.kv_unified else []),
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs["llama-server router"] = subprocess.Popen(
@@ -293,7 +301,7 @@ def main() -> None:
     args.out.write_text(json.dumps({"bench": "concurrency", "model": args.model, "loaded": args.loaded,
                                     "parallel": args.parallel, "tokens": args.tokens,
                                     "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,
-                                    "threads": args.threads, "rounds": args.rounds,
+                                    "threads": args.threads, "gpu": args.gpu, "rounds": args.rounds,
                                     "requests_per_client": args.requests_per_client, "results": results,
                                     "runs": runs}, indent=2))
     print(f"\nwrote {args.out}")
