@@ -406,10 +406,20 @@ std::vector<std::string> preset_args(const std::vector<std::pair<std::string, st
 
 // -- EngineReply ------------------------------------------------------------
 
-EngineReply::EngineReply(std::map<std::string, std::string> params, std::map<std::string, std::string> headers,
-                         std::string path, std::string query, std::string body, std::shared_ptr<StopFlag> stop)
-    : stop_(stop ? std::move(stop) : std::make_shared<StopFlag>()),
-      should_stop_([this] { return stop_->value.load(); }) {
+struct EngineCore {
+    explicit EngineCore(common_params p) : params(std::move(p)), routes(params, ctx) {}
+    common_params params;
+    server_context ctx;
+    server_routes routes;
+    std::atomic<bool> closing{false};
+};
+
+EngineReply::EngineReply(std::shared_ptr<EngineCore> core, std::map<std::string, std::string> params,
+                         std::map<std::string, std::string> headers, std::string path, std::string query,
+                         std::string body, std::shared_ptr<StopFlag> stop)
+    : core_(std::move(core)),
+      stop_(stop ? std::move(stop) : std::make_shared<StopFlag>()),
+      should_stop_([this] { return stop_->value.load() || (core_ && core_->closing.load()); }) {
     req_.reset(new server_http_req{std::move(params), std::move(headers), std::move(path), std::move(query),
                                    std::move(body), {}, should_stop_});
 }
@@ -491,28 +501,42 @@ void pump(std::shared_ptr<EngineReply> reply, std::int64_t req_id, std::shared_p
 
 // -- Engine -----------------------------------------------------------------
 
-Engine::Engine(const std::vector<std::string> & args) : params_(new common_params(parse_server_args(args))) {
+Engine::Engine(const std::vector<std::string> & args) {
+    common_params params = parse_server_args(args);
     init_process();
-    ctx_.reset(new server_context());
-    routes_.reset(new server_routes(*params_, *ctx_));
+    n_parallel_ = params.n_parallel;
+    n_ctx_ = params.n_ctx;
+    core_ = std::make_shared<EngineCore>(std::move(params));
 }
 
 Engine::~Engine() { close(); }
 
+std::shared_ptr<EngineCore> Engine::current() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return loaded_ ? core_ : nullptr;
+}
+
 void Engine::load() {
-    if (loaded_) return;
-    if (!ctx_) throw std::runtime_error("engine is closed");
-    if (!ctx_->load_model(*params_)) {
-        throw std::runtime_error("llama.cpp could not load model " + params_->model.path);
+    std::shared_ptr<EngineCore> core;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (loaded_) return;
+        core = core_;
     }
-    routes_->update_meta(*ctx_);
-    loaded_ = true;
-    server_context * ctx = ctx_.get();
+    if (!core) throw std::runtime_error("engine is closed");
+    if (!core->ctx.load_model(core->params)) {
+        throw std::runtime_error("llama.cpp could not load model " + core->params.model.path);
+    }
+    core->routes.update_meta(core->ctx);
+    if (const llama_context * lctx = core->ctx.get_llama_context()) n_ctx_ = static_cast<int>(llama_n_ctx(lctx));
+    server_context * ctx = &core->ctx;
     loop_ended_.store(false);
     loop_ = std::thread([this, ctx] {
         ctx->start_loop();
         loop_ended_.store(true);
     });
+    std::lock_guard<std::mutex> lock(mutex_);
+    loaded_ = true;
 }
 
 std::shared_ptr<EngineReply> Engine::handle(const std::string & method, const std::string & path,
@@ -529,16 +553,17 @@ std::shared_ptr<EngineReply> Engine::handle(const std::string & method, const st
             break;
         }
     }
-    auto reply = std::make_shared<EngineReply>(std::move(params), headers, path, query_string, body,
+    std::shared_ptr<EngineCore> core = current();
+    auto reply = std::make_shared<EngineReply>(core, std::move(params), headers, path, query_string, body,
                                                 std::move(stop));
-    if (handler == nullptr || !loaded_) {
+    if (handler == nullptr || !core) {
         reply->res_ = error_reply(handler == nullptr ? "File Not Found" : "Loading model",
                                   handler == nullptr ? ERROR_TYPE_NOT_FOUND : ERROR_TYPE_UNAVAILABLE);
         return reply;
     }
     // as llama-server's ex_wrapper: invalid_argument is a bad request, anything else a server error
     try {
-        reply->res_ = ((*routes_).*handler)(*reply->req_);
+        reply->res_ = (core->routes.*handler)(*reply->req_);
     } catch (const std::invalid_argument & e) {
         reply->res_ = error_reply(e.what(), ERROR_TYPE_INVALID_REQUEST);
     } catch (const std::exception & e) {
@@ -551,33 +576,35 @@ std::shared_ptr<EngineReply> Engine::handle(const std::string & method, const st
 }
 
 void Engine::close() {
-    if (ctx_) {
-        if (loaded_) {
-            // start_loop() sets its running flag when it starts: a terminate() that comes
-            // first is lost, so it is repeated until the loop has ended
-            while (!loop_ended_.load()) {
-                ctx_->terminate();
-                std::this_thread::sleep_for(std::chrono::milliseconds(5));
-            }
-            if (loop_.joinable()) loop_.join();
-        }
-        routes_.reset();
-        ctx_.reset();
+    std::shared_ptr<EngineCore> core;
+    bool loaded;
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        core.swap(core_);
+        loaded = loaded_;
+        loaded_ = false;
     }
-    loaded_ = false;
+    if (!core) return;
+    core->closing.store(true);  // the requests in flight: should_stop, as if their clients had left
+    if (loaded) {
+        // start_loop() sets its running flag when it starts: a terminate() that comes
+        // first is lost, so it is repeated until the loop has ended
+        while (!loop_ended_.load()) {
+            core->ctx.terminate();
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        }
+        if (loop_.joinable()) loop_.join();
+    }
+    // the model and context go now, or with the last reply that still holds them
 }
 
 std::vector<BufferRow> Engine::breakdown() const {
-    if (!loaded_ || !ctx_) return {};
-    const llama_context * lctx = ctx_->get_llama_context();
-    if (lctx == nullptr) return {};
-    return breakdown_of(lctx);
+    const std::shared_ptr<EngineCore> core = current();
+    const llama_context * lctx = core ? core->ctx.get_llama_context() : nullptr;
+    return lctx ? breakdown_of(lctx) : std::vector<BufferRow>{};
 }
 
-int Engine::n_parallel() const { return params_->n_parallel; }
-int Engine::n_ctx() const {
-    const llama_context * lctx = loaded_ && ctx_ ? ctx_->get_llama_context() : nullptr;
-    return lctx ? static_cast<int>(llama_n_ctx(lctx)) : params_->n_ctx;
-}
+int Engine::n_parallel() const { return n_parallel_; }
+int Engine::n_ctx() const { return n_ctx_; }
 
 }  // namespace pyllmrouter

@@ -48,13 +48,20 @@ struct StopFlag {
     void set() { value.store(true); }
 };
 
+// What an Engine and its replies share: the parsed arguments, the server_context
+// and its routes, and whether the engine is closing.  A reply holds it, so the
+// context a handler or a stream uses lives as long as the reply does.
+struct EngineCore;
+
 // One request's reply. next() returns false once the stream has ended (a
 // non-streamed reply is `data` alone); cancel() makes the handler's
-// should_stop true, as a closed connection does in llama-server.
+// should_stop true, as a closed connection does in llama-server, and so does
+// the engine's close().
 class EngineReply {
   public:
-    EngineReply(std::map<std::string, std::string> params, std::map<std::string, std::string> headers,
-                std::string path, std::string query, std::string body, std::shared_ptr<StopFlag> stop);
+    EngineReply(std::shared_ptr<EngineCore> core, std::map<std::string, std::string> params,
+                std::map<std::string, std::string> headers, std::string path, std::string query, std::string body,
+                std::shared_ptr<StopFlag> stop);
     ~EngineReply();
 
     int status() const;
@@ -67,6 +74,7 @@ class EngineReply {
 
   private:
     friend class Engine;
+    std::shared_ptr<EngineCore> core_;  // first: it goes after the request and reply that use it
     std::shared_ptr<StopFlag> stop_;
     std::function<bool()> should_stop_;
     std::unique_ptr<server_http_req> req_;
@@ -136,7 +144,9 @@ class Engine {
                                         const std::map<std::string, std::string> & headers,
                                         const std::string & body, const std::string & query_string,
                                         std::shared_ptr<StopFlag> stop);
-    // Ends the loop and frees the model and context (idempotent).
+    // Ends the requests in flight (their should_stop turns true) and the loop, and
+    // frees the model and context, or leaves that to the last reply still held
+    // (idempotent).
     void close();
 
     std::vector<BufferRow> breakdown() const;
@@ -144,12 +154,16 @@ class Engine {
     int n_ctx() const;
 
   private:
-    std::unique_ptr<common_params> params_;
-    std::unique_ptr<server_context> ctx_;
-    std::unique_ptr<server_routes> routes_;
+    // the core and whether it is loaded, read and changed under mutex_ (close() may
+    // come from another thread than a handle())
+    std::shared_ptr<EngineCore> current() const;
+    mutable std::mutex mutex_;
+    std::shared_ptr<EngineCore> core_;
+    bool loaded_ = false;
+    int n_parallel_ = 0;
+    int n_ctx_ = 0;  // as asked; the context's own once loaded
     std::thread loop_;
     std::atomic<bool> loop_ended_{true};
-    bool loaded_ = false;
 };
 
 }  // namespace pyllmrouter

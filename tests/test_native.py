@@ -1,5 +1,6 @@
 """The extension links the very libllama that llama_cpp loads, and only on demand."""
 
+import json
 import os
 import subprocess
 import sys
@@ -201,3 +202,41 @@ def test_llama_cpp_loads_with_openmps_active_wait_policy_unless_the_user_chose_o
     runs = [subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**env, **extra}, capture_output=True,
                            text=True, timeout=120) for extra in ({}, {"OMP_WAIT_POLICY": "passive"})]
     assert [r.stdout.split() for r in runs] == [["active", "300000"], ["passive", "None"]], runs[0].stderr
+
+
+def test_closing_an_engine_ends_the_requests_it_is_serving(tiny):
+    """``Engine.close()`` while a whole reply is awaited and a stream is open (a model freed
+    under its requests, as Serve's multiplexing evicts one): the awaited request returns
+    (llama-server's reply to a client that left), the stream ends, and close returns; the
+    context goes with the last reply.  Before, close freed the context under them: a hang
+    in its destructor, or a double free.  In a process of its own, as a hang would
+    otherwise hang the suite."""
+    out = _run(f"""
+        import json, threading, time
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.engine.loader import load
+        engine = load(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=16384, n_seq_max=2))
+        body = {{"prompt": "hi", "max_tokens": 8000, "ignore_eos": True, "temperature": 0}}
+        stream = engine.handle("POST", "/v1/completions", {{}}, {{}}, json.dumps({{**body, "stream": True}}).encode())
+        whole = []
+        t = threading.Thread(target=lambda: whole.append(engine.handle(
+            "POST", "/v1/completions", {{}}, {{}}, json.dumps(body).encode())))
+        t.start()
+        time.sleep(0.3)  # both under way
+        t0 = time.monotonic()
+        closer = threading.Thread(target=engine.close, daemon=True)
+        closer.start()
+        closer.join(30)
+        t.join(30)
+        chunks = 0
+        while stream.next()[0]:
+            chunks += 1
+        print(json.dumps({{"closed": not closer.is_alive(), "returned": not t.is_alive(),
+                          "status": whole[0].status if whole else None, "stream": stream.is_stream,
+                          "seconds": time.monotonic() - t0}}))
+        del stream, whole
+        import os; os._exit(0)
+    """)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["closed"] and result["returned"] and result["stream"], result
+    assert result["seconds"] < 10, result
