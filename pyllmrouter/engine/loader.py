@@ -40,6 +40,8 @@ def load(spec: ModelSpec, *extra: str, name: str | None = None) -> Any:
 def request(engine: Any, path: str, body: dict[str, Any] | None = None, method: str = "POST") -> dict[str, Any]:
     """One whole (not streamed) request to a loaded engine, in this process: its JSON reply."""
     reply = engine.handle(method, path, {}, {}, json.dumps(body or {}).encode())
+    if not reply.data:  # what llama-server's handler gives a request stopped under way
+        raise RuntimeError(f"{path}: HTTP {reply.status} with no body: the engine was closed under the request")
     data = json.loads(reply.data)
     if reply.status >= 400:
         raise RuntimeError(f"{path}: HTTP {reply.status}: {data}")
