@@ -233,7 +233,7 @@ def test_closing_an_engine_ends_the_requests_it_is_serving(tiny):
             chunks += 1
         print(json.dumps({{"closed": not closer.is_alive(), "returned": not t.is_alive(),
                           "status": whole[0].status if whole else None, "stream": stream.is_stream,
-                          "seconds": time.monotonic() - t0}}))
+                          "seconds": time.monotonic() - t0}}), flush=True)
         del stream, whole
         import os; os._exit(0)
     """)
