@@ -1,14 +1,15 @@
 """Measuring for the scheduler, in processes masked as the model's worker will be.
 
     requirement(spec, ds) ──▶ probe cache hit? ── no ──▶ Probe in the worker of ds
-                                                         (or a short-lived one, masked
-                                                         the same way) ──▶ bytes per device
+                                                         (or a spare one, masked the same
+                                                         way: spares.py) ──▶ bytes per device
     fit(spec, ds, grant)  ──▶ Fit in that worker ──▶ Fitted (a spec and its bytes, or
                                                      "no fit" with llama.cpp's reason)
 
-No state and no lock of its own: the scheduler calls it from background threads
-and records the answers under its lock.  Device names are the inventory's on the
-way in and out; inside, the worker's own (masked) names.
+No lock of its own: the scheduler calls it from background threads and records
+the answers under its lock; the spares (the workers it started, which the
+scheduler adopts for the load that follows) have theirs.  Device names are the
+inventory's on the way in and out; inside, the worker's own (masked) names.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pyllmrouter.memory import MemoryEstimate, ProbeError, cached_estimate
 from pyllmrouter.protocol import ErrorKind, Failed, Fit, Probe
 from pyllmrouter.spec import ModelSpec
 from pyllmrouter.router.pool import WorkerHandle
+from pyllmrouter.router.spares import Spares
 
 __all__ = ["Measurer", "worker_spec"]
 
@@ -48,6 +50,7 @@ class Measurer:
         self.inventory = inventory
         self.timeout = timeout
         self._running_worker = running_worker
+        self.spares = Spares()
 
     def requirement(self, spec: ModelSpec, device_set: frozenset[str]) -> tuple[dict[str, int], dict[str, dict]]:
         """Bytes per inventory device of ``spec`` (a worker spec) loaded masked to
@@ -83,15 +86,18 @@ class Measurer:
         return MemoryEstimate.from_dict(reply.value)
 
     def _call(self, device_set: frozenset[str], make) -> Any:
-        """One call in the worker of ``device_set``, or in a short-lived one masked the same way."""
+        """One call in the worker of ``device_set``, or in a spare masked the same way
+        (started now if there is none), kept for the load that usually follows."""
         worker = self._running_worker(device_set)
-        temporary = worker is None or not worker.alive
-        if temporary:
-            worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set,
-                                  self.inventory.mask_env(device_set), lambda w: None)
-            worker.start()
+        spare = worker is None or not worker.alive
+        if spare:
+            worker = self.spares.take(device_set)
+            if worker is None:
+                worker = WorkerHandle("+".join(sorted(device_set)), device_set, self.inventory.mask_env(device_set),
+                                      lambda w: None)
+                worker.start()
         try:
             return worker.call(make).get(self.timeout)
         finally:
-            if temporary:
-                worker.stop()
+            if spare:
+                self.spares.put(worker)

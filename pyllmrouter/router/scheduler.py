@@ -444,9 +444,13 @@ class Scheduler:
                 w = self._workers.get(device_set)
                 if w is not None and w.alive:
                     return w
-            w = WorkerHandle("+".join(sorted(device_set)), device_set, self.inventory.mask_env(device_set),
-                             self._on_worker_death)
-            w.start()
+            w = self._measure.spares.take(device_set)  # the one that measured the model, if kept
+            if w is not None:
+                w.on_death = self._on_worker_death
+            if w is None or not w.alive:  # (a spare that died before it was adopted told nobody)
+                w = WorkerHandle("+".join(sorted(device_set)), device_set, self.inventory.mask_env(device_set),
+                                 self._on_worker_death)
+                w.start()
             self._refresh_overhead(w)
             with self._cond:
                 self._workers[device_set] = w
@@ -567,7 +571,9 @@ class Scheduler:
             return True
 
     def reap_idle(self) -> list[str]:
-        """Unload models idle longer than their ttl; returns their names."""
+        """Unload models idle longer than their ttl (and stop spare workers kept past their
+        time); returns the models' names."""
+        self._measure.spares.expire()
         now = time.monotonic()
         out = []
         with self._cond:
@@ -592,6 +598,7 @@ class Scheduler:
             w.stop()
         for t in list(self._threads):
             t.join(5)
+        self._measure.spares.close()  # after the threads: a probe under way leaves its worker there
         if self._keep is not None:
             self._keep.close()
 
