@@ -39,6 +39,7 @@ from pyllmrouter.tables import render  # noqa: E402
 from pyllmrouter.tools import tinymodels  # noqa: E402
 from pyllmrouter.tools.loopback import free_port  # noqa: E402
 
+STATS_PERIOD = 0.5  # seconds between two reads of a node's statistics by our request router
 NODES = (32, 48, 96)  # MiB: every model fits at once if placed by memory (176 MiB for 144)
 MODELS = {  # name: (tiny model, context, share of requests)
     "a": ("tiny-llama", 2048, 30), "c": ("tiny-llama", 8192, 20), "b": ("tiny-moe", 2048, 15),
@@ -82,13 +83,14 @@ def drive(base: str, order: list[str], clients: int, headers_for) -> dict:
 
 def ours(cluster_address: str, preset: Path, port: int, order: list[str], clients: int) -> dict:
     deploy(["--models-preset", str(preset), "--models-memory-margin", "0", "--queue-timeout", "300"],
-           address=cluster_address, port=port, stats_period=0.5)
+           address=cluster_address, port=port, stats_period=STATS_PERIOD)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:  # every node has measured every model
         view = httpx.get(base + "/models", timeout=60).json()
         if view["data"] and all(len(m["nodes"]) == len(NODES) and all(
                 e["memory"]["requirement"] for e in m["nodes"].values()) for m in view["data"]):
+            time.sleep(2 * STATS_PERIOD)  # and the request router has read every node's statistics since
             break
         time.sleep(0.5)
     result = drive(base, order, clients, lambda m: {})

@@ -87,14 +87,20 @@ def cluster(tiny, tmp_path_factory):
         c.shutdown()
 
 
+STATS_PERIOD = 1.0  # seconds: how often the request router reads each replica's statistics (deploy's default)
+
+
 def _wait_measured(client: Client, nodes: set[str], timeout: float = 180) -> None:
-    """Until every node answers /models with every model measured."""
+    """Until every node answers /models with every model measured, and then until the
+    request router has read every replica's statistics since (they are a period old at
+    worst: a node that has just measured would otherwise still rank as unmeasured)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         status, _, view = client.json("GET", "/models")
         if status == 200 and set(view["nodes"]) >= nodes and view["data"] and all(
                 all(e.get("memory", {}).get("requirement") for e in m["nodes"].values()) and set(m["nodes"]) >= nodes
                 for m in view["data"]):
+            time.sleep(2 * STATS_PERIOD)
             return
         time.sleep(0.5)
     raise AssertionError(f"the cluster did not measure its models in {timeout} s: {view}")
