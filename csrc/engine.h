@@ -161,7 +161,7 @@ class Engine {
     std::shared_ptr<EngineCore> core_;
     bool loaded_ = false;
     int n_parallel_ = 0;
-    int n_ctx_ = 0;  // as asked; the context's own once loaded
+    std::atomic<int> n_ctx_{0};  // as asked; the context's own once loaded (load may run on another thread)
     std::thread loop_;
     std::atomic<bool> loop_ended_{true};
 };
