@@ -312,6 +312,17 @@ def test_the_worker_that_measured_a_model_serves_it(tiny, tmp_path, monkeypatch)
         assert [p.pid for p in multiprocessing.active_children()] == measured_by
 
 
+def test_a_model_measured_for_several_device_sets_keeps_no_spare(tiny, tmp_path, monkeypatch):
+    """Two GPUs, a model pinned to neither: measured for each, and the load goes to one, so
+    no spare stays (it would hold its GPU's context for nothing)."""
+    monkeypatch.setenv("PYLLMROUTER_CACHE", str(tmp_path))
+    spec = ModelSpec(tiny["tiny-llama"], n_ctx=256)
+    with Router([ModelConfig("a", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30, "GPU1": 1 << 30}),
+                margin=0) as r:
+        r.scheduler.measure("a")
+        assert multiprocessing.active_children() == []
+
+
 def test_a_spare_worker_no_load_takes_is_stopped_after_its_time():
     from pyllmrouter.router.pool import WorkerHandle
     from pyllmrouter.router.spares import Spares

@@ -52,11 +52,13 @@ class Measurer:
         self._running_worker = running_worker
         self.spares = Spares()
 
-    def requirement(self, spec: ModelSpec, device_set: frozenset[str]) -> tuple[dict[str, int], dict[str, dict]]:
+    def requirement(self, spec: ModelSpec, device_set: frozenset[str],
+                    keep: bool = True) -> tuple[dict[str, int], dict[str, dict]]:
         """Bytes per inventory device of ``spec`` (a worker spec) loaded masked to
         ``device_set``, and its components per memory pool as the worker sees them
-        (weights, kv, compute, output, cache, projector, draft)."""
-        est = self._probe(spec, device_set)
+        (weights, kv, compute, output, cache, projector, draft).  ``keep``: a worker
+        started for it stays as a spare (the load will be there: its only candidate)."""
+        est = self._probe(spec, device_set, keep)
         components = {d.device: {k: v for k, v in asdict(d).items() if k != "device"} for d in est.devices}
         return self.inventory.to_inventory(device_set, est.per_device()), components
 
@@ -76,18 +78,20 @@ class Measurer:
         return Fitted(grant, ModelSpec.from_dict(v["spec"]), to_inv(device_set, v["per_device"]),
                       to_inv(device_set, v["layers"]), v["experts_on_host"], tuple(v.get("to_host", ())))
 
-    def _probe(self, spec: ModelSpec, device_set: frozenset[str]) -> MemoryEstimate:
+    def _probe(self, spec: ModelSpec, device_set: frozenset[str], keep: bool) -> MemoryEstimate:
         hit = cached_estimate(spec, self.inventory.mask_env(device_set))
         if hit is not None:
             return hit
-        reply = self._call(device_set, lambda rid: Probe(rid, spec))
+        reply = self._call(device_set, lambda rid: Probe(rid, spec), keep)
         if isinstance(reply, Failed):
             raise ProbeError(spec.path, reply.message.removeprefix(spec.path + ": "))
         return MemoryEstimate.from_dict(reply.value)
 
-    def _call(self, device_set: frozenset[str], make) -> Any:
+    def _call(self, device_set: frozenset[str], make, keep: bool = True) -> Any:
         """One call in the worker of ``device_set``, or in a spare masked the same way
-        (started now if there is none), kept for the load that usually follows."""
+        (started now if there is none), kept for the load that usually follows unless
+        not ``keep`` (one of several candidates: the others' spares would hold their
+        devices' contexts for nothing)."""
         worker = self._running_worker(device_set)
         spare = worker is None or not worker.alive
         if spare:
@@ -99,5 +103,7 @@ class Measurer:
         try:
             return worker.call(make).get(self.timeout)
         finally:
-            if spare:
+            if spare and keep:
                 self.spares.put(worker)
+            elif spare:
+                worker.stop()

@@ -385,9 +385,10 @@ class Scheduler:
         parts: dict[frozenset[str], dict[str, dict]] = {}
         error = None
         try:
-            for ds in self._candidates(rec):
+            candidates = self._candidates(rec)
+            for ds in candidates:
                 spec = worker_spec(rec.config.spec, ds, self.inventory.to_local(ds))
-                reqs[ds], parts[ds] = self._measure.requirement(spec, ds)
+                reqs[ds], parts[ds] = self._measure.requirement(spec, ds, keep=len(candidates) == 1)
                 if self.options.max_models:
                     reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request

@@ -7,9 +7,11 @@
 A model's first request measures it in a worker masked as its own worker will be
 (when none runs yet), then loads it there.  Without spares that is two process
 starts, and on a GPU two backend initialisations, before the first token; with
-them the worker that measured the model serves it.  One that no load takes is
-stopped once ``linger`` seconds have passed, so an idle spare holds its devices'
-context only that long.
+them the worker that measured the model serves it.  Only a model's one candidate
+device set keeps its spare (pinned, or a machine with one GPU); with several, the
+spares of the sets not chosen would hold their devices' contexts for nothing.  One
+that no load takes is stopped once ``linger`` seconds have passed, so an idle spare
+holds its devices' context (which admission sees as used) only that long.
 """
 
 from __future__ import annotations
