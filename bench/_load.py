@@ -4,6 +4,8 @@ streamed request read as server-sent events."""
 from __future__ import annotations
 
 import json
+import math
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -87,3 +89,20 @@ def run_clients(make_call: Callable[[int], Callable[[], Any]], clients: int, per
         t.join()
     run.wall = time.perf_counter() - t0
     return run
+
+
+_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+        12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
+
+
+def ratio_interval(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of the paired per-round ratios ours/theirs and its 95 % confidence
+    interval (t interval on the log ratios; the rounds are paired: both servers, same minute)."""
+    logs = [math.log(a / b) for a, b in zip(ours, theirs)]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    df = len(logs) - 1
+    t = _T95[max(k for k in _T95 if k <= df)]
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)

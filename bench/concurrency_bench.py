@@ -37,10 +37,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import random
-import statistics
 import subprocess
 import tempfile
 import time
@@ -49,7 +47,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-from _load import percentile, run_clients, stream_sse
+from _load import percentile, ratio_interval, run_clients, stream_sse
 
 from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
@@ -166,23 +164,6 @@ def summary(rounds: list[dict]) -> dict:
 
 
 # two-sided 95 % Student t quantiles by degrees of freedom (rounds - 1)
-_T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
-        12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}
-
-
-def ratio_interval(ours: list[float], theirs: list[float]) -> tuple[float, float, float]:
-    """Geometric mean of the paired per-round ratios ours/theirs and its 95 % confidence
-    interval (t interval on the log ratios; the rounds are paired: both servers, same minute)."""
-    logs = [math.log(a / b) for a, b in zip(ours, theirs)]
-    mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(mean), float("nan"), float("nan")
-    df = len(logs) - 1
-    t = _T95[max(k for k in _T95 if k <= df)]
-    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", default="1,4,8,16")

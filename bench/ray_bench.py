@@ -8,10 +8,16 @@ The cluster: a head and three nodes, each with one emulated device (32, 48 and
 probe, 144 MiB in all: placed by memory, all of them fit at once) from the tiny
 generated GGUFs, and a skewed request mix (the smallest model most asked for).
 Serve's multiplexing runs once per ``--per-replica`` value: a count per replica
-cannot be right for nodes of different sizes.  Prints a table and writes JSON
-(default bench/results/ray_bench.json).
+cannot be right for nodes of different sizes.  Each of ``--rounds`` rounds deploys
+every router afresh and drives the same requests through it, in an order that
+rotates from round to round; the probe cache stays (the first round measures the
+models, later ones redeploy on a host that has).  Reports per router the loads and
+failures of each round, requests/s over all rounds, p50/p99 over all requests, and
+the geometric mean of the per-round requests/s ratios with a 95 % confidence
+interval (the machine is shared and noisy: one round is not a comparison).  Prints
+a table and writes JSON (default bench/results/ray_bench.json).
 
-    python bench/ray_bench.py [--requests N] [--clients C] [--per-replica K,K] [--out FILE]
+    python bench/ray_bench.py [--requests N] [--clients C] [--per-replica K,K] [--rounds R] [--out FILE]
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _load import percentile, run_clients  # noqa: E402
+from _load import percentile, ratio_interval, run_clients  # noqa: E402
 from _ray_baseline import COUNTERS, Counters, build as build_baseline  # noqa: E402
 
 from pyllmrouter.ray.deploy import deploy  # noqa: E402
@@ -77,8 +83,7 @@ def drive(base: str, order: list[str], clients: int, headers_for) -> dict:
     run = run_clients(make, clients, -(-len(order) // clients), errors=(RuntimeError, httpx.HTTPError))
     done = [s for s, v in zip(run.seconds, run.values) if v is not None]
     return {"ok": len(done), "errors": len(run.errors), "first_errors": run.errors[:3], "wall_s": run.wall,
-            "rps": len(done) / run.wall, "p50_ms": percentile(done, 0.5) * 1e3 if done else float("nan"),
-            "p99_ms": percentile(done, 0.99) * 1e3 if done else float("nan")}
+            "rps": len(done) / run.wall, "seconds": done}
 
 
 def ours(cluster_address: str, preset: Path, port: int, order: list[str], clients: int) -> dict:
@@ -109,6 +114,7 @@ def baseline(preset: Path, port: int, order: list[str], clients: int, per_replic
     result = drive(f"http://127.0.0.1:{port}", order, clients, lambda m: {"serve_multiplexed_model_id": m})
     result.update(ray.get(counters.get.remote()))
     serve.delete("multiplexed")
+    ray.kill(counters)  # its name is free for the next round's
     return result
 
 
@@ -117,6 +123,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--per-replica", default="2,3", help="Serve's max_num_models_per_replica, one run each")
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ray_bench.json"))
     a = ap.parse_args()
 
@@ -132,27 +139,50 @@ def main() -> int:
     ray.init(address=cluster.address)
     port = free_port()
     order = workload(a.requests)
-    counts = [int(k) for k in a.per_replica.split(",")]
+    per_replica = {f"Serve multiplexing, {k} per replica": int(k) for k in a.per_replica.split(",")}
+    names = ["pyllmrouter", *per_replica]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
     try:
-        mine = ours(cluster.address, preset, port, order, a.clients)
-        theirs = {k: baseline(preset, port, order, a.clients, k) for k in counts}
+        for rnd in range(a.rounds):
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                if name == "pyllmrouter":
+                    runs[name].append(ours(cluster.address, preset, port, order, a.clients))
+                else:
+                    runs[name].append(baseline(preset, port, order, a.clients, per_replica[name]))
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
 
-    keys = ("loads", "evictions", "failed_loads", "ok", "errors", "rps", "p50_ms", "p99_ms")
-    fmt = lambda v: f"{v:.1f}" if isinstance(v, float) else str(v)  # noqa: E731
-    rows = [[k, fmt(mine[k])] + [fmt(theirs[n][k]) for n in counts] for k in keys]
-    rows.append(["rps ratio (ours / theirs)", ""] + [f"{mine['rps'] / theirs[n]['rps']:.2f}" for n in counts])
+    def per_round(name: str, key: str) -> str:
+        return "/".join(str(r[key]) for r in runs[name])
+
+    def pooled(name: str) -> dict:
+        rs, seconds = runs[name], [s for r in runs[name] for s in r["seconds"]]
+        return {"rps": sum(r["ok"] for r in rs) / sum(r["wall_s"] for r in rs),
+                "p50_ms": percentile(seconds, 0.5) * 1e3 if seconds else float("nan"),
+                "p99_ms": percentile(seconds, 0.99) * 1e3 if seconds else float("nan")}
+
+    summary = {n: pooled(n) for n in names}
+    rows = [[k] + [per_round(n, k) for n in names] for k in ("loads", "evictions", "failed_loads", "ok", "errors")]
+    rows += [[k] + [f"{summary[n][k]:.1f}" for n in names] for k in ("rps", "p50_ms", "p99_ms")]
+    ratios = {n: ratio_interval([r["rps"] for r in runs["pyllmrouter"]], [r["rps"] for r in runs[n]])
+              for n in names[1:]}
+    rows.append(["rps ratio (ours / theirs) [95% CI]", ""] + [f"{g:.2f} [{lo:.2f}, {hi:.2f}]"
+                                                            for g, lo, hi in ratios.values()])
     print(f"{a.requests} requests, {a.clients} clients, 3 nodes ({', '.join(f'{n} MiB' for n in NODES)}), "
-          f"{len(MODELS)} models\n")
-    print(render(["", "pyllmrouter"] + [f"Serve multiplexing, {n} per replica" for n in counts], rows))
-    for n in counts:
-        if theirs[n]["first_errors"]:
-            print(f"\nmultiplexing, {n} per replica, first errors:", *theirs[n]["first_errors"], sep="\n  ")
+          f"{len(MODELS)} models, {a.rounds} rounds (counts: each round's; rps: all rounds')\n")
+    print(render([""] + names, rows))
+    for n in names[1:]:
+        errors = [e for r in runs[n] for e in r["first_errors"]]
+        if errors:
+            print(f"\n{n}, first errors:", *errors[:3], sep="\n  ")
+    for rs in runs.values():
+        for r in rs:
+            r.pop("seconds")
     out = {"nodes_mib": NODES, "models": {m: v[:2] for m, v in MODELS.items()}, "requests": a.requests,
-           "clients": a.clients, "pyllmrouter": mine, "serve_multiplexing": {str(n): theirs[n] for n in counts}}
+           "clients": a.clients, "rounds": a.rounds, "summary": summary, "runs": runs,
+           "rps_ratio": {n: list(v) for n, v in ratios.items()}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {a.out}")
