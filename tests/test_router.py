@@ -299,44 +299,29 @@ def test_async_api(specs):
 
 
 def test_the_worker_that_measured_a_model_serves_it(tiny, tmp_path, monkeypatch):
-    """A model's first request measures it in a worker masked as its own will be, then
-    loads it there: one process started, not two (on a GPU, one backend initialisation)."""
+    """A model's first request measures it in its own worker (its only device set: the
+    load will be there), then loads it there: one process started, not two (on a GPU, one
+    backend initialisation)."""
     monkeypatch.setenv("PYLLMROUTER_CACHE", str(tmp_path))  # nothing measured yet
     spec = ModelSpec(tiny["tiny-llama"], n_ctx=256)
     with Router([ModelConfig("a", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
         r.scheduler.measure("a")
         measured_by = [p.pid for p in multiprocessing.active_children()]
-        assert len(measured_by) == 1 and r.status()["workers"] == []  # a spare, no worker yet
+        assert len(measured_by) == 1 and [w["pid"] for w in r.status()["workers"]] == measured_by
         r.complete("a", "x", max_tokens=2)
         assert [w["pid"] for w in r.status()["workers"]] == measured_by
         assert [p.pid for p in multiprocessing.active_children()] == measured_by
 
 
-def test_a_model_measured_for_several_device_sets_keeps_no_spare(tiny, tmp_path, monkeypatch):
-    """Two GPUs, a model pinned to neither: measured for each, and the load goes to one, so
-    no spare stays (it would hold its GPU's context for nothing)."""
+def test_a_model_measured_for_several_device_sets_starts_no_worker(tiny, tmp_path, monkeypatch):
+    """Two GPUs, a model pinned to neither: measured for each in short-lived workers, since
+    the load goes to one and a kept worker would hold the other GPU's context for nothing."""
     monkeypatch.setenv("PYLLMROUTER_CACHE", str(tmp_path))
     spec = ModelSpec(tiny["tiny-llama"], n_ctx=256)
     with Router([ModelConfig("a", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30, "GPU1": 1 << 30}),
                 margin=0) as r:
         r.scheduler.measure("a")
-        assert multiprocessing.active_children() == []
-
-
-def test_a_spare_worker_no_load_takes_is_stopped_after_its_time():
-    from pyllmrouter.router.pool import WorkerHandle
-    from pyllmrouter.router.spares import Spares
-
-    spares = Spares(linger=0.5)
-    worker = WorkerHandle("GPU0", frozenset({"GPU0"}), {}, lambda w: None)
-    worker.start()
-    spares.put(worker)
-    spares.expire()
-    assert worker.alive  # not yet
-    time.sleep(0.6)
-    spares.expire()
-    assert not worker.alive and worker.pid not in [p.pid for p in multiprocessing.active_children()]
-    assert spares.take(frozenset({"GPU0"})) is None
+        assert multiprocessing.active_children() == [] and r.status()["workers"] == []
 
 
 def test_close_leaves_no_process_and_router_never_loads_a_backend(tiny):

@@ -1,15 +1,22 @@
 """Measuring for the scheduler, in processes masked as the model's worker will be.
 
-    requirement(spec, ds) ──▶ probe cache hit? ── no ──▶ Probe in the worker of ds
-                                                         (or a spare one, masked the same
-                                                         way: spares.py) ──▶ bytes per device
+    requirement(spec, ds) ──▶ probe cache hit? ── no ──▶ Probe in the worker of ds: the
+                                                         running one, or started now where ds
+                                                         is the model's only candidate (the
+                                                         load will be there), or else a
+                                                         short-lived one masked the same way
+                                                         ──▶ bytes per device
     fit(spec, ds, grant)  ──▶ Fit in that worker ──▶ Fitted (a spec and its bytes, or
                                                      "no fit" with llama.cpp's reason)
 
-No lock of its own: the scheduler calls it from background threads and records
-the answers under its lock; the spares (the workers it started, which the
-scheduler adopts for the load that follows) have theirs.  Device names are the
-inventory's on the way in and out; inside, the worker's own (masked) names.
+Starting the device set's own worker to measure means one process start (on a
+GPU, one backend initialisation) before a model's first token, not two.  With
+several candidates the sets not chosen would keep workers, and their devices'
+contexts, for nothing: those measure in short-lived ones.
+
+No state and no lock of its own: the scheduler calls it from background threads
+and records the answers under its lock.  Device names are the inventory's on the
+way in and out; inside, the worker's own (masked) names.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ from pyllmrouter.memory import MemoryEstimate, ProbeError, cached_estimate
 from pyllmrouter.protocol import ErrorKind, Failed, Fit, Probe
 from pyllmrouter.spec import ModelSpec
 from pyllmrouter.router.pool import WorkerHandle
-from pyllmrouter.router.spares import Spares
 
 __all__ = ["Measurer", "worker_spec"]
 
@@ -46,19 +52,23 @@ def worker_spec(spec: ModelSpec, device_set: frozenset[str], local: Mapping[str,
 
 class Measurer:
     def __init__(self, inventory: Inventory, timeout: float,
-                 running_worker: Callable[[frozenset[str]], WorkerHandle | None]):
+                 running_worker: Callable[[frozenset[str]], WorkerHandle | None],
+                 start_worker: Callable[[frozenset[str]], WorkerHandle] | None = None):
+        """``start_worker``: starts (and keeps) the worker of a device set; None: measuring
+        never starts a worker that stays."""
         self.inventory = inventory
         self.timeout = timeout
         self._running_worker = running_worker
-        self.spares = Spares()
+        self._start_worker = start_worker
 
     def requirement(self, spec: ModelSpec, device_set: frozenset[str],
-                    keep: bool = True) -> tuple[dict[str, int], dict[str, dict]]:
+                    only: bool = False) -> tuple[dict[str, int], dict[str, dict]]:
         """Bytes per inventory device of ``spec`` (a worker spec) loaded masked to
         ``device_set``, and its components per memory pool as the worker sees them
-        (weights, kv, compute, output, cache, projector, draft).  ``keep``: a worker
-        started for it stays as a spare (the load will be there: its only candidate)."""
-        est = self._probe(spec, device_set, keep)
+        (weights, kv, compute, output, cache, projector, draft).  ``only``: the device
+        set is the model's only candidate, so a worker started for it is the one the load
+        will use."""
+        est = self._probe(spec, device_set, only)
         components = {d.device: {k: v for k, v in asdict(d).items() if k != "device"} for d in est.devices}
         return self.inventory.to_inventory(device_set, est.per_device()), components
 
@@ -78,32 +88,30 @@ class Measurer:
         return Fitted(grant, ModelSpec.from_dict(v["spec"]), to_inv(device_set, v["per_device"]),
                       to_inv(device_set, v["layers"]), v["experts_on_host"], tuple(v.get("to_host", ())))
 
-    def _probe(self, spec: ModelSpec, device_set: frozenset[str], keep: bool) -> MemoryEstimate:
+    def _probe(self, spec: ModelSpec, device_set: frozenset[str], only: bool) -> MemoryEstimate:
         hit = cached_estimate(spec, self.inventory.mask_env(device_set))
         if hit is not None:
             return hit
-        reply = self._call(device_set, lambda rid: Probe(rid, spec), keep)
+        reply = self._call(device_set, lambda rid: Probe(rid, spec), keep=only)
         if isinstance(reply, Failed):
             raise ProbeError(spec.path, reply.message.removeprefix(spec.path + ": "))
         return MemoryEstimate.from_dict(reply.value)
 
     def _call(self, device_set: frozenset[str], make, keep: bool = True) -> Any:
-        """One call in the worker of ``device_set``, or in a spare masked the same way
-        (started now if there is none), kept for the load that usually follows unless
-        not ``keep`` (one of several candidates: the others' spares would hold their
-        devices' contexts for nothing)."""
+        """One call in the worker of ``device_set``: the running one, or one started now,
+        kept (``keep``, where the scheduler keeps workers) or short-lived."""
         worker = self._running_worker(device_set)
-        spare = worker is None or not worker.alive
-        if spare:
-            worker = self.spares.take(device_set)
-            if worker is None:
-                worker = WorkerHandle("+".join(sorted(device_set)), device_set, self.inventory.mask_env(device_set),
-                                      lambda w: None)
+        temporary = False
+        if worker is None or not worker.alive:
+            if keep and self._start_worker is not None:
+                worker = self._start_worker(device_set)
+            else:
+                temporary = True
+                worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set,
+                                      self.inventory.mask_env(device_set), lambda w: None)
                 worker.start()
         try:
             return worker.call(make).get(self.timeout)
         finally:
-            if spare and keep:
-                self.spares.put(worker)
-            elif spare:
+            if temporary:
                 worker.stop()

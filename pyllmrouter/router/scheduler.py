@@ -87,7 +87,8 @@ class Scheduler:
         self.events: list[tuple[float, str, str, str]] = []  # (time, event, model, devices), the last 1000
         self.counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0}
         self.on_wait: Any = None  # called as on_wait(model, seconds) for every lease (metrics)
-        self._measure = Measurer(inventory, options.load_timeout, self._running_worker)
+        self._measure = Measurer(inventory, options.load_timeout, self._running_worker,
+                                 self._ensure_worker if options.keep_idle_workers else None)
         ram = options.kv_keep_ram
         if ram is None:
             ram = inventory.free().get(HOST, 0) // 8
@@ -388,7 +389,7 @@ class Scheduler:
             candidates = self._candidates(rec)
             for ds in candidates:
                 spec = worker_spec(rec.config.spec, ds, self.inventory.to_local(ds))
-                reqs[ds], parts[ds] = self._measure.requirement(spec, ds, keep=len(candidates) == 1)
+                reqs[ds], parts[ds] = self._measure.requirement(spec, ds, only=len(candidates) == 1)
                 if self.options.max_models:
                     reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
@@ -445,13 +446,9 @@ class Scheduler:
                 w = self._workers.get(device_set)
                 if w is not None and w.alive:
                     return w
-            w = self._measure.spares.take(device_set)  # the one that measured the model, if kept
-            if w is not None:
-                w.on_death = self._on_worker_death
-            if w is None or not w.alive:  # (a spare that died before it was adopted told nobody)
-                w = WorkerHandle("+".join(sorted(device_set)), device_set, self.inventory.mask_env(device_set),
-                                 self._on_worker_death)
-                w.start()
+            w = WorkerHandle("+".join(sorted(device_set)), device_set, self.inventory.mask_env(device_set),
+                             self._on_worker_death)
+            w.start()
             self._refresh_overhead(w)
             with self._cond:
                 self._workers[device_set] = w
@@ -572,9 +569,7 @@ class Scheduler:
             return True
 
     def reap_idle(self) -> list[str]:
-        """Unload models idle longer than their ttl (and stop spare workers kept past their
-        time); returns the models' names."""
-        self._measure.spares.expire()
+        """Unload models idle longer than their ttl; returns their names."""
         now = time.monotonic()
         out = []
         with self._cond:
@@ -599,7 +594,6 @@ class Scheduler:
             w.stop()
         for t in list(self._threads):
             t.join(5)
-        self._measure.spares.close()  # after the threads: a probe under way leaves its worker there
         if self._keep is not None:
             self._keep.close()
 
