@@ -298,12 +298,18 @@ def test_async_api(specs):
         assert chunks and len(emb["data"]) == 2
 
 
-def test_the_worker_that_measured_a_model_serves_it(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cached", [False, True], ids=["first-measure", "probe-cached"])
+def test_the_worker_that_measured_a_model_serves_it(tiny, tmp_path, monkeypatch, cached):
     """A model's first request measures it in its own worker (its only device set: the
     load will be there), then loads it there: one process started, not two (on a GPU, one
-    backend initialisation)."""
+    backend initialisation).  Measured before (the probe cache has it), measuring starts
+    that worker all the same, so a router that measures ahead has it up for the load."""
     monkeypatch.setenv("PYLLMROUTER_CACHE", str(tmp_path))  # nothing measured yet
     spec = ModelSpec(tiny["tiny-llama"], n_ctx=256)
+    if cached:
+        with Router([ModelConfig("a", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
+            r.scheduler.measure("a")
+        assert multiprocessing.active_children() == []
     with Router([ModelConfig("a", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
         r.scheduler.measure("a")
         measured_by = [p.pid for p in multiprocessing.active_children()]

@@ -7,7 +7,9 @@ The replica's Router owns every device of its node.  It is built from the same
 arguments as ``pyllmrouter serve`` (and the same LLAMA_ARG_* / PYLLMROUTER_*
 variables of that host), so the replica asks Ray for no GPU: its workers mask
 themselves as they do under ``serve``.  Every model is measured when the replica
-starts, so its statistics carry each model's bytes before any request.
+starts, so its statistics carry each model's bytes before any request, and the
+worker of a model's only device set is started then (router/measure.py), so the
+first request finds it.
 """
 
 from __future__ import annotations

@@ -1,16 +1,20 @@
 """Measuring for the scheduler, in processes masked as the model's worker will be.
 
     requirement(spec, ds) ──▶ probe cache hit? ── no ──▶ Probe in the worker of ds: the
-                                                         running one, or started now where ds
-                                                         is the model's only candidate (the
-                                                         load will be there), or else a
-                                                         short-lived one masked the same way
-                                                         ──▶ bytes per device
+                                 │                       running one, or started now where ds
+                                 │                       is the model's only candidate (the
+                                 │                       load will be there), or else a
+                                 │                       short-lived one masked the same way
+                                 │                       ──▶ bytes per device
+                                 └─ yes ──▶ the cached bytes; where ds is the only
+                                            candidate, its worker started all the same
     fit(spec, ds, grant)  ──▶ Fit in that worker ──▶ Fitted (a spec and its bytes, or
                                                      "no fit" with llama.cpp's reason)
 
 Starting the device set's own worker to measure means one process start (on a
-GPU, one backend initialisation) before a model's first token, not two.  With
+GPU, one backend initialisation) before a model's first token, not two; and a
+caller that measures ahead (a Ray replica, when it starts) finds the worker up
+when the first request comes.  With
 several candidates the sets not chosen would keep workers, and their devices'
 contexts, for nothing: those measure in short-lived ones.
 
@@ -91,6 +95,8 @@ class Measurer:
     def _probe(self, spec: ModelSpec, device_set: frozenset[str], only: bool) -> MemoryEstimate:
         hit = cached_estimate(spec, self.inventory.mask_env(device_set))
         if hit is not None:
+            if only and self._start_worker is not None:
+                self._start_worker(device_set)  # measured before: the load will want it all the same
             return hit
         reply = self._call(device_set, lambda rid: Probe(rid, spec), keep=only)
         if isinstance(reply, Failed):
