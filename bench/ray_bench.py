@@ -7,6 +7,9 @@ The cluster: a head and three nodes, each with one emulated device (32, 48 and
 96 MiB; this machine has no GPU).  Seven models of mixed sizes (5 to 51 MiB by the
 probe, 144 MiB in all: placed by memory, all of them fit at once) from the tiny
 generated GGUFs, and a skewed request mix (the smallest model most asked for).
+Each is reached by its own front door: ours through its ingress, Serve's
+multiplexing through Serve's HTTP proxy (the clients send the model in
+Serve's ``serve_multiplexed_model_id`` header, by which the proxy routes).
 Serve's multiplexing runs once per ``--per-replica`` value: a count per replica
 cannot be right for nodes of different sizes.  Each of ``--rounds`` rounds deploys
 every router afresh and drives the same requests through it, in an order that
@@ -137,7 +140,8 @@ def main() -> int:
         cluster.add_node(num_cpus=1, resources={"pyllmrouter": 1},
                          env_vars={"PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB", "PYLLMROUTER_CACHE": str(d / "cache")})
     ray.init(address=cluster.address)
-    port = free_port()
+    port, base_port = free_port(), free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": base_port}, proxy_location="HeadOnly")
     order = workload(a.requests)
     per_replica = {f"Serve multiplexing, {k} per replica": int(k) for k in a.per_replica.split(",")}
     names = ["pyllmrouter", *per_replica]
@@ -148,7 +152,7 @@ def main() -> int:
                 if name == "pyllmrouter":
                     runs[name].append(ours(cluster.address, preset, port, order, a.clients))
                 else:
-                    runs[name].append(baseline(preset, port, order, a.clients, per_replica[name]))
+                    runs[name].append(baseline(preset, base_port, order, a.clients, per_replica[name]))
     finally:
         serve.shutdown()
         ray.shutdown()

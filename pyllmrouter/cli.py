@@ -230,7 +230,12 @@ def cmd_ray(a: argparse.Namespace) -> int:
     i = next((k for k, arg in enumerate(argv) if arg == "--address" or arg.startswith("--address=")), None)
     if i is not None:
         del argv[i:i + (1 if "=" in argv[i] else 2)]
-    deploy(argv, address=a.address, host=a.host, port=a.port, api_key=a.api_key, max_body=int(a.max_body_mb * MiB))
+    try:
+        deploy(argv, address=a.address, host=a.host, port=a.port, api_key=a.api_key,
+               max_body=int(a.max_body_mb * MiB))
+    except RuntimeError as e:  # e.g. the port is taken, or no node is marked
+        print(f"pyllmrouter: error: {e}", file=sys.stderr)
+        return 1
     print(f"pyllmrouter serves the cluster at http://{a.host}:{a.port} (ray serve shutdown to stop)")
     return 0
 

@@ -4,7 +4,8 @@ application deployed by ``pyllmrouter.ray.deploy``, real HTTP through the ingres
 
 Models (bytes as the probe measures them; the node sizes below are chosen around them):
 a, b ~6 MiB; c, d ~15 MiB; big, big2 ~51 MiB (only the 80 MiB node holds one, not both);
-huge ~195 MiB (no node holds it).  The node-removal test runs last: it takes a node away.
+huge ~195 MiB (no node holds it).  The node-removal test runs last but one: it takes a
+node away; the last redeploys on a port in use.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def cluster(tiny, tmp_path_factory):
         client = Client(f"http://127.0.0.1:{port}")
         ids = {label: node.node_id for label, node in nodes.items()}
         _wait_measured(client, set(ids.values()))
-        yield c, client, ids, nodes
+        yield c, client, ids, nodes, preset
     finally:
         from ray import serve
 
@@ -112,7 +113,7 @@ def _where(client: Client) -> dict[str, list[str]]:
 
 
 def test_models_are_placed_by_memory_and_no_node_is_oversubscribed(cluster):
-    c, client, ids, _ = cluster
+    c, client, ids, _, _ = cluster
     for model in ("a", "b", "c", "d"):
         status, node, body = client.complete(model)
         assert status == 200, body  # at once: the router counts the load it routed (policy.assume_routed)
@@ -129,14 +130,14 @@ def test_models_are_placed_by_memory_and_no_node_is_oversubscribed(cluster):
 
 
 def test_a_model_that_fits_only_on_the_big_node_goes_there(cluster):
-    _, client, ids, _ = cluster
+    _, client, ids, _, _ = cluster
     status, node, body = client.complete("big")
     assert status == 200, body
     assert node == ids["big"] and _where(client)["big"] == [ids["big"]]
 
 
 def test_a_model_that_fits_nowhere_gets_507_with_every_nodes_figures(cluster):
-    _, client, ids, _ = cluster
+    _, client, ids, _, _ = cluster
     status, _, body = client.complete("huge")
     assert status == 507, body
     err = body["error"]
@@ -149,7 +150,7 @@ def test_a_model_that_fits_nowhere_gets_507_with_every_nodes_figures(cluster):
 
 
 def test_bad_requests_get_clear_errors_and_the_openai_list_shows_every_model(cluster):
-    _, client, _, _ = cluster
+    _, client, _, _, _ = cluster
     status, _, body = client.complete("no-such-model")
     assert status == 404 and "no-such-model" in body["error"]["message"]
     req = urllib.request.Request(client.base + "/v1/completions", b"{not json", {"content-type": "application/json"})
@@ -165,7 +166,7 @@ def test_bad_requests_get_clear_errors_and_the_openai_list_shows_every_model(clu
 def test_a_busy_model_is_never_evicted(cluster):
     """'big' streams on the big node; 'big2' fits only there, and only without 'big': it
     waits for the stream to end, then evicts the idle 'big'."""
-    _, client, ids, _ = cluster
+    _, client, ids, _, _ = cluster
     assert _where(client)["big"] == [ids["big"]]
     done: dict = {}
 
@@ -191,12 +192,12 @@ def test_a_busy_model_is_never_evicted(cluster):
 
 
 def test_a_removed_node_loses_its_models_and_the_next_request_loads_elsewhere(cluster):
-    c, client, ids, nodes = cluster
+    c, client, ids, nodes, _ = cluster
     where = _where(client)
     assert where["c"] == [ids["medium"]]
     ingress = [a["Address"]["NodeID"] for a in ray._private.state.actors().values()
                if a["ActorClassName"].endswith("Ingress") and a["State"] == "ALIVE"]
-    assert ingress == [c.head_node.node_id]  # with Serve's HTTP proxy: the node taken away holds no connection
+    assert ingress == [c.head_node.node_id]  # it holds the connections: the node taken away holds none
     result: dict = {}
     started = threading.Event()
 
@@ -228,3 +229,19 @@ def test_a_removed_node_loses_its_models_and_the_next_request_loads_elsewhere(cl
         time.sleep(1)
     assert status == 200, body
     assert node in (ids["small"], ids["big"])
+
+
+def test_a_port_in_use_is_named_and_the_deploy_fails(cluster, capsys):
+    """The ingress listens itself: a port another program holds fails the deploy with the
+    reason (Serve's own error names only the deployment)."""
+    import socket
+
+    from pyllmrouter import cli
+
+    c, _, _, _, preset = cluster
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        rc = cli.main(["ray", "--models-preset", str(preset), "--models-memory-margin", "0",
+                       "--queue-timeout", "60", "--port", str(port), "--address", c.address])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"cannot listen on 127.0.0.1:{port}: Address already in use" in err, err

@@ -7,7 +7,8 @@
 A marked node gets one replica (it asks for one unit of the ``pyllmrouter``
 resource), which owns all of that node's devices; it asks Ray for no GPU, so Ray
 masks nothing and the replica's workers mask themselves.  The ingress serves the
-HTTP API on ``port`` from the head node, beside Serve's one HTTP proxy.
+HTTP API on ``host:port`` itself, from the head node; Serve, where this starts it,
+runs no HTTP proxy.
 """
 
 from __future__ import annotations
@@ -29,15 +30,17 @@ APP = "pyllmrouter"
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's own resource of the head node
 
 
-def build(serve_args: Sequence[str], *, replicas: int | None = None, api_key: str | None = None,
-          max_body: int = 8 << 20, stats_period: float = 1.0):
+def build(serve_args: Sequence[str], *, host: str = "127.0.0.1", port: int = 8080, replicas: int | None = None,
+          api_key: str | None = None, max_body: int = 8 << 20, stats_period: float = 1.0):
     """The Serve application: ``serve_args`` are ``pyllmrouter serve``'s arguments (models,
-    margin, limits) for every node; ``replicas`` defaults to the marked nodes alive now."""
+    margin, limits) for every node; the ingress listens on ``host:port``; ``replicas``
+    defaults to the marked nodes alive now."""
     n = replicas if replicas is not None else len(node_ids())
     if n < 1:
         raise RuntimeError(f"no alive node offers the '{NODE_RESOURCE}' resource: start each host with "
                            f"ray start --resources='{{\"{NODE_RESOURCE}\": 1}}'")
-    logs = _logging(serve_args)
+    access_log = parse_serve_args(serve_args).access_log
+    logs = LoggingConfig(enable_access_log=access_log)
     nodes = serve.deployment(
         NodeRouter, name="NodeRouter", num_replicas=n, max_ongoing_requests=1024, logging_config=logs,
         ray_actor_options={"num_cpus": 0, "num_gpus": 0, "resources": {NODE_RESOURCE: 1}},
@@ -45,19 +48,13 @@ def build(serve_args: Sequence[str], *, replicas: int | None = None, api_key: st
             request_router_class="pyllmrouter.ray.request_router:MemoryAwareRouter",
             request_routing_stats_period_s=stats_period, request_routing_stats_timeout_s=max(5.0, stats_period)),
     )
-    # the ingress lives on the head node, with Serve's HTTP proxy: a worker node taken away
-    # then ends only the requests it served (an error event), not every client's connection
-    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=4096, logging_config=logs,
+    # the ingress lives on the head node: a worker node taken away then ends only the
+    # requests it served (an error event), not every client's connection
+    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, logging_config=logs,
                                ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001},
                                                   "runtime_env": {"env_vars": {
                                                       "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}}})
-    return ingress.bind(nodes.bind(list(serve_args)), api_key, max_body)
-
-
-def _logging(serve_args: Sequence[str]) -> LoggingConfig:
-    """Serve logs a line per request in each process it passes (proxy, ingress, node);
-    as ``pyllmrouter serve``, only with ``--access-log``."""
-    return LoggingConfig(enable_access_log=parse_serve_args(serve_args).access_log)
+    return ingress.bind(nodes.bind(list(serve_args)), host, port, api_key, max_body, access_log)
 
 
 def deploy(serve_args: Sequence[str], *, address: str | None = "auto", host: str = "127.0.0.1", port: int = 8080,
@@ -65,5 +62,16 @@ def deploy(serve_args: Sequence[str], *, address: str | None = "auto", host: str
     """Connect to the cluster at ``address`` and run the application (returns once it serves)."""
     if not ray.is_initialized():
         ray.init(address=address)
-    serve.start(http_options={"host": host, "port": port}, proxy_location="HeadOnly", logging_config=_logging(serve_args))
-    serve.run(build(serve_args, **kw), name=APP, route_prefix="/")
+    serve.start(proxy_location="Disabled")
+    try:
+        serve.run(build(serve_args, host=host, port=port, **kw), name=APP, route_prefix=None)
+    except RuntimeError as e:  # Serve names the deployment; its replica's error says why
+        raise RuntimeError(f"{e} {_why(APP)}".strip()) from None
+
+
+def _why(app: str) -> str:
+    """The last line of each failed deployment's message: its replica's exception."""
+    status = serve.status().applications.get(app)
+    lines = [d.message.strip().splitlines()[-1] for d in (status.deployments.values() if status else ())
+             if d.message.strip()]
+    return "; ".join(lines)

@@ -7,18 +7,23 @@
                        └── /models, /v1/models, /devices, /events: every node asked
                            (NodeRequest(node=...)), the answers merged (cluster.py)
 
-A node that dies under a request ends it with a clear error: 502 before the reply
-started, an SSE error event after.  ``?node=ID`` sends a management GET to one node.
+The ingress listens on its address itself (uvicorn in the replica's event loop), as
+Serve's direct ingress does: Serve's HTTP proxy would be one more hop, and its routing
+sees a header, not the model in the body.  A node that dies under a request ends it
+with a clear error: 502 before the reply started, an SSE error event after.
+``?node=ID`` sends a management GET to one node.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from dataclasses import replace
 from typing import Any
 
 import ray
+import uvicorn
 from ray.exceptions import RayActorError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -36,13 +41,43 @@ ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
 
 
 class Ingress:
-    """The ingress replica (deployed by ``pyllmrouter.ray.deploy``)."""
+    """The ingress replica (deployed by ``pyllmrouter.ray.deploy``): serves HTTP on
+    ``host:port`` from the moment it is constructed until Serve stops it."""
 
-    def __init__(self, nodes, api_key: str | None = None, max_body: int = 8 << 20):
+    async def __init__(self, nodes, host: str, port: int, api_key: str | None = None, max_body: int = 8 << 20,
+                       access_log: bool = False):
         self.nodes = nodes  # the NodeRouter deployment's handle
         self.api_key, self.max_body = api_key, max_body
+        try:  # bound here: a port in use is this constructor's error (uvicorn would exit the process)
+            listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        except OSError as e:
+            raise RuntimeError(f"the ingress cannot listen on {host}:{port}: {e.strerror or e}") from None
+        config = uvicorn.Config(self.asgi, lifespan="off", interface="asgi3",
+                                log_level="info" if access_log else "warning",
+                                access_log=access_log)
+        self._server = uvicorn.Server(config)
+        self._serving = asyncio.get_running_loop().create_task(self._server.serve(sockets=[listener]))
+        while not self._server.started:
+            if self._serving.done():
+                self._serving.result()
+                raise RuntimeError(f"the ingress stopped before it served {host}:{port}")
+            await asyncio.sleep(0.01)
 
-    async def __call__(self, request: Request) -> Response:
+    async def asgi(self, scope, receive, send) -> None:
+        response = await self.respond(Request(scope, receive))
+        await response(scope, receive, send)
+
+    def check_health(self) -> None:
+        """Serve's health check: a server that stopped makes Serve replace this replica."""
+        if self._serving.done():
+            raise RuntimeError("the ingress's HTTP server stopped")
+
+    def __del__(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            server.should_exit = True  # it closes its socket and connections within 0.1 s
+
+    async def respond(self, request: Request) -> Response:
         headers = {k.lower(): v for k, v in request.headers.items()}
         err = guard_error(request.url.path, headers, self.api_key, self.max_body)
         if err is not None:
