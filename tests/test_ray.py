@@ -191,6 +191,33 @@ def test_a_busy_model_is_never_evicted(cluster):
     assert where["big2"] == [ids["big"]] and where["big"] == []  # then 'big', idle, gave way
 
 
+def test_a_client_that_leaves_a_stream_stops_its_generation_on_the_node(cluster):
+    """The ingress cancels the node's reply when its client leaves: the node's app sees
+    the disconnect, the generation stops and the model's lease is freed, well before the
+    whole generation would have ended."""
+    _, client, ids, _, _ = cluster
+    body = {"model": "d", "prompt": "hi", "max_tokens": 2000, "ignore_eos": True}
+    t0 = time.monotonic()
+    status, _, whole = client.json("POST", "/v1/completions", body)
+    whole_s = time.monotonic() - t0
+    assert status == 200 and whole["usage"]["completion_tokens"] == 2000, whole["usage"]
+
+    def in_flight() -> int:
+        _, _, view = client.json("GET", "/models")
+        return next(m for m in view["data"] if m["id"] == "d")["nodes"][ids["medium"]]["in_flight"]
+
+    req = urllib.request.Request(client.base + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                 {"content-type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.readline().startswith(b"data: ")
+        assert in_flight() == 1
+    t0 = time.monotonic()  # the connection is closed
+    while in_flight() and time.monotonic() - t0 < whole_s:
+        time.sleep(0.01)
+    left = time.monotonic() - t0
+    assert in_flight() == 0 and left < whole_s / 2, (left, whole_s)
+
+
 def test_a_removed_node_loses_its_models_and_the_next_request_loads_elsewhere(cluster):
     c, client, ids, nodes, _ = cluster
     where = _where(client)
