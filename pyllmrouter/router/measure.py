@@ -1,22 +1,19 @@
 """Measuring for the scheduler, in processes masked as the model's worker will be.
 
-    requirement(spec, ds) ──▶ probe cache hit? ── no ──▶ Probe in the worker of ds: the
-                                 │                       running one, or started now where ds
-                                 │                       is the model's only candidate (the
-                                 │                       load will be there), or else a
-                                 │                       short-lived one masked the same way
-                                 │                       ──▶ bytes per device
-                                 └─ yes ──▶ the cached bytes; where ds is the only
-                                            candidate, its worker started all the same
-    fit(spec, ds, grant)  ──▶ Fit in that worker ──▶ Fitted (a spec and its bytes, or
-                                                     "no fit" with llama.cpp's reason)
+    requirement(spec, ds) ──▶ ds the model's only candidate (the load will be there):
+                              its worker started, if it is not running
+                          ──▶ probe cache hit? ── no ──▶ Probe in the worker of ds, or in
+                                                         a short-lived one masked the same
+                                                         way ──▶ bytes per device
+    fit(spec, ds, grant)  ──▶ ds's worker started (the load goes there) ──▶ Fit in it
+                          ──▶ Fitted (a spec and its bytes, or "no fit" with llama.cpp's reason)
 
 Starting the device set's own worker to measure means one process start (on a
 GPU, one backend initialisation) before a model's first token, not two; and a
 caller that measures ahead (a Ray replica, when it starts) finds the worker up
-when the first request comes.  With
-several candidates the sets not chosen would keep workers, and their devices'
-contexts, for nothing: those measure in short-lived ones.
+when the first request comes, whether or not the probe cache had the bytes.
+With several candidates the sets not chosen would keep workers, and their
+devices' contexts, for nothing: those measure in short-lived ones.
 
 No state and no lock of its own: the scheduler calls it from background threads
 and records the answers under its lock.  Device names are the inventory's on the
@@ -82,6 +79,7 @@ class Measurer:
         local = self.inventory.to_local(device_set)
         grants = {local[d]: n for d, n in grant.items() if d in local}
         grants[HOST] = grant[HOST]
+        self._start(device_set)
         reply = self._call(device_set, lambda rid: Fit(rid, spec, grants))
         if isinstance(reply, Failed):
             if reply.kind is ErrorKind.NO_FIT:
@@ -93,29 +91,29 @@ class Measurer:
                       to_inv(device_set, v["layers"]), v["experts_on_host"], tuple(v.get("to_host", ())))
 
     def _probe(self, spec: ModelSpec, device_set: frozenset[str], only: bool) -> MemoryEstimate:
+        if only:
+            self._start(device_set)
         hit = cached_estimate(spec, self.inventory.mask_env(device_set))
         if hit is not None:
-            if only and self._start_worker is not None:
-                self._start_worker(device_set)  # measured before: the load will want it all the same
             return hit
-        reply = self._call(device_set, lambda rid: Probe(rid, spec), keep=only)
+        reply = self._call(device_set, lambda rid: Probe(rid, spec))
         if isinstance(reply, Failed):
             raise ProbeError(spec.path, reply.message.removeprefix(spec.path + ": "))
         return MemoryEstimate.from_dict(reply.value)
 
-    def _call(self, device_set: frozenset[str], make, keep: bool = True) -> Any:
-        """One call in the worker of ``device_set``: the running one, or one started now,
-        kept (``keep``, where the scheduler keeps workers) or short-lived."""
+    def _start(self, device_set: frozenset[str]) -> None:
+        """The worker of ``device_set``, started and kept, where the scheduler keeps workers."""
+        if self._start_worker is not None:
+            self._start_worker(device_set)
+
+    def _call(self, device_set: frozenset[str], make) -> Any:
+        """One call in the worker of ``device_set``, or in a short-lived one masked the same way."""
         worker = self._running_worker(device_set)
-        temporary = False
-        if worker is None or not worker.alive:
-            if keep and self._start_worker is not None:
-                worker = self._start_worker(device_set)
-            else:
-                temporary = True
-                worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set,
-                                      self.inventory.mask_env(device_set), lambda w: None)
-                worker.start()
+        temporary = worker is None or not worker.alive
+        if temporary:
+            worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set,
+                                  self.inventory.mask_env(device_set), lambda w: None)
+            worker.start()
         try:
             return worker.call(make).get(self.timeout)
         finally:
