@@ -107,15 +107,13 @@ def main() -> None:
             "llama", n_embd=1024, n_layer=16, n_head=16, n_head_kv=8, n_ff=4096, n_ctx_train=32768, n_vocab=32000))
         cases = [
             ("tiny-llama", ModelSpec(tiny["tiny-llama"]), True),
-            ("tiny-llama + projector", ModelSpec(tiny["tiny-llama"], mmproj=str(tiny_proj)), True),
-            ("tiny-llama + projector + draft", ModelSpec(tiny["tiny-llama"], mmproj=str(tiny_proj),
-                                                         draft=str(tiny_draft), spec_type="draft-simple"), True),
+            ("tiny-llama + projector", ModelSpec(tiny["tiny-llama"], ("--mmproj", str(tiny_proj))), True),
+            ("tiny-llama + projector + draft", ModelSpec(tiny["tiny-llama"], ("--mmproj", str(tiny_proj), "-md", str(tiny_draft), "--spec-type", "draft-simple")), True),
             ("tiny-moe", ModelSpec(tiny["tiny-moe"]), True),
-            ("tiny-bert", ModelSpec(tiny["tiny-bert"], n_ctx=512, embedding=True), True),
+            ("tiny-bert", ModelSpec(tiny["tiny-bert"], ("--embedding",), n_ctx=512), True),
             ("7B shape Q4_0", ModelSpec(s7, n_ctx=4096), args.load_shapes),
-            ("7B shape + ViT-L projector", ModelSpec(s7, n_ctx=4096, mmproj=str(vit_l)), False),
-            ("7B shape + ViT-L projector + 0.4B draft", ModelSpec(s7, n_ctx=4096, mmproj=str(vit_l),
-                                                                  draft=str(draft_7b), spec_type="draft-simple"),
+            ("7B shape + ViT-L projector", ModelSpec(s7, ("--mmproj", str(vit_l)), n_ctx=4096), False),
+            ("7B shape + ViT-L projector + 0.4B draft", ModelSpec(s7, ("--mmproj", str(vit_l), "-md", str(draft_7b), "--spec-type", "draft-simple"), n_ctx=4096),
              False),
             ("30B-A3B shape Q4_0", ModelSpec(s30, n_ctx=4096), args.load_shapes),
         ]

@@ -1,6 +1,8 @@
 // llama.cpp's server engine for one model: see engine.h.
 #include "engine.h"
+#include "params.h"
 
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -11,15 +13,11 @@
 #include <future>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <utility>
 
-#include "arg.h"
-#include "chat.h"
 #include "common.h"
 #include "log.h"
 #include "mtmd.h"
-#include "preset.h"
 #include "server-common.h"
 #include "server-context.h"
 #include "server-http.h"
@@ -102,13 +100,6 @@ bool match(const std::string & pattern, const std::string & key, std::map<std::s
     return true;
 }
 
-// Arguments that print and exit in llama.cpp's parser: never for a served model.
-const std::set<std::string> & exiting_args() {
-    static const std::set<std::string> s = {"-h", "--help", "--usage", "--version", "-cl", "--cache-list",
-                                            "--completion-bash", "--list-devices"};
-    return s;
-}
-
 // The reply llama-server's ex_wrapper makes of an exception.
 std::unique_ptr<server_http_res> error_reply(const std::string & message, error_type type) {
     auto res = std::make_unique<server_http_res>();
@@ -127,83 +118,7 @@ void init_process() {
     });
 }
 
-// Checks every argument the way llama.cpp's parser applies it, on scratch
-// params, so that a bad one is an exception naming it (the parser itself
-// prints to stderr, or exits the process on some errors).
-void check_args(int argc, char ** argv) {
-    for (int i = 1; i < argc; ++i) {
-        if (exiting_args().count(argv[i])) {
-            throw engine_args_error(std::string(argv[i]) + ": not accepted for a served model");
-        }
-    }
-    std::map<common_arg, std::string> given;
-    try {
-        common_params_to_map(argc, argv, LLAMA_EXAMPLE_SERVER, given);
-    } catch (const std::exception & e) {
-        throw engine_args_error(e.what());
-    }
-    // llama-server's defaults (the parser sets a few per program), made once: the
-    // handlers are the options' own, from the map
-    static const common_params defaults = [] {
-        common_params p;
-        common_params_parser_init(p, LLAMA_EXAMPLE_SERVER);
-        return p;
-    }();
-    common_params scratch = defaults;
-    for (const auto & [opt, value] : given) {
-        const std::string name = opt.args.empty() ? std::string(opt.args_neg.front()) : std::string(opt.args.front());
-        try {
-            if (opt.handler_string) {
-                opt.handler_string(scratch, value);
-            } else if (opt.handler_int) {
-                opt.handler_int(scratch, std::stoi(value));
-            } else if (opt.handler_bool) {
-                opt.handler_bool(scratch, common_arg_utils::is_truthy(value));
-            } else if (opt.handler_void) {
-                opt.handler_void(scratch);
-            }
-        } catch (const std::exception & e) {
-            throw engine_args_error("argument " + name + " = '" + value + "': " + e.what());
-        }
-    }
-    if (!scratch.chat_template.empty() && !common_chat_verify_template(scratch.chat_template, scratch.use_jinja)) {
-        throw engine_args_error("chat template is not supported: " + scratch.chat_template);
-    }
-}
-
 }  // namespace
-
-common_params parse_server_args(const std::vector<std::string> & args) {
-    std::vector<std::string> full = {"llama-server"};
-    full.insert(full.end(), args.begin(), args.end());
-    std::vector<char *> argv;
-    for (auto & a : full) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const int argc = static_cast<int>(full.size());
-    check_args(argc, argv.data());
-    common_params params;
-    if (!common_params_parse(argc, argv.data(), params, LLAMA_EXAMPLE_SERVER)) {
-        throw engine_args_error("llama.cpp's parser refused the arguments");
-    }
-    // what llama_server() does to params before it builds the context
-    if (params.embedding && params.n_batch > params.n_ubatch) {
-        params.n_batch = params.n_ubatch;
-    }
-    if (params.n_parallel < 0) {
-        params.n_parallel = 4;
-        params.kv_unified = true;
-    }
-    const bool ctx_pool_auto_sized = params.kv_unified_per_slot > 0 && params.n_ctx == 0 &&
-                                     (uint32_t) params.fit_params_min_ctx != UINT32_MAX;
-    if (ctx_pool_auto_sized) {
-        params.n_ctx = params.n_parallel * params.kv_unified_per_slot;
-    }
-    auto model_name = params.model.get_name();
-    if (params.model_alias.empty() && !model_name.empty()) {
-        params.model_alias.insert(model_name);
-    }
-    return params;
-}
 
 // A file the engine would open beside the model: it exists and is a GGUF, or a
 // probe_error "PATH: KIND: why" (the convention of every probe error: the file at
@@ -259,27 +174,31 @@ static std::vector<BufferRow> projector_rows(const common_params & params) {
 // copy does not apply or fails, so that errors name the real path.  The log lines of
 // making the copy go with the probe's.
 static ProbeResult probe_path(const std::string & path, const llama_model_params & mp, const llama_context_params & cp,
-                              std::uint32_t n_outputs, bool vocab_free, const std::vector<std::string> & loras = {}) {
+                              std::uint32_t n_outputs, bool vocab_free, const std::vector<std::string> & loras = {},
+                              std::uint32_t checkpoints = 0) {
     std::vector<std::string> copy_log;
     std::optional<ProbeResult> result;
     if (vocab_free) {
-        static std::atomic<unsigned> serial{0};
-        const auto copy = std::filesystem::temp_directory_path() /
-                          ("pyllmrouter-probe-" + std::to_string(::getpid()) + "-" + std::to_string(serial++) + ".gguf");
-        bool copied = false;
-        copy_log = capture_log([&] { copied = write_vocab_free_header(path, copy.string()); });
-        if (copied) {
-            try {
-                result = probe_file(copy.string(), mp, cp, n_outputs, loras);
-            } catch (const probe_error &) {
-                // the real file gives the real error, naming the real path
+        // a name no one can have chosen beforehand, made by this process alone (O_EXCL)
+        std::string copy = (std::filesystem::temp_directory_path() / "pyllmrouter-probe-XXXXXX.gguf").string();
+        const int fd = ::mkstemps(copy.data(), 5);
+        if (fd >= 0) {
+            ::close(fd);
+            bool copied = false;
+            copy_log = capture_log([&] { copied = write_vocab_free_header(path, copy); });
+            if (copied) {
+                try {
+                    result = probe_file(copy, mp, cp, n_outputs, loras, checkpoints);
+                } catch (const probe_error &) {
+                    // the real file gives the real error, naming the real path
+                }
             }
             std::error_code ec;
             std::filesystem::remove(copy, ec);
         }
     }
     if (!result) {
-        result = probe_file(path, mp, cp, n_outputs, loras);
+        result = probe_file(path, mp, cp, n_outputs, loras, checkpoints);
     }
     result->log.insert(result->log.begin(), copy_log.begin(), copy_log.end());
     return std::move(*result);
@@ -313,17 +232,6 @@ static ProbeResult probe_draft(const common_params & params, std::uint32_t n_ctx
 // projector, model, draft.  (A future of std::async joins its thread when it goes.)
 ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free) {
     common_params params = parse_server_args(args);
-    // the output limits server_context::load_model sets (server_output_limits, server-context.cpp)
-    if (params.embedding ||
-        (params.pooling_type != LLAMA_POOLING_TYPE_UNSPECIFIED && params.pooling_type != LLAMA_POOLING_TYPE_NONE)) {
-        params.n_outputs_max = params.n_batch;
-        params.n_outputs_max_per_seq = 1;
-    } else {
-        auto limits = common_speculative_get_output_limits(params.n_batch, params.n_parallel,
-                                                           common_speculative_n_max(&params.speculative));
-        params.n_outputs_max = std::max<int32_t>(1, limits.total);
-        params.n_outputs_max_per_seq = std::max<int32_t>(1, limits.per_seq);
-    }
     const llama_model_params mp = common_model_params_to_llama(params);
     const llama_context_params cp = common_context_params_to_llama(params);
     const bool has_projector = !params.mmproj.path.empty();
@@ -355,7 +263,7 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
     std::exception_ptr model_error;
     try {
         model = probe_path(params.model.path, mp, cp, static_cast<std::uint32_t>(params.n_outputs_max), vocab_free,
-                           loras);
+                           loras, static_cast<std::uint32_t>(std::max(0, params.n_ctx_checkpoints)));
     } catch (...) {
         model_error = std::current_exception();
     }
@@ -378,30 +286,6 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
         result.log.insert(result.log.end(), d.log.begin(), d.log.end());
     }
     return result;
-}
-
-std::vector<std::string> preset_args(const std::vector<std::pair<std::string, std::string>> & keys) {
-    common_preset_context ctx(LLAMA_EXAMPLE_SERVER);
-    common_preset preset;
-    for (const auto & [key, value] : keys) {
-        auto it = ctx.key_to_opt.find(key);
-        if (it == ctx.key_to_opt.end()) {
-            throw engine_args_error("unknown key '" + key + "'");
-        }
-        const common_arg & opt = it->second;
-        std::string v = value;
-        for (const auto & neg : opt.args_neg) {  // as load_from_ini: "no-mmap = true" is mmap false
-            std::string bare(neg);
-            bare.erase(0, bare.find_first_not_of('-'));
-            if (bare == key) v = common_arg_utils::is_truthy(value) ? "false" : "true";
-        }
-        preset.options[opt] = v;
-    }
-    try {
-        return preset.to_args();
-    } catch (const std::exception & e) {
-        throw engine_args_error(e.what());
-    }
 }
 
 // -- EngineReply ------------------------------------------------------------
@@ -503,6 +387,7 @@ void pump(std::shared_ptr<EngineReply> reply, std::int64_t req_id, std::shared_p
 
 Engine::Engine(const std::vector<std::string> & args) {
     common_params params = parse_server_args(args);
+    params.fit_params = false;  // the router fits (and gives the engine the result); the context is resolved
     init_process();
     n_parallel_ = params.n_parallel;
     n_ctx_ = params.n_ctx;

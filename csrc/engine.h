@@ -25,21 +25,15 @@
 #include <thread>
 #include <vector>
 
+#include "params.h"
 #include "probe.h"
 
-struct common_params;
 struct server_context;
 struct server_routes;
 struct server_http_req;
 struct server_http_res;
 
 namespace pyllmrouter {
-
-// Bad arguments for a model: the message names the argument.
-class engine_args_error : public std::invalid_argument {
-  public:
-    using std::invalid_argument::invalid_argument;
-};
 
 // Set from any thread to stop a request: the handler's should_stop turns true,
 // as when llama-server's client closes its connection.
@@ -81,16 +75,6 @@ class EngineReply {
     std::unique_ptr<server_http_res> res_;
     bool ended_ = false;
 };
-
-// llama-server preset keys (long or short option names without dashes, or
-// LLAMA_ARG_* names) with their values, as the command-line arguments
-// llama-server's router gives a child for them (common_preset::to_args).
-// An unknown key throws engine_args_error naming it.
-std::vector<std::string> preset_args(const std::vector<std::pair<std::string, std::string>> & keys);
-
-// llama-server's arguments as llama-server's main and server_context::load_model
-// resolve them (llama.cpp's parser; bad ones throw engine_args_error naming them).
-common_params parse_server_args(const std::vector<std::string> & args);
 
 // What loading a model with these llama-server arguments allocates, probed with
 // no_alloc from the very llama params the engine builds from them

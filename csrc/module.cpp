@@ -6,6 +6,7 @@
 #include "ggml-backend.h"
 #include "llama.h"
 #include "engine.h"
+#include "params.h"
 #include "probe.h"
 
 namespace py = pybind11;
@@ -23,6 +24,7 @@ py::dict row_dict(const BufferRow & r) {
     d["compute"] = r.compute;
     d["output"] = r.output;
     d["projector"] = r.projector;
+    d["checkpoints"] = r.checkpoints;
     d["component"] = r.component;
     return d;
 }
@@ -207,6 +209,75 @@ void bind_engine(py::module_ & m) {
     m.def("preset_args", &preset_args, py::arg("keys"),
           "llama-server preset (key, value) pairs as the arguments its router passes a child; "
           "ValueError names an unknown key.");
+    m.def("preset_model", [](const std::vector<std::pair<std::string, std::string>> & keys) {
+              const PresetModel p = preset_model(keys);
+              py::dict d;
+              d["args"] = p.args;
+              d["model"] = p.model;
+              d["devices"] = p.has_devices ? py::cast(p.devices) : py::none();
+              d["draft_devices"] = p.has_draft_devices ? py::cast(p.draft_devices) : py::none();
+              d["aliases"] = p.aliases;
+              return d;
+          }, py::arg("keys"),
+          "A preset section's keys: {args, model, devices, draft_devices, aliases} (the model file, the "
+          "device lists and the aliases taken out of the arguments); ValueError names an unknown key.");
+    m.def("llama_fit", [](const std::vector<std::string> & args,
+                          const std::vector<std::pair<std::string, std::uint64_t>> & rooms) {
+              PeerFit f;
+              {
+                  py::gil_scoped_release release;
+                  f = llama_fit(args, rooms);
+              }
+              py::dict d;
+              d["status"] = f.status;
+              d["n_ctx"] = f.n_ctx;
+              d["n_gpu_layers"] = f.n_gpu_layers;
+              d["tensor_split"] = f.tensor_split;
+              d["overrides"] = f.overrides;
+              d["seconds"] = f.seconds;
+              d["log"] = f.log;
+              return d;
+          }, py::arg("args"), py::arg("rooms"),
+          "llama.cpp's own fit (common_fit_params) of these llama-server arguments on devices with exactly "
+          "the room given, [(device, bytes)] ('CPU': the host alone): {status, n_ctx, n_gpu_layers, "
+          "tensor_split, overrides, seconds, log}.");
+    m.def("server_params", [](const std::vector<std::string> & args) {
+              ServerParams p;
+              {
+                  py::gil_scoped_release release;
+                  p = server_params(args);
+              }
+              py::dict d;
+              d["model"] = p.model;
+              d["hf_repo"] = p.hf_repo;
+              d["n_ctx"] = p.n_ctx;
+              d["ctx_auto"] = p.ctx_auto;
+              d["n_ctx_train"] = p.n_ctx_train;
+              d["fit"] = p.fit;
+              d["fit_ctx"] = p.fit_ctx;
+              d["n_parallel"] = p.n_parallel;
+              d["kv_unified"] = p.kv_unified;
+              d["n_streams"] = p.n_streams;
+              d["n_batch"] = p.n_batch;
+              d["n_ubatch"] = p.n_ubatch;
+              d["swa_full"] = p.swa_full;
+              d["type_k"] = p.type_k;
+              d["type_v"] = p.type_v;
+              d["flash_attn"] = p.flash_attn;
+              d["n_gpu_layers"] = p.n_gpu_layers;
+              d["mmproj"] = p.mmproj;
+              d["mmproj_offload"] = p.mmproj_offload;
+              d["draft"] = p.draft;
+              d["draft_n_gpu_layers"] = p.draft_n_gpu_layers;
+              d["lora"] = p.lora;
+              d["cache_ram"] = p.cache_ram;
+              d["ctx_checkpoints"] = p.ctx_checkpoints;
+              d["embedding"] = p.embedding;
+              d["slot_save_path"] = p.slot_save_path;
+              return d;
+          }, py::arg("args"),
+          "What llama-server makes of these arguments, as far as memory goes: its own defaults and "
+          "post-parse rules, and the context its fit starts from (ValueError: bad arguments).");
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <tuple>
 
 #include "ggml-backend.h"
 #include "gguf.h"
@@ -241,7 +242,7 @@ std::vector<BufferRow> breakdown_of(const llama_context * ctx) {
 
 ProbeResult probe_file(const std::string & path, const llama_model_params & mparams,
                        const llama_context_params & cparams, std::uint32_t n_outputs,
-                       const std::vector<std::string> & loras) {
+                       const std::vector<std::string> & loras, std::uint32_t checkpoints) {
     backend_init_once();
     LogCapture capture;
 
@@ -272,6 +273,17 @@ ProbeResult probe_file(const std::string & path, const llama_model_params & mpar
     result.rows = breakdown_of(ctx.get());
     result.rows.push_back(output_row(model.get(), cp, n_outputs));
     result.rows.insert(result.rows.end(), adapters.begin(), adapters.end());
+    if (checkpoints > 0) {
+        const std::uint64_t each = checkpoint_bytes(ctx.get(), cp);
+        if (each > 0) {
+            BufferRow row;
+            row.buffer_type = "checkpoints";
+            row.device = "CPU";
+            row.host = true;
+            row.checkpoints = each * checkpoints * llama_n_seq_max(ctx.get());
+            result.rows.push_back(row);
+        }
+    }
     result.facts = facts_of(model.get());
     result.n_ctx = llama_n_ctx(ctx.get());
     result.n_seq_max = llama_n_seq_max(ctx.get());
@@ -418,6 +430,42 @@ std::vector<std::string> add_rpc_servers(const std::vector<std::string> & endpoi
         }
     }
     return names;
+}
+
+std::uint32_t n_ctx_train_of(const std::string & path) {
+    using Key = std::tuple<std::string, std::uintmax_t, std::int64_t>;
+    static std::mutex mutex;
+    static std::map<Key, std::uint32_t> known;
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(path, ec);
+    if (ec) return 0;
+    const auto mtime = std::filesystem::last_write_time(path, ec).time_since_epoch().count();
+    if (ec) return 0;
+    const Key key{path, size, static_cast<std::int64_t>(mtime)};
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (auto it = known.find(key); it != known.end()) return it->second;
+    }
+    std::uint32_t n = 0;
+    capture_log([&] {  // an unreadable file's complaint is the load's to make
+        gguf_init_params params = {/*no_alloc =*/true, /*ctx =*/nullptr};
+        std::unique_ptr<gguf_context, decltype(&gguf_free)> g(gguf_init_from_file(path.c_str(), params), &gguf_free);
+        if (!g) return;
+        const int64_t arch = gguf_find_key(g.get(), "general.architecture");
+        if (arch < 0 || gguf_get_kv_type(g.get(), arch) != GGUF_TYPE_STRING) return;
+        const std::string name = std::string(gguf_get_val_str(g.get(), arch)) + ".context_length";
+        const int64_t id = gguf_find_key(g.get(), name.c_str());
+        if (id < 0) return;
+        switch (gguf_get_kv_type(g.get(), id)) {
+            case GGUF_TYPE_UINT32: n = gguf_get_val_u32(g.get(), id); break;
+            case GGUF_TYPE_INT32:  n = static_cast<std::uint32_t>(std::max(0, gguf_get_val_i32(g.get(), id))); break;
+            case GGUF_TYPE_UINT64: n = static_cast<std::uint32_t>(gguf_get_val_u64(g.get(), id)); break;
+            default: break;
+        }
+    });
+    std::lock_guard<std::mutex> lock(mutex);
+    known[key] = n;
+    return n;
 }
 
 std::map<std::string, MetaValue> gguf_metadata(const std::string & path) {

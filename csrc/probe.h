@@ -40,6 +40,7 @@ struct BufferRow {
     std::uint64_t compute = 0;
     std::uint64_t output = 0;  // logits/embeddings buffer: not in llama.cpp's breakdown
     std::uint64_t projector = 0;  // multimodal projector (mmproj): weights and compute
+    std::uint64_t checkpoints = 0;  // llama-server's context checkpoints of every slot, at their cap
     std::string component = "model";  // "model" (the model and its context), "draft", "projector"
 };
 
@@ -79,10 +80,20 @@ using MetaValue = std::pair<char, std::string>;  // ('i'|'f'|'b'|'s'|'a', text)
 
 // n_outputs: rows of the output buffer to reserve (n_seq_max for generation,
 // n_batch when every token of a batch yields logits or an embedding); loras: LoRA
-// adapter files loaded with the model (rows of component "lora").
+// adapter files loaded with the model (rows of component "lora"); checkpoints: the
+// context checkpoints llama-server keeps per slot (--ctx-checkpoints), counted in
+// host memory at their cap where the engine would make them.
 ProbeResult probe_file(const std::string & path, const llama_model_params & mparams,
                        const llama_context_params & cparams, std::uint32_t n_outputs,
-                       const std::vector<std::string> & loras = {});
+                       const std::vector<std::string> & loras = {}, std::uint32_t checkpoints = 0);
+
+// The bytes of one context checkpoint of one slot at its largest (csrc/checkpoints.cpp):
+// the SWA window's cells, or the recurrent state; 0 where the engine makes none.
+std::uint64_t checkpoint_bytes(const llama_context * ctx, const llama_context_params & cparams);
+
+// The model's training context ({arch}.context_length) from its GGUF header, 0 if
+// the file cannot be read; remembered per file (path, size, modification time).
+std::uint32_t n_ctx_train_of(const std::string & path);
 
 // A LoRA adapter's bytes per buffer type for `model` (csrc/lora.cpp); throws
 // probe_error naming the file.

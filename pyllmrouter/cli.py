@@ -11,10 +11,10 @@ from typing import Sequence
 from pyllmrouter.presets import PresetError
 from pyllmrouter.memory import HOST, MemoryEstimate, ProbeError, cache_dir
 from pyllmrouter.engine.probe import probe
-from pyllmrouter.spec import FLASH_ATTN, KV_TYPES, ModelSpec, SpecError
+from pyllmrouter.spec import ModelSpec, SpecError
 from pyllmrouter.tables import MiB, mib, render
 
-__all__ = ["main", "spec_from_args", "add_spec_arguments"]
+__all__ = ["main", "spec_from_args", "split_args"]
 
 
 def _devices() -> list[dict]:
@@ -23,62 +23,55 @@ def _devices() -> list[dict]:
     return native().devices()
 
 
-def add_spec_arguments(p: argparse.ArgumentParser) -> None:
-    """llama-server's names for the settings that decide a model's memory."""
-    p.add_argument("model", help="GGUF file (a split model by its first shard)")
-    p.add_argument("-c", "--ctx-size", "--ctx", dest="n_ctx", type=int, default=4096,
-                   help="context size (0 = the model's training context; default 4096)")
-    p.add_argument("-b", "--batch-size", dest="n_batch", type=int, default=2048)
-    p.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=int, default=512)
-    p.add_argument("-np", "--parallel", dest="n_seq_max", type=int, default=4, help="parallel sequences (default 4)")
-    p.add_argument("--kv-unified", "-kvu", action=argparse.BooleanOptionalAction, default=True,
-                   help="one KV buffer shared by all sequences (default on)")
-    p.add_argument("-ngl", "--n-gpu-layers", "--ngl", dest="n_gpu_layers", type=int, default=-1,
-                   help="layers on the GPU (-1 = all)")
-    p.add_argument("-sm", "--split-mode", dest="split_mode", default="layer", choices=["none", "layer", "row"])
-    p.add_argument("-mg", "--main-gpu", dest="main_gpu", type=int, default=0)
-    p.add_argument("-ts", "--tensor-split", dest="tensor_split", default=None,
-                   help="proportions per device, e.g. 3,1")
-    p.add_argument("-dev", "--device", dest="devices", default=None, help="comma-separated ggml device names")
-    p.add_argument("-ctk", "--cache-type-k", "--type-k", dest="type_k", default="f16", choices=sorted(KV_TYPES))
-    p.add_argument("-ctv", "--cache-type-v", "--type-v", dest="type_v", default="f16", choices=sorted(KV_TYPES))
-    p.add_argument("-fa", "--flash-attn", dest="flash_attn", default="auto", choices=sorted(FLASH_ATTN))
-    p.add_argument("--embedding", "--embeddings", dest="embedding", action="store_true")
-    p.add_argument("--cpu-moe", dest="cpu_moe", action="store_true", help="all MoE experts in host memory")
-    p.add_argument("--n-cpu-moe", dest="n_cpu_moe", type=int, default=0,
-                   help="experts of the first N layers in host memory")
-    p.add_argument("-nkvo", "--no-kv-offload", dest="offload_kqv", action="store_false")
-    p.add_argument("--no-mmap", dest="use_mmap", action="store_false")
-    p.add_argument("-cram", "--cache-ram", dest="cache_ram", type=int, default=0,
-                   help="host prompt cache cap, MiB (counted at its cap; 0: off)")
-    p.add_argument("-mm", "--mmproj", dest="mmproj", default=None, help="multimodal projector GGUF")
-    p.add_argument("--no-mmproj-offload", dest="mmproj_offload", action="store_false",
-                   help="keep the projector in host memory")
-    p.add_argument("-md", "--spec-draft-model", dest="draft", default=None, help="draft model for speculative decoding")
-    p.add_argument("-ngld", "--spec-draft-ngl", dest="draft_n_gpu_layers", type=int, default=-1)
-    p.add_argument("-ctkd", "--spec-draft-type-k", dest="draft_type_k", default="f16", choices=sorted(KV_TYPES))
-    p.add_argument("-ctvd", "--spec-draft-type-v", dest="draft_type_v", default="f16", choices=sorted(KV_TYPES))
-    p.add_argument("--lora", dest="lora", action="append", default=[], help="LoRA adapter (repeatable)")
-    add_rpc_argument(p)
+# our own options of `probe` and `fit` (-> whether each takes a value); every other
+# argument is llama-server's, parsed by llama.cpp's own parser
+_PROBE_OPTIONS = {"--margin": True, "--json": False, "--no-cache": False, "--rpc": True}
+_FIT_OPTIONS = {"--margin": True, "--json": False, "--rpc": True, "--budget": True, "--fit-devices": True}
+_LLAMA_HELP = ("every other argument is llama-server's, as llama-server takes it (llama.cpp's own parser: "
+               "-c, -np, -kvu, -ctk/-ctv, -fa, -ngl, -ts, -ot, --n-cpu-moe, --swa-full, --ctx-checkpoints, "
+               "--cache-ram, --mmproj, --model-draft/-md, --lora, --fit-ctx... with their aliases and "
+               "LLAMA_ARG_* variables; nothing given: llama-server's defaults)")
+
+
+def split_args(argv: Sequence[str], ours: dict[str, bool]) -> tuple[list[str], list[str]]:
+    """(our options, llama-server's arguments) of a `probe` or `fit` command line; the
+    model may come first (as a path) or as llama-server's -m."""
+    mine: list[str] = []
+    theirs: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in ours or arg in ("-h", "--help"):
+            mine.append(arg)
+            if ours.get(name) and "=" not in arg and i + 1 < len(argv):
+                mine.append(argv[i + 1])
+                i += 1
+        else:
+            theirs.append(arg)
+        i += 1
+    return mine, theirs
+
+
+def spec_from_args(llama_args: Sequence[str]) -> ModelSpec:
+    """A spec from a llama-server command line: the model first, or llama-server's own
+    -m (or LLAMA_ARG_MODEL), which llama.cpp's parser finds."""
+    args = list(llama_args)
+    if args and not args[0].startswith("-"):
+        return ModelSpec(args[0], tuple(args[1:]))
+    from pyllmrouter.engine.backend import native  # noqa: PLC0415 - loads llama.cpp
+
+    try:
+        model = native().server_params(args)["model"]
+    except ValueError as e:
+        raise ProbeError("(arguments)", str(e)) from None
+    if not model:
+        raise ProbeError("(arguments)", "no model: give the GGUF file first, or -m FILE")
+    return ModelSpec(model, tuple(args))
 
 
 def add_rpc_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc", default=None, help="comma-separated rpc-servers (host:port) to attach as devices")
-
-
-def spec_from_args(a: argparse.Namespace) -> ModelSpec:
-    split = tuple(float(x) for x in a.tensor_split.split(",")) if a.tensor_split else None
-    devices = tuple(d.strip() for d in a.devices.split(",")) if a.devices else None
-    return ModelSpec(
-        a.model, n_ctx=a.n_ctx, n_batch=a.n_batch, n_ubatch=a.n_ubatch, n_seq_max=a.n_seq_max,
-        kv_unified=a.kv_unified, n_gpu_layers=a.n_gpu_layers, split_mode=a.split_mode,
-        main_gpu=a.main_gpu, tensor_split=split, devices=devices, type_k=a.type_k, type_v=a.type_v,
-        flash_attn=a.flash_attn, embedding=a.embedding, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
-        offload_kqv=a.offload_kqv, use_mmap=a.use_mmap, cache_ram=a.cache_ram,
-        mmproj=a.mmproj, mmproj_offload=a.mmproj_offload, draft=a.draft,
-        draft_n_gpu_layers=a.draft_n_gpu_layers, draft_type_k=a.draft_type_k, draft_type_v=a.draft_type_v,
-        lora=tuple((p, 1.0) for p in a.lora),
-    )
 
 
 def estimate_table(est: MemoryEstimate, free: dict[str, int], margin: int) -> str:
@@ -87,9 +80,9 @@ def estimate_table(est: MemoryEstimate, free: dict[str, int], margin: int) -> st
         f = free.get(d.device)
         fits = "-" if f is None else ("yes" if d.total <= f - margin else "no")
         rows.append([d.device, mib(d.weights), mib(d.kv), mib(d.compute), mib(d.output), mib(d.cache),
-                     mib(d.projector), mib(d.draft), mib(d.lora), mib(d.total), mib(f), fits])
-    head = ["device", "weights MiB", "KV MiB", "compute MiB", "output MiB", "prompt cache MiB", "projector MiB",
-            "draft MiB", "LoRA MiB", "total MiB", "free MiB",
+                     mib(d.checkpoints), mib(d.projector), mib(d.draft), mib(d.lora), mib(d.total), mib(f), fits])
+    head = ["device", "weights MiB", "KV MiB", "compute MiB", "output MiB", "prompt cache MiB", "checkpoints MiB",
+            "projector MiB", "draft MiB", "LoRA MiB", "total MiB", "free MiB",
             f"fits (margin {margin // MiB} MiB)"]
     return render(head, rows)
 
@@ -122,7 +115,7 @@ def _attach_rpc(a: argparse.Namespace) -> None:
 
 def cmd_probe(a: argparse.Namespace) -> int:
     _attach_rpc(a)
-    spec = spec_from_args(a)
+    spec = spec_from_args(a.llama_args)
     t0 = time.perf_counter()
     est = probe(spec, use_cache=not a.no_cache)
     elapsed = time.perf_counter() - t0
@@ -137,9 +130,11 @@ def cmd_probe(a: argparse.Namespace) -> int:
         out["probe_seconds"] = elapsed
         print(json.dumps(out, indent=2))
         return 0
-    f = est.facts
+    f, p = est.facts, est.params
     print(f"{spec.path}: {f.architecture} '{f.name}', {f.n_layer} layers, {f.n_params / 1e6:.1f}M params, "
-          f"n_ctx {est.n_ctx} (train {f.n_ctx_train}), {est.n_seq_max} seq, experts {f.n_expert}")
+          f"n_ctx {est.n_ctx} (train {f.n_ctx_train}{', fit may shrink it' if p.get('ctx_auto') else ''}), "
+          f"{est.n_seq_max} slots ({'unified' if p.get('kv_unified') else 'one'} KV), "
+          f"K {p.get('type_k')} V {p.get('type_v')}, experts {f.n_expert}")
     print(estimate_table(est, _free_by_pool(devs), margin))
     print(f"total {mib(est.total)} MiB; probed in {elapsed * 1000:.2f} ms{' (cached)' if est.cached else ''}")
     return 0
@@ -151,7 +146,7 @@ def cmd_fit(a: argparse.Namespace) -> int:
     from pyllmrouter.engine.fit import FitError, fit_here  # noqa: PLC0415
 
     _attach_rpc(a)
-    spec = spec_from_args(a)
+    spec = spec_from_args(a.llama_args)
     devs = _devices()
     margin = a.margin * MiB
     budgets = parse_budgets(a.budget) if a.budget else {}
@@ -170,8 +165,9 @@ def cmd_fit(a: argparse.Namespace) -> int:
         print(json.dumps({**plan.to_dict(), "seconds": seconds}, indent=2))
         return 0
     s = plan.spec
-    print(f"{spec.path}: n_gpu_layers={s.n_gpu_layers} tensor_split={s.tensor_split} "
-          f"experts of the first {plan.experts_on_host} layers in host memory"
+    print(f"{spec.path}: n_gpu_layers={'all' if s.n_gpu_layers is None else s.n_gpu_layers} "
+          f"tensor_split={s.tensor_split} experts of the first {plan.experts_on_host} layers in host memory"
+          f"{f', context {plan.n_ctx}' if plan.n_ctx else ''}"
           f"{''.join(f', the {p} in host memory' for p in plan.to_host)} ({plan.probes} probes, "
           f"{seconds * 1000:.0f} ms)")
     rows = [[p, plan.layers.get(p, "-") if p != HOST else "-", mib(plan.per_device.get(p, 0)), mib(grants[p]),
@@ -191,9 +187,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
         tinymodels.write_shape(shape, tinymodels.SHAPE_7B)
     print("Devices llama.cpp sees here:\n")
     cmd_devices(argparse.Namespace(json=False, rpc=None))
-    specs = [ModelSpec(str(paths["tiny-llama"])), ModelSpec(str(paths["tiny-moe"]), n_seq_max=4),
-             ModelSpec(str(paths["tiny-bert"]), embedding=True, n_ctx=512),
-             ModelSpec(str(shape), n_ctx=8192), ModelSpec(str(shape), n_ctx=32768, type_k="q8_0", type_v="q8_0")]
+    specs = [ModelSpec(str(paths["tiny-llama"])), ModelSpec(str(paths["tiny-moe"]), ("-np", "4")),
+             ModelSpec(str(paths["tiny-bert"]), ("--embedding", "-c", "512")),
+             ModelSpec(str(shape), ("-c", "8192")), ModelSpec(str(shape), ("-c", "32768", "-ctk", "q8_0", "-ctv", "q8_0"))]
     rows = []
     for spec in specs:
         t0 = time.perf_counter()
@@ -203,7 +199,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         probe(spec)
         warm = time.perf_counter() - t0
         d = est.devices[0]
-        rows.append([est.facts.name, est.n_ctx, est.n_seq_max, spec.type_k, mib(d.weights), mib(d.kv),
+        rows.append([est.facts.name, est.n_ctx, est.n_seq_max, est.params.get("type_k"), mib(d.weights), mib(d.kv),
                      mib(d.compute), mib(d.output), mib(est.total), f"{cold * 1000:.1f}", f"{warm * 1000:.3f}"])
     print("\nExact memory per model (no tensor data read; the 7B is a sparse file of its real layout):\n")
     print(render(["model", "n_ctx", "seqs", "kv type", "weights MiB", "KV MiB", "compute MiB", "output MiB",
@@ -247,14 +243,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     add_rpc_argument(p)
     p.set_defaults(func=cmd_devices)
-    p = sub.add_parser("probe", help="exact memory a model needs, per device")
-    add_spec_arguments(p)
+    p = sub.add_parser("probe", help="exact memory a model needs, per device",
+                       usage="pyllmrouter probe MODEL [llama-server arguments] [--margin MiB] [--json] "
+                             "[--no-cache] [--rpc HOST:PORT,...]", epilog=_LLAMA_HELP)
     p.add_argument("--margin", type=int, default=1024, help="MiB kept free per device (default 1024)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-cache", action="store_true", help="probe again even if cached")
+    add_rpc_argument(p)
     p.set_defaults(func=cmd_probe)
-    p = sub.add_parser("fit", help="fit a model into per-device budgets (layers, tensor split, MoE experts)")
-    add_spec_arguments(p)
+    p = sub.add_parser("fit", help="fit a model into per-device budgets (context, layers, tensor split, MoE experts)",
+                       usage="pyllmrouter fit MODEL [llama-server arguments] [--budget DEV=SIZE,...] "
+                             "[--margin MiB] [--fit-devices DEV,...] [--json] [--rpc HOST:PORT,...]",
+                       epilog=_LLAMA_HELP)
+    add_rpc_argument(p)
     p.add_argument("--fit-devices", default=None, help="devices to fit onto, fastest first (default: all)")
     p.add_argument("--budget", default=None, help="per-device budgets, e.g. RPC0=2GiB,RPC1=4GiB,CPU=16GiB")
     p.add_argument("--margin", type=int, default=1024, help="MiB kept free per device (default 1024)")
@@ -277,8 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    llama_args: list[str] = []
+    ours = {"probe": _PROBE_OPTIONS, "fit": _FIT_OPTIONS}.get(argv[0] if argv else "")
+    if ours is not None:  # llama-server's arguments go to llama.cpp's parser, ours to argparse
+        mine, llama_args = split_args(argv[1:], ours)
+        argv = [argv[0], *mine]
     args = build_parser().parse_args(argv)
     args.argv = argv[1:]  # after the command's name
+    args.llama_args = llama_args
     try:
         return args.func(args)
     except (ProbeError, SpecError, PresetError) as e:

@@ -17,10 +17,9 @@ class ModelConfig:
     """One servable model.
 
     ``devices`` pins the model to a device set (inventory names: ``CUDA0``,
-    ``GPU1``, ``CPU``); unpinned models go wherever they fit best.
-    ``args`` are llama-server arguments beyond what the spec sets (chat template,
-    reasoning format, sampling defaults...), parsed by llama.cpp's own parser in
-    the worker.
+    ``GPU1``, ``CPU``); unpinned models go wherever they fit best.  Every
+    llama-server argument (context, slots, chat template, sampling defaults...)
+    is in the spec's ``args``, parsed by llama.cpp's own parser.
     """
 
     name: str
@@ -31,14 +30,13 @@ class ModelConfig:
     persistent: bool = False  # never evicted
     load_on_startup: bool = False
     stop_timeout: float = 10.0  # seconds an explicit unload waits for requests in flight
-    args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:
             raise ValueError(f"bad model name {self.name!r}: empty or padded with spaces")
         if self.ttl is not None and self.ttl <= 0:
             raise ValueError(f"model {self.name!r}: ttl must be > 0 seconds")
-        for name in ("aliases", "devices", "args"):
+        for name in ("aliases", "devices"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))

@@ -1,13 +1,15 @@
-"""llama-server preset keys -> a model's engine arguments, checked by llama.cpp itself.
+"""llama-server preset keys -> a model's file, aliases, devices and arguments, checked by llama.cpp.
 
-    read_preset ──[(model, spec args, [(key, value, line)])]──▶ python -m pyllmrouter.engine_args
-                 ◀── per model: its arguments | the first bad key and llama.cpp's reason ──┘
+    read_preset ──[(model, [(key, value, line)])]──▶ python -m pyllmrouter.engine_args
+                ◀── per model: {model, aliases, devices, draft_devices, args}
+                    | the first bad key, its line and llama.cpp's reason ──┘
 
 The router process never imports llama.cpp, so the keys are turned into
 arguments (``common_preset::to_args``, as llama-server's router does for a
-child) and parsed (``common_params_parse``, as the child does) in a
-short-lived process that sees no GPU.  A key then means what it means to
-llama-server, including keys added to llama.cpp later.
+child) and parsed (``common_params_parse`` and llama-server's own rules, as the
+child does) in a short-lived process that sees no GPU.  A key then means what
+it means to llama-server, aliases and ``LLAMA_ARG_*`` names included, and keys
+added to llama.cpp later too.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import subprocess
 import sys
 from typing import Any
 
+from pyllmrouter.spec import ROUTER_DEFAULTS
+
 __all__ = ["ArgsError", "resolve"]
 
 # a checking process must not open a GPU context
-_NO_GPU = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "ROCR_VISIBLE_DEVICES": "",
-           "GGML_VK_VISIBLE_DEVICES": ""}
+_NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1", "HIP_VISIBLE_DEVICES": "-1", "ROCR_VISIBLE_DEVICES": "-1",
+           "GGML_VK_VISIBLE_DEVICES": "-1"}
 
 
 class ArgsError(ValueError):
@@ -34,9 +38,9 @@ class ArgsError(ValueError):
         self.model, self.key, self.line, self.reason = model, key, line, reason
 
 
-def resolve(models: list[tuple[str, list[str], list[tuple[str, str, int]]]]) -> dict[str, list[str]]:
-    """Each model's llama-server arguments for its preset keys, checked by llama.cpp's parser
-    together with its spec's arguments; ArgsError names the first key it refuses."""
+def resolve(models: list[tuple[str, list[tuple[str, str, int]]]]) -> dict[str, dict[str, Any]]:
+    """Per model, its llama-server keys as {model, aliases, devices, draft_devices, args},
+    checked by llama.cpp's parser; ArgsError names the first key it refuses."""
     if not models:
         return {}
     proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(models), capture_output=True,
@@ -48,21 +52,27 @@ def resolve(models: list[tuple[str, list[str], list[tuple[str, str, int]]]]) -> 
                            f"{proc.stderr.strip()[-2000:]}") from None
     if "error" in out:
         raise ArgsError(**out["error"])
-    return out["args"]
+    return out["models"]
 
 
-def _check(native: Any, name: str, spec_args: list[str], keys: list[list[Any]]) -> list[str]:
-    for key, value, line in keys:  # one at a time first: the error names its key
+def _check(native: Any, name: str, keys: list[list[Any]]) -> dict[str, Any]:
+    for key, value, line in keys:  # one at a time first: the error names its key and line
         try:
-            native.Engine(spec_args + native.preset_args([(key, value)]))
+            alone = native.preset_model([(key, value)])
+            native.server_params(["-m", alone["model"] or "model.gguf", *alone["args"]])
         except ValueError as e:
             raise ArgsError(name, key, line, str(e)) from None
-    args = native.preset_args([(k, v) for k, v, _ in keys])
     try:
-        native.Engine(spec_args + args)
+        split = native.preset_model([(k, v) for k, v, _ in keys])
     except ValueError as e:
         raise ArgsError(name, None, 0, str(e)) from None
-    return args
+    if not split["model"]:
+        raise ArgsError(name, None, 0, "no 'model' key: give the GGUF path (model = /path/to/file.gguf)")
+    try:
+        native.server_params(["-m", split["model"], *ROUTER_DEFAULTS, *split["args"]])
+    except ValueError as e:
+        raise ArgsError(name, None, 0, str(e)) from None
+    return split
 
 
 def _main() -> None:
@@ -70,8 +80,7 @@ def _main() -> None:
 
     models = json.loads(sys.stdin.read())
     try:
-        out: dict[str, Any] = {"args": {name: _check(native(), name, spec_args, keys)
-                                        for name, spec_args, keys in models}}
+        out: dict[str, Any] = {"models": {name: _check(native(), name, keys) for name, keys in models}}
     except ArgsError as e:
         out = {"error": {"model": e.model, "key": e.key, "line": e.line, "reason": e.reason}}
     sys.stdout.write("\n" + json.dumps(out) + "\n")

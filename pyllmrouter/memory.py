@@ -65,6 +65,7 @@ class BufferUse:
     output: int = 0
     cache: int = 0  # the engine's host prompt cache, at its cap (llama-server's --cache-ram)
     projector: int = 0  # the multimodal projector (mmproj): weights and compute
+    checkpoints: int = 0  # llama-server's context checkpoints of every slot, at their cap (host)
     component: str = "model"  # "model" (the model and its context), "draft" (the draft's), "projector", "lora"
 
     @property
@@ -73,7 +74,7 @@ class BufferUse:
 
     @property
     def total(self) -> int:
-        return self.model + self.context + self.compute + self.output + self.cache + self.projector
+        return self.model + self.context + self.compute + self.output + self.cache + self.projector + self.checkpoints
 
 
 @dataclass(frozen=True)
@@ -89,11 +90,12 @@ class DeviceUse:
     projector: int = 0  # multimodal projector
     draft: int = 0  # the draft model: its weights, KV, compute and output together
     lora: int = 0  # LoRA adapters' weights
+    checkpoints: int = 0  # context checkpoints (SWA, hybrid and recurrent models), at their cap
 
     @property
     def total(self) -> int:
         return (self.weights + self.kv + self.compute + self.output + self.cache + self.projector + self.draft
-                + self.lora)
+                + self.lora + self.checkpoints)
 
 
 @dataclass(frozen=True)
@@ -119,7 +121,7 @@ def aggregate(buffers: Iterable[BufferUse]) -> tuple[DeviceUse, ...]:
     """Fold buffer rows into one row per pool: devices by name (CUDA2 before CUDA10), host last."""
     sums: dict[str, list[int]] = {}
     for b in buffers:
-        s = sums.setdefault(b.pool, [0, 0, 0, 0, 0, 0, 0, 0])
+        s = sums.setdefault(b.pool, [0, 0, 0, 0, 0, 0, 0, 0, 0])
         if (whole := _WHOLE.get(b.component)) is not None:  # counted as one part, whatever its buffers
             s[whole] += b.total
             continue
@@ -129,6 +131,7 @@ def aggregate(buffers: Iterable[BufferUse]) -> tuple[DeviceUse, ...]:
         s[3] += b.output
         s[4] += b.cache
         s[5] += b.projector
+        s[8] += b.checkpoints
     def key(name: str) -> tuple:
         stem = name.rstrip("0123456789")
         return stem, int(name[len(stem):] or -1)
@@ -146,6 +149,9 @@ class MemoryEstimate:
     buffers: tuple[BufferUse, ...]
     n_ctx: int
     n_seq_max: int
+    # what llama-server made of the spec's arguments (_native.server_params): its context,
+    # slots, cache types, fit... as plain values
+    params: dict[str, Any] = field(default_factory=dict, compare=False)
     cached: bool = field(default=False, compare=False)
 
     @property
@@ -167,6 +173,7 @@ class MemoryEstimate:
             "buffers": [asdict(b) for b in self.buffers],
             "n_ctx": self.n_ctx,
             "n_seq_max": self.n_seq_max,
+            "params": self.params,
         }
         d["devices"] = [dict(asdict(u), total=u.total) for u in self.devices]
         d["total"] = self.total
@@ -182,6 +189,7 @@ class MemoryEstimate:
             buffers=tuple(BufferUse(**b) for b in d["buffers"]),
             n_ctx=d["n_ctx"],
             n_seq_max=d["n_seq_max"],
+            params=dict(d.get("params", {})),
             cached=cached,
         )
 
@@ -236,10 +244,12 @@ def _installation() -> tuple[str, tuple[str, ...]]:
 
 
 def _environment(env: Mapping[str, str]) -> dict[str, Any]:
-    """What decides which devices llama.cpp sees, readable without loading it."""
+    """What decides which devices llama.cpp sees, and the arguments it reads from the
+    environment (LLAMA_ARG_*), readable without loading it."""
     masks = {k: env.get(k) for k in MASK_VARS}
     version, gpus = _installation()
-    return {"llama_cpp": version, "masks": masks, "gpus": gpus}
+    llama_args = {k: v for k, v in env.items() if k.startswith("LLAMA_ARG_")}
+    return {"llama_cpp": version, "masks": masks, "gpus": gpus, "args": llama_args}
 
 
 def _file_id(st: os.stat_result) -> tuple[int, int, int]:
@@ -260,10 +270,9 @@ def cache_path(spec: ModelSpec, stats: list[os.stat_result], env: Mapping[str, s
         "files": [_file_id(st) for st in stats],
         "spec": spec.to_dict(),
         "env": _environment(env),
-        # the files loaded beside the model: the projector, the draft, adapters
-        "beside": [(kind, os.path.realpath(path), _file_id_of(path))
-                   for kind, path in [("mmproj", spec.mmproj), ("draft", spec.draft),
-                                      *(("lora", p) for p, _ in spec.lora)] if path is not None],
+        # the files the arguments name, loaded beside the model: a projector, a draft,
+        # adapters... (llama.cpp says which argument is which: here, any that is a file)
+        "beside": [(os.path.realpath(path), _file_id_of(path)) for path in spec.files()],
     }
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
     return cache_dir() / "probes" / f"{key}.json"

@@ -1,21 +1,21 @@
 """llama-server model presets (INI) and ``--models-dir`` scanning -> ModelConfigs.
 
 A preset file is read as llama-server reads it: an optional ``version = 1``,
-an optional ``[*]`` section of defaults, then one section per model. Keys are
-long option names (``ctx-size``), short ones (``c``) or environment names
-(``LLAMA_ARG_CTX_SIZE``).  Preset-only keys: ``load-on-startup``,
-``stop-timeout``; ours: ``devices``, ``ttl``, ``persistent``, ``memory-margin``
-(router-wide, in ``[*]``).  Keys that decide what a load allocates are read
-into the ModelSpec (the probe measures them); every other key goes to the
-model's engine as llama-server's router would pass it to a child (chat
-template, reasoning format, sampling defaults...), turned into arguments and
-checked by llama.cpp's own parser (``engine_args``).  An unknown key, or a bad
+an optional ``[*]`` section of defaults, then one section per model.  Keys are
+llama-server's: long option names (``ctx-size``), short ones (``c``) or
+environment names (``LLAMA_ARG_CTX_SIZE``), with llama-server's preset-only keys
+``load-on-startup`` and ``stop-timeout``; ours are ``devices``, ``ttl``,
+``persistent`` and ``memory-margin`` (router-wide, in ``[*]``).  Every
+llama-server key becomes the model's llama-server arguments, as llama-server's
+router passes them to a child, and is checked by llama.cpp's own parser
+(``engine_args``), in a process that sees no GPU: there is no option table here.
+The model file, its aliases and its devices come back out of them (the router
+routes by aliases, and masks and renames devices).  An unknown key, or a bad
 value, is a PresetError naming the file, the line and the key.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 from pyllmrouter.config import MiB, ModelConfig
 from pyllmrouter.engine_args import ArgsError, resolve
-from pyllmrouter.spec import FLASH_ATTN, KV_TYPES, SPLIT_MODES, ModelSpec, SpecError
+from pyllmrouter.spec import ModelSpec, SpecError
 
-__all__ = ["PresetError", "Preset", "read_preset", "scan_models_dir", "OPTIONS"]
+__all__ = ["PresetError", "Preset", "read_preset", "scan_models_dir"]
 
 
 class PresetError(ValueError):
@@ -42,108 +42,23 @@ def _bool(v: str) -> bool:
     raise ValueError(f"expected a boolean (true/false), got {v!r}")
 
 
-def _choice(choices) -> Callable[[str], str]:
-    def parse(v: str) -> str:
-        if v not in choices:
-            raise ValueError(f"expected one of {', '.join(sorted(choices))}, got {v!r}")
-        return v
-    return parse
-
-
-def _flash(v: str) -> str:
-    low = v.strip().lower()
-    low = {"true": "on", "1": "on", "false": "off", "0": "off"}.get(low, low)
-    return _choice(FLASH_ATTN)(low)
-
-
-def _layers(v: str) -> int:
-    return -1 if v.strip().lower() in ("all", "auto", "-1") else int(v)
-
-
-def _floats(v: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in re.split(r"[,/]", v) if x.strip())
-
-
 def _names(v: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in v.split(",") if x.strip())
 
 
-def _scaled(v: str) -> tuple[tuple[str, float], ...]:
-    """llama-server's --lora-scaled: FNAME:SCALE,..."""
-    out = []
-    for item in _names(v):
-        path, sep, scale = item.rpartition(":")
-        if not sep or not path:
-            raise ValueError(f"{item!r}: expected FNAME:SCALE")
-        out.append((path, float(scale)))
-    return tuple(out)
+_COMMENT = re.compile(r"[;#]")
 
-
-_POOLING = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
-
-
-@dataclass(frozen=True)
-class Option:
-    names: tuple[str, ...]
-    env: str | None
-    target: str  # "spec.<field>", "config.<field>", "router.<name>"
-    parse: Callable[[str], Any]
-
-
-OPTIONS: tuple[Option, ...] = (
-    Option(("model", "m"), "LLAMA_ARG_MODEL", "spec.path", str),
-    Option(("alias", "a"), "LLAMA_ARG_ALIAS", "config.aliases", _names),
-    Option(("ctx-size", "c"), "LLAMA_ARG_CTX_SIZE", "spec.n_ctx", int),
-    Option(("batch-size", "b"), "LLAMA_ARG_BATCH", "spec.n_batch", int),
-    Option(("ubatch-size", "ub"), "LLAMA_ARG_UBATCH", "spec.n_ubatch", int),
-    Option(("parallel", "np"), "LLAMA_ARG_N_PARALLEL", "spec.n_seq_max", int),
-    Option(("kv-unified", "kvu"), "LLAMA_ARG_KV_UNIFIED", "spec.kv_unified", _bool),
-    Option(("n-gpu-layers", "gpu-layers", "ngl"), "LLAMA_ARG_N_GPU_LAYERS", "spec.n_gpu_layers", _layers),
-    Option(("split-mode", "sm"), "LLAMA_ARG_SPLIT_MODE", "spec.split_mode", _choice(SPLIT_MODES)),
-    Option(("main-gpu", "mg"), "LLAMA_ARG_MAIN_GPU", "spec.main_gpu", int),
-    Option(("tensor-split", "ts"), "LLAMA_ARG_TENSOR_SPLIT", "spec.tensor_split", _floats),
-    Option(("cache-type-k", "ctk"), "LLAMA_ARG_CACHE_TYPE_K", "spec.type_k", _choice(KV_TYPES)),
-    Option(("cache-type-v", "ctv"), "LLAMA_ARG_CACHE_TYPE_V", "spec.type_v", _choice(KV_TYPES)),
-    Option(("flash-attn", "fa"), "LLAMA_ARG_FLASH_ATTN", "spec.flash_attn", _flash),
-    Option(("embedding", "embeddings"), "LLAMA_ARG_EMBEDDINGS", "spec.embedding", _bool),
-    Option(("pooling",), "LLAMA_ARG_POOLING", "spec.pooling", lambda v: _POOLING[_choice(_POOLING)(v)]),
-    Option(("cpu-moe", "cmoe"), "LLAMA_ARG_CPU_MOE", "spec.cpu_moe", _bool),
-    Option(("n-cpu-moe", "ncmoe"), "LLAMA_ARG_N_CPU_MOE", "spec.n_cpu_moe", int),
-    Option(("kv-offload",), "LLAMA_ARG_KV_OFFLOAD", "spec.offload_kqv", _bool),
-    Option(("no-kv-offload", "nkvo"), None, "spec.offload_kqv", lambda v: not _bool(v)),
-    Option(("mmap",), None, "spec.use_mmap", _bool),
-    Option(("no-mmap",), None, "spec.use_mmap", lambda v: not _bool(v)),
-    Option(("swa-full",), "LLAMA_ARG_SWA_FULL", "spec.swa_full", _bool),
-    Option(("fit",), "LLAMA_ARG_FIT", "spec.fit", _bool),
-    Option(("cache-ram", "cram"), "LLAMA_ARG_CACHE_RAM", "spec.cache_ram", int),
-    Option(("mmproj", "mm"), "LLAMA_ARG_MMPROJ", "spec.mmproj", str),
-    Option(("mmproj-offload",), "LLAMA_ARG_MMPROJ_OFFLOAD", "spec.mmproj_offload", _bool),
-    Option(("no-mmproj-offload",), None, "spec.mmproj_offload", lambda v: not _bool(v)),
-    Option(("image-min-tokens",), "LLAMA_ARG_IMAGE_MIN_TOKENS", "spec.image_min_tokens", int),
-    Option(("image-max-tokens",), "LLAMA_ARG_IMAGE_MAX_TOKENS", "spec.image_max_tokens", int),
-    Option(("spec-draft-model", "model-draft", "md"), "LLAMA_ARG_SPEC_DRAFT_MODEL", "spec.draft", str),
-    Option(("spec-draft-ngl", "gpu-layers-draft", "n-gpu-layers-draft", "ngld"), "LLAMA_ARG_N_GPU_LAYERS_DRAFT",
-           "spec.draft_n_gpu_layers", _layers),
-    Option(("spec-draft-type-k", "cache-type-k-draft", "ctkd"), "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_K",
-           "spec.draft_type_k", _choice(KV_TYPES)),
-    Option(("spec-draft-type-v", "cache-type-v-draft", "ctvd"), "LLAMA_ARG_SPEC_DRAFT_CACHE_TYPE_V",
-           "spec.draft_type_v", _choice(KV_TYPES)),
-    Option(("spec-draft-n-max",), "LLAMA_ARG_SPEC_DRAFT_N_MAX", "spec.draft_n_max", int),
-    Option(("spec-draft-device", "device-draft", "devd"), None, "spec.draft_devices", _names),
-    Option(("spec-type",), "LLAMA_ARG_SPEC_TYPE", "spec.spec_type", str),
-    Option(("lora",), None, "spec.lora", lambda v: tuple((p, 1.0) for p in _names(v))),
-    Option(("lora-scaled",), None, "spec.lora", _scaled),
-    Option(("threads", "t"), "LLAMA_ARG_THREADS", "spec.n_threads", int),
-    Option(("threads-batch", "tb"), None, "spec.n_threads_batch", int),
-    Option(("device", "dev", "devices"), "LLAMA_ARG_DEVICE", "config.devices", _names),
-    Option(("load-on-startup",), None, "config.load_on_startup", _bool),
-    Option(("stop-timeout",), None, "config.stop_timeout", float),
-    Option(("ttl",), None, "config.ttl", float),
-    Option(("persistent",), None, "config.persistent", _bool),
-    Option(("memory-margin", "models-memory-margin"), None, "router.margin", lambda v: int(float(v) * MiB)),
-)
-
-_BY_NAME = {n: o for o in OPTIONS for n in o.names} | {o.env: o for o in OPTIONS if o.env}
+# the router's own keys (and llama-server's preset-only ones, which its router handles
+# itself): key -> (where it goes, how its value reads)
+_OURS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "devices": ("config.devices", _names),
+    "load-on-startup": ("config.load_on_startup", _bool),
+    "stop-timeout": ("config.stop_timeout", float),
+    "ttl": ("config.ttl", float),
+    "persistent": ("config.persistent", _bool),
+    "memory-margin": ("router.margin", lambda v: int(float(v) * MiB)),
+    "models-memory-margin": ("router.margin", lambda v: int(float(v) * MiB)),
+}
 
 
 @dataclass
@@ -152,16 +67,12 @@ class Preset:
     router: dict[str, Any] = field(default_factory=dict)  # router-wide options (margin)
 
 
-def _option(key: str) -> Option | None:
-    k = key.strip()
-    return _BY_NAME.get(k) or _BY_NAME.get(k.lstrip("-"))
-
-
 def _lines(path: Path):
-    """(line number, section or None, key, value) for every setting; sections as (n, name, None, None)."""
+    """(line number, section or None, key, value) for every setting; sections as (n, name, None, None).
+    As llama.cpp's INI grammar (common/preset.cpp): a ';' or '#' ends a line's value (a comment)."""
     for n, raw in enumerate(path.read_text().splitlines(), 1):
-        line = raw.strip()
-        if not line or line[0] in ";#":
+        line = _COMMENT.split(raw, 1)[0].strip()
+        if not line:
             continue
         if line.startswith("["):
             if not line.endswith("]") or len(line) < 3:
@@ -174,7 +85,7 @@ def _lines(path: Path):
         yield n, None, key.strip(), value.strip().strip('"')
 
 
-def read_preset(path: os.PathLike | str, defaults: dict[str, Any] | None = None) -> Preset:
+def read_preset(path: os.PathLike | str) -> Preset:
     """Parse a llama-server preset file; relative model paths are relative to the CWD."""
     path = Path(path)
     if not path.is_file():
@@ -197,57 +108,54 @@ def read_preset(path: os.PathLike | str, defaults: dict[str, Any] | None = None)
         sections[current].append((n, key, value))
     glob = sections.pop("*", [])
     preset = Preset([])
-    base = _apply(path, glob, defaults or {}, preset, where="[*]")
-    engine_keys = []
+    ours_glob, engine_glob = _split(path, glob, preset, where="[*]")
+    ours: dict[str, dict[str, Any]] = {}
+    engine: list[tuple[str, list[tuple[str, str, int]]]] = []
     for name in (s for s in order if s != "*"):
-        fields = _apply(path, sections[name], dict(base), preset, where=f"[{name}]")
-        cfg = _config(path, name, fields, preset)
-        preset.models.append(cfg)
-        keys = [(v[1], v[2], v[0]) for t, v in fields.items() if t.startswith("engine.")]
-        if keys:
-            engine_keys.append((name, cfg.spec.to_args(), keys))
+        mine, keys = _split(path, sections[name], preset, where=f"[{name}]")
+        ours[name] = {**ours_glob, **mine}
+        engine.append((name, engine_glob + keys))  # the section's after [*]'s: they win
     try:
-        args = resolve(engine_keys)
+        split = resolve(engine)
     except ArgsError as e:
         raise PresetError(f"{path}:{e.line}: {e}") from None
-    preset.models = [dataclasses.replace(c, args=tuple(args.get(c.name, ()))) for c in preset.models]
+    for name, _keys in engine:
+        preset.models.append(_config(path, name, split[name], ours[name]))
     return preset
 
 
-def _apply(path: Path, items, fields: dict[str, Any], preset: Preset, where: str) -> dict[str, Any]:
+def _split(path: Path, items, preset: Preset, where: str) -> tuple[dict[str, Any], list[tuple[str, str, int]]]:
+    """A section's keys: ours, read (config field -> value), and llama-server's, as given."""
+    mine: dict[str, Any] = {}
+    keys: list[tuple[str, str, int]] = []
     for n, key, value in items:
-        opt = _option(key)
-        if opt is None:  # llama-server's: checked by llama.cpp (engine_args)
-            if key != "version":
-                fields[f"engine.{key.lstrip('-')}"] = (n, key.lstrip("-"), value)
+        bare = key.strip().lstrip("-")
+        if bare == "version":
             continue
+        if bare not in _OURS:
+            keys.append((bare, value, n))
+            continue
+        target, parse = _OURS[bare]
         try:
-            parsed = opt.parse(value)
-        except (ValueError, KeyError) as e:
+            parsed = parse(value)
+        except ValueError as e:
             raise PresetError(f"{path}:{n}: key {key!r}: {e}") from None
-        if opt.target.startswith("router."):
+        if target.startswith("router."):
             if where != "[*]":
                 raise PresetError(f"{path}:{n}: key {key!r} applies to the whole router: put it in [*]")
-            preset.router[opt.target[7:]] = parsed
-            continue
-        fields[opt.target] = (n, key, parsed)
-    return fields
+            preset.router[target[7:]] = parsed
+        else:
+            mine[target[7:]] = parsed
+    return mine, keys
 
 
-def _config(path: Path, name: str, fields: dict[str, Any], preset: Preset) -> ModelConfig:
-    if "spec.path" not in fields:
-        raise PresetError(f"{path}: [{name}]: no 'model' key: give the GGUF path (model = /path/to/file.gguf)")
-    spec_kw = {t[5:]: v[2] for t, v in fields.items() if t.startswith("spec.")}
-    cfg_kw = {t[7:]: v[2] for t, v in fields.items() if t.startswith("config.")}
+def _config(path: Path, name: str, split: dict[str, Any], ours: dict[str, Any]) -> ModelConfig:
+    devices = ours.pop("devices", None) or (tuple(split["devices"]) if split["devices"] is not None else None)
     try:
-        spec = ModelSpec(**spec_kw)
-    except SpecError as e:
-        field_name = str(e).split("=", 1)[0]
-        line, key = next(((v[0], v[1]) for t, v in fields.items() if t == f"spec.{field_name}"), (0, field_name))
-        raise PresetError(f"{path}:{line}: key {key!r} in [{name}]: {e}") from None
-    try:
-        return ModelConfig(name=name, spec=spec, **cfg_kw)
-    except ValueError as e:
+        spec = ModelSpec(split["model"], tuple(split["args"]),
+                         draft_devices=tuple(split["draft_devices"]) if split["draft_devices"] is not None else None)
+        return ModelConfig(name=name, spec=spec, aliases=tuple(split["aliases"]), devices=devices, **ours)
+    except (SpecError, ValueError) as e:
         raise PresetError(f"{path}: [{name}]: {e}") from None
 
 
@@ -260,11 +168,12 @@ def _companion(name: str) -> bool:
     return "mmproj" in name or name.startswith(("mtp-", "dspark-", "dflash-"))
 
 
-def scan_models_dir(directory: os.PathLike | str, spec_defaults: dict[str, Any] | None = None) -> list[ModelConfig]:
+def scan_models_dir(directory: os.PathLike | str, args: tuple[str, ...] = ()) -> list[ModelConfig]:
     """llama-server's --models-dir rules: each top-level .gguf file is a model named
     by its stem; each subdirectory is a model named by the directory, holding one
     GGUF (or the shards of one, loaded by the first) plus optionally a projector
-    (a file whose name contains "mmproj": the model's ``mmproj``)."""
+    (a file whose name contains "mmproj": the model's ``--mmproj``).  ``args``: llama-server
+    arguments for every model."""
     directory = Path(directory)
     if not directory.is_dir():
         raise PresetError(f"{directory}: models directory not found")
@@ -275,12 +184,12 @@ def scan_models_dir(directory: os.PathLike | str, spec_defaults: dict[str, Any] 
             if m and m.group(1) != "00001":
                 continue
             name = entry.name[: m.start()] if m else entry.stem
-            out.append(ModelConfig(name, ModelSpec(entry, **(spec_defaults or {}))))
+            out.append(ModelConfig(name, ModelSpec(entry, args)))
         elif entry.is_dir():
             ggufs = sorted(p for p in entry.glob("*.gguf") if not _companion(p.name))
             firsts = [p for p in ggufs if not _SHARD.search(p.name) or _SHARD.search(p.name).group(1) == "00001"]
             projectors = sorted(p for p in entry.glob("*.gguf") if "mmproj" in p.name)
             if len(firsts) == 1:
-                extra = {"mmproj": str(projectors[-1])} if projectors else {}
-                out.append(ModelConfig(entry.name, ModelSpec(firsts[0], **{**(spec_defaults or {}), **extra})))
+                extra = ("--mmproj", str(projectors[-1])) if projectors else ()
+                out.append(ModelConfig(entry.name, ModelSpec(firsts[0], (*args, *extra))))
     return out

@@ -1,13 +1,23 @@
 """ModelSpec: the one description of a model load, shared by probe and loader.
 
-A spec is plain data (no llama.cpp import), so the router process can hold,
-hash and compare specs without touching a GPU backend.  ``params.py`` turns a
-spec into the llama.cpp parameter structs; the probe and the loader both use
-that one conversion, so the bytes probed are the bytes loaded.
+A spec is a GGUF file and llama-server's arguments for it, exactly as a user
+gives them to llama-server (a command line, or a preset's keys as llama-server's
+router turns them into a child's arguments).  What they mean is llama.cpp's to
+say: the probe and the engine parse ``to_args()`` with llama.cpp's own parser and
+llama-server's own rules (``_native.server_params`` reads the result back), so
+no default or option table is restated here.
 
-Defaults follow llama-server rather than llama_cpp.Llama: all layers on the
-GPU, flash attention ``auto``, n_batch 2048, n_ubatch 512, n_ctx 4096, four
-parallel sequences sharing a unified KV cache.
+On top of the arguments come the few settings the router itself decides (its fit:
+layers, tensor split, experts and parts in host memory, a shrunk context; its
+placement: a draft's devices), as typed fields; ``None`` leaves a setting to the
+arguments.  They go after the arguments, where llama.cpp's parser lets the last
+value win.  The spec is plain data (no llama.cpp import): the router process
+holds, hashes and compares specs without touching a GPU backend.
+
+Where the router deliberately differs from llama-server's defaults, it says so
+first, so that an argument given overrides it: ``--cache-ram 0`` (llama-server
+reserves up to 8 GiB of host prompt cache per model, which admission would
+count in full).  The engine loads with llama.cpp's fit off: the router fits.
 """
 
 from __future__ import annotations
@@ -17,17 +27,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ModelSpec", "SpecError", "KV_TYPES", "SPLIT_MODES", "FLASH_ATTN"]
+__all__ = ["ModelSpec", "SpecError", "ROUTER_DEFAULTS"]
 
-# ggml_type ids of the cache types llama.cpp accepts for K and V
-KV_TYPES = {
-    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8,
-    "iq4_nl": 20, "bf16": 30,
-}
-# enum llama_split_mode
-SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}
-# enum llama_flash_attn_type
-FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+# the router's own defaults, given before the user's arguments (which win)
+ROUTER_DEFAULTS = ("--cache-ram", "0")
 
 
 class SpecError(ValueError):
@@ -36,69 +39,36 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Everything that decides what loading ``path`` allocates, and where."""
+    """A model file and llama-server's arguments for it, plus the router's fit and placement."""
 
     path: str
-    n_ctx: int = 4096  # 0: the model's training context
-    n_batch: int = 2048
-    n_ubatch: int = 512
-    n_seq_max: int = 4  # parallel sequences (llama-server --parallel); 1 for embedding models
-    kv_unified: bool = True  # one KV buffer of n_ctx cells shared by the sequences (llama-server's default)
-    n_gpu_layers: int = -1  # -1: every layer
-    split_mode: str = "layer"
-    main_gpu: int = 0
+    args: tuple[str, ...] = ()  # llama-server arguments (not -m), as the user gave them
+    # set by the router's fit (or an API caller); None: as the arguments say
+    n_ctx: int | None = None  # a context (the fit shrinks one left to llama.cpp; 0: the training context)
+    n_gpu_layers: int | None = None  # -1: every layer
     tensor_split: tuple[float, ...] | None = None
-    devices: tuple[str, ...] | None = None  # ggml device names; None: all visible
-    type_k: str = "f16"
-    type_v: str = "f16"
-    flash_attn: str = "auto"
-    offload_kqv: bool = True
-    op_offload: bool = True
-    swa_full: bool = True
-    embedding: bool = False
-    pooling: int = -1  # enum llama_pooling_type; -1: from the model
-    n_cpu_moe: int = 0  # keep the experts of the first N layers in host memory
-    cpu_moe: bool = False  # keep every expert tensor in host memory
-    tensor_overrides: tuple[tuple[str, str], ...] = ()  # (regex, buffer type) pairs
-    fit: bool = True  # the router may move layers / MoE experts to the host to fit a device (llama-server --fit)
-    use_mmap: bool = True
-    # host prompt cache cap in MiB (llama-server's --cache-ram), counted as host memory at
-    # its cap; 0 (ours by default, llama-server's is 8192 per model) keeps it off
-    cache_ram: int = 0
-    # multimodal projector GGUF (llama-server --mmproj): counted per device as llama.cpp
-    # counts it (weights and a warm-up image's compute), on the model's first GPU unless
-    # mmproj_offload is off (then in host memory)
-    mmproj: str | None = None
-    mmproj_offload: bool = True
-    image_min_tokens: int = -1  # -1: the projector's own
-    image_max_tokens: int = -1
-    # a draft model for speculative decoding (llama-server --spec-draft-model), counted
-    # with its own context (as long as the model's) where the engine puts it
-    draft: str | None = None
-    draft_n_gpu_layers: int = -1  # -1: every layer
-    draft_type_k: str = "f16"
-    draft_type_v: str = "f16"
-    draft_n_max: int = -1  # tokens drafted per step (-1: llama.cpp's default); sizes the output buffers
-    draft_devices: tuple[str, ...] | None = None  # the draft's devices (llama-server -devd; None: the model's)
-    spec_type: str | None = None  # llama-server --spec-type (e.g. "draft-simple"): sizes the output buffers
-    # LoRA adapters loaded with the model (llama-server --lora-scaled): (file, scale) pairs,
-    # each adapter counted on the buffer types of the tensors it adapts
-    lora: tuple[tuple[str, float], ...] = ()
-    n_threads: int | None = None
-    n_threads_batch: int | None = None
+    n_cpu_moe: int | None = None  # the experts of the first N layers in host memory
+    tensor_overrides: tuple[tuple[str, str], ...] = ()  # (regex, buffer type), before any of the arguments'
+    mmproj_offload: bool | None = None  # False: the projector in host memory
+    draft_n_gpu_layers: int | None = None  # 0: the draft model in host memory
+    # placement: the draft's devices, by the inventory's names (the router translates them
+    # into the names its worker sees); None: the arguments' (or the model's devices)
+    draft_devices: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", os.fspath(self.path))
-        for name in ("mmproj", "draft"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, os.fspath(getattr(self, name)))
-        for name in ("tensor_split", "devices", "draft_devices"):
+        if isinstance(self.args, (str, bytes)):
+            raise SpecError(f"args={self.args!r}: a sequence of arguments, not one string")
+        object.__setattr__(self, "args", tuple(os.fspath(a) if isinstance(a, os.PathLike) else str(a)
+                                               for a in self.args))
+        for name in ("tensor_split", "draft_devices"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):
                 object.__setattr__(self, name, tuple(value))
-        if not isinstance(self.tensor_overrides, tuple):
+        if self.tensor_split is not None:
+            object.__setattr__(self, "tensor_split", tuple(float(x) for x in self.tensor_split))
+        if not isinstance(self.tensor_overrides, tuple) or any(not isinstance(p, tuple) for p in self.tensor_overrides):
             object.__setattr__(self, "tensor_overrides", tuple(tuple(p) for p in self.tensor_overrides))
-        object.__setattr__(self, "lora", tuple((os.fspath(p), float(s)) for p, s in self.lora))
         self.validate()
 
     def validate(self) -> None:
@@ -106,91 +76,72 @@ class ModelSpec:
             if not ok:
                 raise SpecError(f"{name}={getattr(self, name)!r}: {why}")
 
-        need(self.n_ctx >= 0, "n_ctx", "must be >= 0 (0 = the model's training context)")
-        need(self.n_batch >= 1, "n_batch", "must be >= 1")
-        need(self.n_ubatch >= 1, "n_ubatch", "must be >= 1")
-        need(1 <= self.n_seq_max <= 256, "n_seq_max", "must be between 1 and 256")
-        need(self.n_gpu_layers >= -1, "n_gpu_layers", "must be >= -1 (-1 = all layers)")
-        need(self.split_mode in SPLIT_MODES, "split_mode", f"must be one of {sorted(SPLIT_MODES)}")
-        need(self.type_k in KV_TYPES, "type_k", f"must be one of {sorted(KV_TYPES)}")
-        need(self.type_v in KV_TYPES, "type_v", f"must be one of {sorted(KV_TYPES)}")
-        need(self.flash_attn in FLASH_ATTN, "flash_attn", f"must be one of {sorted(FLASH_ATTN)}")
-        need(self.n_cpu_moe >= 0, "n_cpu_moe", "must be >= 0")
-        need(self.main_gpu >= 0, "main_gpu", "must be >= 0")
-        need(self.draft_n_gpu_layers >= -1, "draft_n_gpu_layers", "must be >= -1 (-1 = all layers)")
-        need(self.draft_type_k in KV_TYPES, "draft_type_k", f"must be one of {sorted(KV_TYPES)}")
-        need(self.draft_type_v in KV_TYPES, "draft_type_v", f"must be one of {sorted(KV_TYPES)}")
-        need(self.draft_n_max >= -1, "draft_n_max", "must be >= -1 (-1 = llama.cpp's default)")
-        need(all("," not in p and ":" not in p for p, _ in self.lora), "lora",
-             "a LoRA file name may not contain ',' or ':' (llama.cpp's list separators)")
-        need(self.cache_ram >= 0, "cache_ram",
-             "must be >= 0 MiB: an unlimited prompt cache (-1) cannot be admitted; give its cap in MiB")
+        need(bool(self.path), "path", "the model's GGUF file is required")
+        need(self.n_ctx is None or self.n_ctx >= 0, "n_ctx", "must be >= 0 (0 = the model's training context)")
+        need(self.n_gpu_layers is None or self.n_gpu_layers >= -1, "n_gpu_layers", "must be >= -1 (-1 = all layers)")
+        need(self.n_cpu_moe is None or self.n_cpu_moe >= 0, "n_cpu_moe", "must be >= 0")
+        need(self.draft_n_gpu_layers is None or self.draft_n_gpu_layers >= -1, "draft_n_gpu_layers",
+             "must be >= -1 (-1 = all layers)")
         if self.tensor_split is not None:
             need(all(x >= 0 for x in self.tensor_split) and sum(self.tensor_split) > 0,
                  "tensor_split", "needs non-negative proportions with a positive sum")
 
     def to_args(self) -> list[str]:
         """The spec as llama-server arguments: what the engine's llama.cpp parser is
-        given, so that the engine allocates what the probe of this spec measured.
-        llama.cpp's own fit is off: the router fits (and hands over the result)."""
-        a = ["-m", self.path, "-c", str(self.n_ctx), "-b", str(self.n_batch), "-ub", str(self.n_ubatch),
-             "-np", str(self.n_seq_max), "--kv-unified" if self.kv_unified else "--no-kv-unified",
-             "-ngl", "all" if self.n_gpu_layers < 0 else str(self.n_gpu_layers),
-             "-sm", self.split_mode, "-mg", str(self.main_gpu), "-ctk", self.type_k, "-ctv", self.type_v,
-             "-fa", self.flash_attn, "-lm", "mmap" if self.use_mmap else "none", "--fit", "off",
-             "--cache-ram", str(self.cache_ram)]
+        given, so that the engine allocates what the probe of this spec measured."""
+        a = ["-m", self.path, *ROUTER_DEFAULTS, *self.args]
+        if self.n_ctx is not None:
+            a += ["-c", str(self.n_ctx)]
+        if self.n_gpu_layers is not None:
+            a += ["-ngl", "all" if self.n_gpu_layers < 0 else str(self.n_gpu_layers)]
         if self.tensor_split is not None:
             a += ["-ts", ",".join(f"{x:g}" for x in self.tensor_split)]
-        if self.devices is not None:
-            a += ["-dev", ",".join(self.devices) if self.devices else "none"]
-        if not self.offload_kqv:
-            a.append("--no-kv-offload")
-        if not self.op_offload:
-            a.append("--no-op-offload")
-        if self.swa_full:
-            a.append("--swa-full")
-        if self.embedding:
-            a.append("--embedding")
-        if self.pooling >= 0:
-            a += ["--pooling", ("none", "mean", "cls", "last", "rank")[self.pooling]]
-        if self.tensor_overrides:  # before the MoE rules: llama.cpp takes the first pattern that matches
+        if self.tensor_overrides:  # llama.cpp takes the first pattern that matches: these, then the MoE rules
             a += ["-ot", ",".join(f"{pattern}={buft}" for pattern, buft in self.tensor_overrides)]
-        if self.cpu_moe:
-            a.append("--cpu-moe")
         if self.n_cpu_moe:
             a += ["--n-cpu-moe", str(self.n_cpu_moe)]
-        if self.mmproj is not None:
-            a += ["--mmproj", self.mmproj]
-            if not self.mmproj_offload:
-                a.append("--no-mmproj-offload")
-            if self.image_min_tokens >= 0:
-                a += ["--image-min-tokens", str(self.image_min_tokens)]
-            if self.image_max_tokens >= 0:
-                a += ["--image-max-tokens", str(self.image_max_tokens)]
-        if self.draft is not None:
-            a += ["-md", self.draft, "-ngld", "all" if self.draft_n_gpu_layers < 0 else str(self.draft_n_gpu_layers),
-                  "-ctkd", self.draft_type_k, "-ctvd", self.draft_type_v]
-            if self.draft_devices is not None:
-                a += ["-devd", ",".join(self.draft_devices) if self.draft_devices else "none"]
-        if self.draft_n_max >= 0:
-            a += ["--spec-draft-n-max", str(self.draft_n_max)]
-        if self.spec_type:
-            a += ["--spec-type", self.spec_type]
-        if self.lora:
-            a += ["--lora-scaled", ",".join(f"{p}:{s:g}" for p, s in self.lora)]
-        if self.n_threads is not None:
-            a += ["-t", str(self.n_threads)]
-        if self.n_threads_batch is not None:
-            a += ["-tb", str(self.n_threads_batch)]
+        if self.mmproj_offload is not None:
+            a.append("--mmproj-offload" if self.mmproj_offload else "--no-mmproj-offload")
+        if self.draft_n_gpu_layers is not None:
+            a += ["-ngld", "all" if self.draft_n_gpu_layers < 0 else str(self.draft_n_gpu_layers)]
+        if self.draft_devices is not None:
+            a += ["-devd", ",".join(self.draft_devices) if self.draft_devices else "none"]
         return a
+
+    def with_args(self, *more: str) -> "ModelSpec":
+        """The same spec with more llama-server arguments (after its own: they win)."""
+        return dataclasses.replace(self, args=(*self.args, *more))
 
     def replace(self, **changes: Any) -> "ModelSpec":
         return dataclasses.replace(self, **changes)
+
+    def files(self) -> list[str]:
+        """The spec's arguments that name existing files (a projector, a draft, adapters,
+        a template...): what a load reads besides the model."""
+        return [f for a in self.args for f in _named_files(a)]
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelSpec":
+        d = dict(d)
+        d["args"] = tuple(d.get("args", ()))
+        d["tensor_overrides"] = tuple(tuple(p) for p in d.get("tensor_overrides", ()))
         return cls(**d)
 
+
+def _named_files(arg: str) -> list[str]:
+    """The existing files an argument names: itself, or the items of a list
+    (``a.gguf,b.gguf``, ``a.gguf:0.5,b.gguf:1`` as --lora-scaled takes them)."""
+    if arg.startswith("-"):
+        return []
+    out = []
+    for item in (arg, *arg.split(",")):
+        for candidate in (item, item.rpartition(":")[0]):
+            try:
+                if candidate and os.path.isfile(candidate) and candidate not in out:
+                    out.append(candidate)
+            except (OSError, ValueError):
+                pass
+    return out

@@ -11,7 +11,7 @@ from pyllmrouter.memory import cache_dir
 
 
 def test_cached_probe_equals_fresh_and_is_marked(tiny):
-    spec = ModelSpec(tiny["tiny-moe"], n_ctx=512, n_seq_max=2)
+    spec = ModelSpec(tiny["tiny-moe"], ("-np", "2"), n_ctx=512)
     fresh = probe(spec)
     again = probe(spec)
     assert not fresh.cached and again.cached
@@ -54,6 +54,15 @@ def test_device_mask_is_part_of_the_key(tiny, monkeypatch):
     assert not probe(spec).cached
 
 
+def test_llama_arg_variables_are_part_of_the_key(tiny, monkeypatch):
+    # llama.cpp's parser reads LLAMA_ARG_* variables: they change what a spec means
+    spec = ModelSpec(tiny["tiny-llama"])
+    default = probe(spec)
+    monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "512")
+    small = probe(spec)
+    assert not small.cached and small.n_ctx == 512 != default.n_ctx
+
+
 def test_unwritable_cache_still_probes(tiny, monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
@@ -71,8 +80,8 @@ def test_a_file_loaded_beside_the_model_is_part_of_the_key(tiny, tmp_path, kind)
         "lora": lambda p, i: tinymodels.write_lora(p, rank=8 * i),
     }[kind]
     path = write(tmp_path / f"{kind}.gguf", 1)
-    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512, **({"lora": ((str(path), 1.0),)} if kind == "lora" else
-                                                       {kind: str(path)}))
+    flag = {"mmproj": "--mmproj", "draft": "--model-draft", "lora": "--lora"}[kind]
+    spec = ModelSpec(tiny["tiny-llama"], (flag, str(path)), n_ctx=512)
     first = probe(spec, refresh=True)
     assert probe(spec).cached
     time.sleep(0.01)  # a new mtime even on coarse clocks

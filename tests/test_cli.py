@@ -13,7 +13,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_probe_json_per_device(tiny):
-    out = _cli("probe", str(tiny["tiny-moe"]), "--ctx", "1024", "--parallel", "2", "--json", "--margin", "0")
+    out = _cli("probe", str(tiny["tiny-moe"]), "--ctx-size", "1024", "--parallel", "2", "--json", "--margin", "0")
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["n_ctx"] == 1024 and d["n_seq_max"] == 2
@@ -36,9 +36,33 @@ def test_devices_json():
     assert any(d["type"] == "cpu" for d in json.loads(out.stdout))
 
 
+def test_probe_takes_any_llama_server_command_line(tiny, draft, tmp_path, monkeypatch):
+    """llama-server's own options, aliases and LLAMA_ARG_* variables, through llama.cpp's parser:
+    the same bytes as the same settings spelled otherwise."""
+    model = str(tiny["tiny-llama"])
+    spelled = [
+        ["probe", model, "-c", "1024", "-np", "2", "-md", str(draft), "--json"],
+        ["probe", "-m", model, "--ctx-size", "1024", "--parallel", "2", "--model-draft", str(draft), "--json"],
+        ["probe", "--json", "--spec-draft-model", str(draft), "-m", model, "--parallel", "2"],  # -c from the environment
+    ]
+    env_ctx = {"LLAMA_ARG_CTX_SIZE": "1024"}
+    outs = []
+    for i, args in enumerate(spelled):
+        out = subprocess.run([sys.executable, "-m", "pyllmrouter.cli", *args], capture_output=True, text=True,
+                             timeout=120, env={**__import__("os").environ, **(env_ctx if i == 2 else {})})
+        assert out.returncode == 0, out.stderr
+        outs.append(json.loads(out.stdout))
+    assert [o["n_ctx"] for o in outs] == [1024] * 3 and len({json.dumps(o["devices"]) for o in outs}) == 1
+    assert outs[0]["devices"][-1]["draft"] > 0
+    # what only llama-server had: --swa-full, --ctx-checkpoints, --fit-ctx are accepted
+    assert main(["probe", model, "--swa-full", "--ctx-checkpoints", "0", "--fit-ctx", "1024", "--no-cache"]) == 0
+
+
 @pytest.mark.parametrize("args, message", [
     (["probe", "/nonexistent/m.gguf"], "/nonexistent/m.gguf: file not found"),
-    (["probe", "{model}", "--ctx", "-4"], "n_ctx=-4"),
+    (["probe", "{model}", "--ctx-size", "lots"], "argument -c = 'lots'"),
+    (["probe", "{model}", "--warp-speed", "9"], "invalid argument: --warp-speed"),
+    (["probe", "-c", "512"], "no model"),
 ])
 def test_errors_exit_2_with_the_reason(tiny, args, message):
     args = [a.format(model=tiny["tiny-llama"]) for a in args]

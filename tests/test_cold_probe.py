@@ -36,12 +36,12 @@ def both(spec: ModelSpec):
 def test_the_vocab_free_header_gives_the_full_files_bytes(case, tiny, shapes, gemma):
     spec = {
         "tiny-llama": ModelSpec(tiny["tiny-llama"], n_ctx=512),
-        "tiny-moe": ModelSpec(tiny["tiny-moe"], n_ctx=512, n_seq_max=2),
-        "tiny-bert": ModelSpec(tiny["tiny-bert"], n_ctx=512, embedding=True),
+        "tiny-moe": ModelSpec(tiny["tiny-moe"], ("-np", "2"), n_ctx=512),
+        "tiny-bert": ModelSpec(tiny["tiny-bert"], ("--embedding",), n_ctx=512),
         "7b": ModelSpec(shapes["7b"], n_ctx=8192),
-        "30b-a3b": ModelSpec(shapes["30b-a3b"], n_ctx=4096, cpu_moe=True),
+        "30b-a3b": ModelSpec(shapes["30b-a3b"], ("--cpu-moe",), n_ctx=4096),
         "gemma": ModelSpec(gemma, n_ctx=8192),
-        "gemma-np1": ModelSpec(gemma, n_ctx=2048, n_seq_max=1, kv_unified=False, type_k="q8_0"),
+        "gemma-np1": ModelSpec(gemma, ("-np", "1", "--no-kv-unified", "-ctk", "q8_0"), n_ctx=2048),
     }[case]
     full, vocab_free = both(spec)
     assert vocab_free["rows"] == full["rows"]

@@ -26,7 +26,7 @@ FIT_AND_LOAD = """
     from pyllmrouter.memory import aggregate
     from pyllmrouter.engine.probe import live_breakdown
     native().add_rpc_servers({endpoints!r})
-    spec = ModelSpec({path!r}, n_ctx=1024, use_mmap=False)
+    spec = ModelSpec({path!r}, ("-lm", "none",), n_ctx=1024)
     full = probe(spec).per_device()
     out = []
     for share in {shares!r}:
@@ -65,7 +65,7 @@ def test_fit_into_grants_of_several_sizes_loads_and_matches_the_probe(rpc_server
     full, smallest = plans[0], plans[-1]
     assert full["probes"] == 1  # a spec that fits as given is probed once and left alone
     assert smallest["probes"] >= 2
-    moved = (smallest["ngl"] < 3) or smallest["experts_on_host"] > 0
+    moved = (smallest["ngl"] is not None and smallest["ngl"] < 3) or smallest["experts_on_host"] > 0
     assert moved  # something went to host memory to fit
     assert "host memory" in impossible or "cannot fit" in impossible or "no fit" in impossible
 
@@ -83,7 +83,7 @@ def _rpc0_bytes(endpoint: str, specs: dict[str, ModelSpec]) -> dict[str, int]:
 
 
 def test_router_fits_a_model_bigger_than_its_device(rpc_servers, tiny):
-    m, nofit = ModelSpec(tiny["tiny-moe"], n_ctx=1024), ModelSpec(tiny["tiny-moe"], n_ctx=1024, fit=False)
+    m, nofit = ModelSpec(tiny["tiny-moe"], n_ctx=1024), ModelSpec(tiny["tiny-moe"], ("--fit", "off"), n_ctx=1024)
     full = _rpc0_bytes(rpc_servers[0], {"m": m})["m"]
     capacity = int(full * 0.75)
     inv = RpcInventory({rpc_servers[0]: capacity})
@@ -138,8 +138,7 @@ def test_fit_moves_the_projector_and_the_draft_to_host_before_any_layer(rpc_serv
         from pyllmrouter import ModelSpec, probe
         from pyllmrouter.engine.fit import fit_here
         native().add_rpc_servers({rpc_servers[:1]!r})
-        spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, mmproj={str(projector)!r},
-                         draft={str(draft)!r})
+        spec = ModelSpec({str(tiny["tiny-llama"])!r}, ("-np", "1", "--mmproj", {str(projector)!r}, "-md", {str(draft)!r}), n_ctx=512)
         parts = probe(spec, use_cache=False).devices
         rpc0 = next(d for d in parts if d.device == "RPC0")
         plans = []
@@ -152,7 +151,7 @@ def test_fit_moves_the_projector_and_the_draft_to_host_before_any_layer(rpc_serv
     """)
     assert out["projector"] > 0 and out["draft"] > 0  # both offloaded with the model as given
     first, second = out["plans"]
-    assert first["to_host"] == ["projector"] and first["ngl"] == -1  # every layer still on the device
+    assert first["to_host"] == ["projector"] and first["ngl"] is None  # every layer still on the device
     assert first["on"]["RPC0"][0] == 0 and first["on"]["CPU"][0] > 0 and first["on"]["RPC0"][1] > 0
-    assert second["to_host"] == ["projector", "draft"] and second["ngl"] == -1
+    assert second["to_host"] == ["projector", "draft"] and second["ngl"] is None
     assert second["on"]["RPC0"] == [0, 0] and first["rpc0"] <= first["room"] and second["rpc0"] <= second["room"]

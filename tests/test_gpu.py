@@ -109,7 +109,7 @@ def test_probe_equals_allocation_on_cuda_and_host(tiny, model, ngl, fa):
         from pyllmrouter import ModelSpec, probe
         from pyllmrouter.engine.loader import load
         from pyllmrouter.engine.probe import live_breakdown
-        spec = ModelSpec({str(tiny[model])!r}, n_ctx=1024, n_gpu_layers={ngl}, flash_attn={fa!r}, use_mmap=False)
+        spec = ModelSpec({str(tiny[model])!r}, ("-fa", {fa!r}, "-lm", "none"), n_ctx=1024, n_gpu_layers={ngl})
         est = probe(spec, use_cache=False)
         live = live_breakdown(load(spec))
         row = lambda b: [b.buffer_type, b.model, b.context, b.compute]

@@ -19,7 +19,7 @@ def call_threads(name: str) -> int:
 
 
 def test_call_threads_are_kept_between_requests_and_end_with_the_host(tiny):
-    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=4)
+    spec = ModelSpec(tiny["tiny-llama"], ("-np", "4"), n_ctx=512)
     replies: queue.SimpleQueue = queue.SimpleQueue()
 
     def send(msg):

@@ -99,15 +99,18 @@ def test_states_on_disk_are_offered_again_after_a_restart(tmp_path):
     assert again.prepare("a") == ["slot0.bin"]
 
 
-def test_identity_follows_the_file_and_every_setting(tiny, tmp_path):
+def test_identity_follows_the_name_the_file_and_every_argument(tiny, tmp_path):
     spec = ModelSpec(tiny["tiny-llama"], n_ctx=512)
-    assert identity(spec) == identity(ModelSpec(tiny["tiny-llama"], n_ctx=512))
-    assert identity(spec) != identity(spec.replace(n_ctx=1024))
-    assert identity(spec) != identity(spec.replace(type_k="q8_0"))
+    assert identity("m", spec) == identity("m", ModelSpec(tiny["tiny-llama"], n_ctx=512))
+    assert identity("m", spec) != identity("m", spec.replace(n_ctx=1024))
+    assert identity("m", spec) != identity("m", spec.with_args("-ctk", "q8_0"))
+    # arguments that change what the KV holds without changing its size: another state
+    assert identity("m", spec) != identity("m", spec.with_args("--rope-freq-base", "20000"))
+    assert identity("m", spec) != identity("other", spec)  # two models over one file never share files
     copy = tmp_path / "copy.gguf"
     copy.write_bytes(Path(tiny["tiny-llama"]).read_bytes())
-    assert identity(spec) != identity(spec.replace(path=str(copy)))  # another file, same bytes
-    assert identity(spec.replace(path=str(tmp_path / "gone.gguf"))) is None
+    assert identity("m", spec) != identity("m", spec.replace(path=str(copy)))  # another file, same bytes
+    assert identity("m", spec.replace(path=str(tmp_path / "gone.gguf"))) is None
 
 
 # -- the engine's own slot actions ------------------------------------------------
@@ -116,7 +119,7 @@ LONG = "tell me a long story about the sea and the ships " * 8
 
 
 def test_llama_cpp_refuses_a_state_that_does_not_fit_the_slot(tiny, tmp_path):
-    spec = ModelSpec(tiny["tiny-llama"], n_ctx=1024, n_seq_max=1)
+    spec = ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=1024)
     engine = load(spec, "--slot-save-path", str(tmp_path))
     try:
         request(engine, "/v1/completions", {"prompt": LONG, "max_tokens": 2})
@@ -149,8 +152,8 @@ def conversation(router: Router, evict: bool) -> tuple[list[str], list[int]]:
 
 
 def two_models(tiny, **options) -> Router:
-    models = [ModelConfig("a", ModelSpec(tiny["tiny-llama"], n_ctx=1024, n_seq_max=1)),
-              ModelConfig("b", ModelSpec(tiny["tiny-moe"], n_ctx=512, n_seq_max=1))]
+    models = [ModelConfig("a", ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=1024)),
+              ModelConfig("b", ModelSpec(tiny["tiny-moe"], ("-np", "1"), n_ctx=512))]
     return Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0, max_models=1, **options)
 
 
@@ -193,8 +196,8 @@ def test_a_truncated_state_is_discarded_and_the_model_answers(tiny):
 @pytest.mark.slow
 def test_a_state_never_restores_into_another_configuration(tiny):
     path = tiny["tiny-llama"]
-    models = [ModelConfig("a", ModelSpec(path, n_ctx=1024, n_seq_max=1)),
-              ModelConfig("a-long", ModelSpec(path, n_ctx=2048, n_seq_max=1))]
+    models = [ModelConfig("a", ModelSpec(path, ("-np", "1"), n_ctx=1024)),
+              ModelConfig("a-long", ModelSpec(path, ("-np", "1"), n_ctx=2048))]
     with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0, max_models=1,
                 kv_keep_ram=64 << 20) as r:
         r.chat("a", [{"role": "user", "content": LONG}], max_tokens=2)
@@ -214,7 +217,7 @@ def test_kept_states_give_host_memory_back_before_any_model_is_evicted(tmp_path)
     so that the second fits; and the first, back, restores it from disk."""
     from pyllmrouter import probe
 
-    a = ModelSpec(tinymodels.write_llama(tmp_path / "a.gguf", WIDE), n_ctx=4096, n_seq_max=1)
+    a = ModelSpec(tinymodels.write_llama(tmp_path / "a.gguf", WIDE), ("-np", "1"), n_ctx=4096)
     b = a.replace(path=str(tinymodels.write_llama(tmp_path / "b.gguf", WIDE, seed=1)))  # as big as a
     words = "the sea ship sail wind storm harbour light night star " * 60  # ~2500 tokens
     models = [ModelConfig("a", a, devices=("CPU",)), ModelConfig("b", b, devices=("CPU",))]

@@ -31,9 +31,9 @@ def lora_rows(est):
 
 
 def test_the_probe_counts_each_adapter_as_ggml_allocates_it(tiny, adapters):
-    base = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1)
+    base = ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=512)
     plain = probe(base, use_cache=False)
-    est = probe(base.replace(lora=((str(adapters["small"]), 1.0), (str(adapters["odd"]), 0.5))), use_cache=False)
+    est = probe(base.with_args("--lora-scaled", f"{adapters['small']}:1,{adapters['odd']}:0.5"), use_cache=False)
     assert [b for b in est.buffers if b.component != "lora"] == list(plain.buffers)  # the model is as it was
     rows = lora_rows(est)
     assert [(r.buffer_type, r.device, r.host) for r in rows] == [("CPU", "CPU", True)] * 2
@@ -44,7 +44,7 @@ def test_the_probe_counts_each_adapter_as_ggml_allocates_it(tiny, adapters):
 
 
 def test_the_count_is_what_llama_cpp_allocates_when_the_engine_loads(tiny, adapters, caplog):
-    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1, lora=((str(adapters["wide"]), 1.0),))
+    spec = ModelSpec(tiny["tiny-llama"], ("-np", "1", "--lora", str(adapters["wide"])), n_ctx=512)
     (row,) = lora_rows(probe(spec, use_cache=False))
     with caplog.at_level(logging.DEBUG, logger="pyllmrouter.llama"):
         load(spec).close()
@@ -53,14 +53,14 @@ def test_the_count_is_what_llama_cpp_allocates_when_the_engine_loads(tiny, adapt
 
 
 def test_a_scale_set_per_request_applies(tiny, adapters):
-    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1)
+    spec = ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=512)
     body = {"prompt": "hello", "max_tokens": 8, "temperature": 0}
     plain = load(spec)
     try:
         base = request(plain, "/v1/completions", body)["choices"][0]["text"]
     finally:
         plain.close()
-    engine = load(spec.replace(lora=((str(adapters["small"]), 1.0),)))
+    engine = load(spec.with_args("--lora", str(adapters["small"])))
     try:
         off = request(engine, "/v1/completions", {**body, "lora": [{"id": 0, "scale": 0.0}]})["choices"][0]["text"]
         on = request(engine, "/v1/completions", {**body, "lora": [{"id": 0, "scale": 1.0}]})["choices"][0]["text"]
@@ -75,17 +75,17 @@ def test_a_bad_adapter_is_named(tiny, adapters, tmp_path):
     spec = ModelSpec(tiny["tiny-llama"], n_ctx=512)
     gone = tmp_path / "gone.gguf"
     with pytest.raises(ProbeError, match="gone.gguf: lora: file not found") as e:
-        probe(spec.replace(lora=((str(gone), 1.0),)), use_cache=False)
+        probe(spec.with_args("--lora", str(gone)), use_cache=False)
     assert e.value.path == str(gone)
     with pytest.raises(ProbeError, match="moe.gguf: lora: made for qwen3moe, the model is llama"):
-        probe(spec.replace(lora=((str(adapters["moe"]), 1.0),)), use_cache=False)
+        probe(spec.with_args("--lora", str(adapters["moe"])), use_cache=False)
     with pytest.raises(ProbeError, match="tiny-moe.gguf: lora: not a LoRA adapter"):
-        probe(spec.replace(lora=((str(tiny["tiny-moe"]), 1.0),)), use_cache=False)
+        probe(spec.with_args("--lora", str(tiny["tiny-moe"])), use_cache=False)
 
 
 @pytest.mark.slow
 def test_the_router_counts_the_adapter_and_shows_it(tiny, adapters):
-    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1, lora=((str(adapters["wide"]), 1.0),))
+    spec = ModelSpec(tiny["tiny-llama"], ("-np", "1", "--lora", str(adapters["wide"])), n_ctx=512)
     need = probe(spec).total
     with Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": need}), margin=0) as r:
         assert r.complete("m", "hello", max_tokens=2)["choices"]
@@ -100,8 +100,8 @@ def test_an_applied_adapter_needs_no_compute_beyond_the_probe(tiny, adapters):
     from pyllmrouter.engine.probe import live_breakdown
 
     for ubatch in (512, 64):
-        spec = ModelSpec(tiny["tiny-llama"], n_ctx=1024, n_seq_max=1, n_batch=ubatch, n_ubatch=ubatch,
-                         lora=((str(adapters["wide"]), 1.0),))
+        spec = ModelSpec(tiny["tiny-llama"], ("-np", "1", "-b", str(ubatch), "-ub", str(ubatch),
+                                              "--lora", str(adapters["wide"])), n_ctx=1024)
         est = probe(spec, use_cache=False)
         engine = load(spec)
         try:

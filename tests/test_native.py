@@ -133,7 +133,7 @@ def test_probing_while_another_thread_loads_and_generates(tiny):
         for i in range(60):
             probe(ModelSpec(path, n_ctx=128 + i), use_cache=False)
             try:
-                probe(ModelSpec(path, type_v="q8_0", flash_attn="off"), use_cache=False)
+                probe(ModelSpec(path, ("-ctv", "q8_0", "-fa", "off")), use_cache=False)
             except ProbeError as e:
                 reasons.add(e.reason)
         stop.append(1)
@@ -215,7 +215,7 @@ def test_closing_an_engine_ends_the_requests_it_is_serving(tiny):
         import json, threading, time
         from pyllmrouter import ModelSpec
         from pyllmrouter.engine.loader import load
-        engine = load(ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=16384, n_seq_max=2))
+        engine = load(ModelSpec({str(tiny["tiny-llama"])!r}, ("-np", "2"), n_ctx=16384))
         body = {{"prompt": "hi", "max_tokens": 8000, "ignore_eos": True, "temperature": 0}}
         stream = engine.handle("POST", "/v1/completions", {{}}, {{}}, json.dumps({{**body, "stream": True}}).encode())
         whole = []

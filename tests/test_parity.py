@@ -26,7 +26,7 @@ from pyllmrouter import ModelSpec
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.engine.loader import engine_args
-from pyllmrouter.tools.loopback import free_port, llama_tool, wait_healthy
+from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
 from pyllmrouter.router.api import Router
 from pyllmrouter.tools.scripted import (THINK_SCRIPT, THINK_TEMPLATE, TOOL_SCRIPT, TOOL_TEMPLATE,
                                         write_scripted)
@@ -63,15 +63,14 @@ def gemma(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def _pair(spec: ModelSpec, args: tuple[str, ...] = ()):
+def _pair(spec: ModelSpec):
     """(ours, llama-server's) base URLs, the same model and arguments behind both."""
     if not LLAMA_SERVER.exists():
         pytest.fail(f"{LLAMA_SERVER} is missing: scripts/setup.sh --test builds it")
     port = free_port()
-    theirs = subprocess.Popen([str(LLAMA_SERVER), *engine_args(spec, "m", args), "--host", "127.0.0.1",
+    theirs = subprocess.Popen([str(LLAMA_SERVER), *engine_args(spec, "m"), "--host", "127.0.0.1",
                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    router = Router([ModelConfig("m", spec, args=args)], inventory=EmulatedInventory({"GPU0": 4 << 30}),
-                    margin=0)
+    router = Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 4 << 30}), margin=0)
     ours_port = free_port()
     srv = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=ours_port,
                                         log_level="warning"))
@@ -94,7 +93,7 @@ def _pair(spec: ModelSpec, args: tuple[str, ...] = ()):
 @pytest.fixture(scope="module", params=["tiny-llama", "gemma-270m"])
 def servers(request, tiny, gemma, module_cache):
     path = tiny["tiny-llama"] if request.param == "tiny-llama" else gemma
-    with _pair(ModelSpec(path, n_ctx=2048, n_seq_max=2, n_threads=2), ("--metrics",)) as bases:
+    with _pair(ModelSpec(path, ("-np", "2", "-t", "2", "--metrics"), n_ctx=2048)) as bases:
         yield bases
 
 
@@ -103,8 +102,36 @@ def scripted(request, tmp_path_factory, module_cache):
     """A model whose greedy answer is a tool call, or reasoning then an answer (scripted.py)."""
     template, script = (TOOL_TEMPLATE, TOOL_SCRIPT) if request.param == "tools" else (THINK_TEMPLATE, THINK_SCRIPT)
     path = write_scripted(tmp_path_factory.mktemp("scripted") / f"{request.param}.gguf", template, script)
-    with _pair(ModelSpec(path, n_ctx=1024, n_seq_max=2, n_threads=2), ("--jinja",)) as bases:
+    with _pair(ModelSpec(path, ("-np", "2", "-t", "2", "--jinja"), n_ctx=2048)) as bases:
         yield request.param, bases
+
+
+def test_a_preset_that_names_only_the_model_answers_as_llama_server_with_only_m(gemma, tmp_path):
+    """What most users run: llama-server -m MODEL, and a preset section with the model alone.
+    Greedy completions are the same text (llama-server's defaults: no full-size SWA cache, the
+    training context, four slots sharing one KV cache)."""
+    preset = tmp_path / "models.ini"
+    preset.write_text(f"[m]\nmodel = {gemma}\n")
+    port = free_port()
+    theirs = subprocess.Popen([str(LLAMA_SERVER), "-m", str(gemma), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ours, base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=4GiB",
+                              "--models-memory-margin", "0"])
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", theirs)
+        texts = []
+        with httpx.Client(timeout=300) as c:
+            for prompt in PROMPTS:
+                body = {"model": "m", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+                texts.append(tuple(c.post(b + "/v1/completions", json=body).json()["choices"][0]["text"]
+                                   for b in (base, f"http://127.0.0.1:{port}")))
+            context = c.get(base + "/models").json()["data"][0]["context"]
+    finally:
+        for p in (theirs, ours):
+            p.terminate()
+            p.wait(30)
+    assert all(a == b and a for a, b in texts), texts
+    assert context["n_ctx"] == 32768 and not context["fitted"]
 
 
 def both(servers, method: str, path: str, **kw) -> tuple[httpx.Response, httpx.Response]:

@@ -11,10 +11,12 @@ def write(tmp_path, text):
 
 
 def test_llama_server_preset_with_every_key_style(tmp_path):
+    from pyllmrouter.engine.backend import native
+
     p = write(tmp_path, """version = 1
 ; comment
 [*]
-c = 8192
+c = 8192                 ; an inline comment, as llama-server's INI grammar allows
 n-gpu-layers = 8
 jinja = true
 memory-margin = 256
@@ -46,55 +48,62 @@ ctkd = q8_0
 spec-type = draft-simple
 spec-draft-n-max = 6
 lora-scaled = /m/style.gguf:0.5,/m/tone.gguf:1
+swa-full = true
+ctx-checkpoints = 4
 
 [embed]
 model = /m/bge.gguf
 embeddings = true
 c = 512
-no-mmap = true
+lm = none
 """)
     preset = read_preset(p)
     chat, embed = preset.models
     assert preset.router == {"margin": 256 * MiB}
     assert chat.name == "chat" and chat.aliases == ("assistant", "helper")
-    s = chat.spec
-    assert (s.path, s.n_ctx, s.n_gpu_layers, s.type_k, s.type_v, s.flash_attn, s.n_seq_max) == \
-        ("/m/chat.gguf", 8192, -1, "q8_0", "q8_0", "on", 4)
-    assert s.tensor_split == (3.0, 1.0)
+    assert chat.spec.path == "/m/chat.gguf" and embed.spec.path == "/m/bge.gguf"
     assert chat.devices == ("CUDA0", "CUDA1") and chat.persistent and chat.load_on_startup
     assert chat.ttl == 600 and chat.stop_timeout == 3
-    # the projector is memory: part of the spec the probe measures, and of the engine's arguments
-    assert (s.mmproj, s.mmproj_offload, s.image_max_tokens) == ("/m/chat-mmproj.gguf", False, 256)
-    assert "--mmproj" not in chat.args
-    spec_args = s.to_args()
-    assert spec_args[spec_args.index("--mmproj") + 1] == "/m/chat-mmproj.gguf" and "--no-mmproj-offload" in spec_args
-    assert spec_args[spec_args.index("--image-max-tokens") + 1] == "256"
-    # so is a draft model and what sizes its buffers
-    assert (s.draft, s.draft_n_gpu_layers, s.draft_type_k, s.spec_type, s.draft_n_max) == \
-        ("/m/chat-draft.gguf", 12, "q8_0", "draft-simple", 6)
-    assert spec_args[spec_args.index("-md") + 1] == "/m/chat-draft.gguf" and "--spec-type" not in chat.args
-    # and LoRA adapters
-    assert s.lora == (("/m/style.gguf", 0.5), ("/m/tone.gguf", 1.0))
-    assert spec_args[spec_args.index("--lora-scaled") + 1] == "/m/style.gguf:0.5,/m/tone.gguf:1"
-    # llama-server's other keys reach the engine as llama-server's router passes them to a child
-    # (a negated key as the negated flag), checked by llama.cpp's own parser
-    args = chat.args
+    # every llama-server key is an argument of the model, as llama-server's router passes it to
+    # a child: llama.cpp says what it means (a negated key as the negated flag)
+    args = chat.spec.args
+    assert "--alias" not in args and "--model" not in args  # the router's: routing, and the file itself
     assert args[args.index("--chat-template") + 1] == "chatml" and "--jinja" in args
-    assert args[args.index("--reasoning-format") + 1] == "deepseek" and args[args.index("--temperature") + 1] == "0.5"
     assert "--no-context-shift" in args and "--context-shift" not in args
+    nat = native()
+    p = nat.server_params(chat.spec.to_args())
+    assert (p["n_ctx"], p["n_gpu_layers"], p["type_k"], p["type_v"], p["flash_attn"], p["n_parallel"]) == \
+        (8192, -2, "q8_0", "q8_0", "on", 4)
+    assert (p["mmproj"], p["mmproj_offload"]) == ("/m/chat-mmproj.gguf", False)
+    assert (p["draft"], p["draft_n_gpu_layers"]) == ("/m/chat-draft.gguf", 12)
+    assert p["lora"] == ["/m/style.gguf", "/m/tone.gguf"]
+    assert p["swa_full"] and p["ctx_checkpoints"] == 4 and not p["kv_unified"]  # -np 4 given: a cache per slot
     # [*] gives defaults, the section overrides them
-    assert embed.spec.n_ctx == 512 and embed.spec.n_gpu_layers == 8 and embed.spec.embedding
-    assert embed.spec.use_mmap is False
+    e = nat.server_params(embed.spec.to_args())
+    assert (e["n_ctx"], e["n_gpu_layers"], e["embedding"]) == (512, 8, True)
+    assert embed.spec.args[embed.spec.args.index("--load-mode") + 1] == "none"
+
+
+def test_a_preset_that_names_only_the_model_means_llama_servers_defaults(tmp_path, tiny):
+    from pyllmrouter.engine.backend import native
+
+    (m,) = read_preset(write(tmp_path, f"[m]\nmodel = {tiny['tiny-llama']}\n")).models
+    assert m.spec.args == () and m.devices is None and m.aliases == ()
+    p = native().server_params(m.spec.to_args())
+    # llama-server's own: slots auto (4, one unified KV cache), the training context (the fit may
+    # shrink it), no full-size SWA cache, 32 checkpoints per slot; ours: no host prompt cache
+    assert (p["n_parallel"], p["kv_unified"], p["n_ctx"], p["ctx_auto"], p["swa_full"], p["ctx_checkpoints"]) == \
+        (4, True, 2048, True, False, 32)
+    assert p["cache_ram"] == 0 and p["fit"]
 
 
 @pytest.mark.parametrize("text, message", [
     ("[a]\nmodel = x.gguf\nwarp-speed = 9\n", r"models.ini:3: key 'warp-speed' in \[a\]: unknown key"),
     ("[a]\nmodel = x.gguf\ntemp = hot\n", r"models.ini:3: key 'temp' in \[a\]: argument --temp"),
     ("[a]\nmodel = x.gguf\nreasoning-format = loud\n", r"models.ini:3: key 'reasoning-format' in \[a\]"),
-    ("[a]\nmodel = x.gguf\nc = lots\n", r"models.ini:3: key 'c': invalid literal"),
-    ("[a]\nmodel = x.gguf\nctk = q3\n", r"models.ini:3: key 'ctk': expected one of"),
-    ("[a]\nmodel = x.gguf\nflash-attn = maybe\n", r"models.ini:3: key 'flash-attn'"),
-    ("[a]\nmodel = x.gguf\nc = -5\n", r"models.ini:3: key 'c' in \[a\]: n_ctx=-5"),
+    ("[a]\nmodel = x.gguf\nc = lots\n", r"models.ini:3: key 'c' in \[a\]: argument -c = 'lots'"),
+    ("[a]\nmodel = x.gguf\nctk = q3\n", r"models.ini:3: key 'ctk' in \[a\]: argument -ctk = 'q3'"),
+    ("[a]\nmodel = x.gguf\nflash-attn = maybe\n", r"models.ini:3: key 'flash-attn' in \[a\]"),
     ("[a]\nc = 5\n", r"\[a\]: no 'model' key"),
     ("[a]\nmodel = x\n[a]\nmodel = y\n", r"models.ini:3: section \[a\] appears twice"),
     ("[a]\nmodel = x\nmemory-margin = 5\n", r"models.ini:3: key 'memory-margin' applies to the whole router"),
@@ -136,6 +145,6 @@ def test_models_dir_follows_llama_server_rules(tmp_path):
     # the projector beside a model is its mmproj (and is measured with it); a stray
     # projector at the top level is no model
     (tmp_path / "gemma-mmproj-f16.gguf").write_bytes(b"GGUF")
-    projectors = {m.name: m.spec.mmproj for m in scan_models_dir(tmp_path)}
-    assert projectors == {"llama-3b-Q4": None, "gemma-vision": str(mm / "mmproj-F16.gguf"), "kimi": None,
-                          "split": None}
+    projectors = {m.name: m.spec.args for m in scan_models_dir(tmp_path)}
+    assert projectors == {"llama-3b-Q4": (), "gemma-vision": ("--mmproj", str(mm / "mmproj-F16.gguf")), "kimi": (),
+                          "split": ()}

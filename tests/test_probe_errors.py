@@ -67,7 +67,7 @@ def test_missing_shard_is_named(tmp_path):
 
 def test_unknown_device_lists_the_known_ones(tiny):
     with pytest.raises(ProbeError, match="invalid device: CUDA7; devices here: .*CPU"):
-        probe(ModelSpec(tiny["tiny-llama"], devices=("CUDA7",)))
+        probe(ModelSpec(tiny["tiny-llama"], ("-dev", "CUDA7")))
 
 
 def test_with_several_bad_files_the_projector_is_named_first_then_the_model(tmp_path, tiny):
@@ -79,9 +79,9 @@ def test_with_several_bad_files_the_projector_is_named_first_then_the_model(tmp_
     not_a_projector = str(tiny["tiny-moe"])
     for _ in range(3):
         with pytest.raises(ProbeError, match="cannot load it as a projector") as e:
-            probe(ModelSpec(cut, n_ctx=256, mmproj=not_a_projector, draft=str(cut)), use_cache=False)
+            probe(ModelSpec(cut, ("--mmproj", str(not_a_projector), "-md", str(cut)), n_ctx=256), use_cache=False)
         assert e.value.path == not_a_projector
         with pytest.raises(ProbeError, match="not within the file bounds") as e:
-            probe(ModelSpec(cut, n_ctx=256, draft=str(cut)), use_cache=False)
+            probe(ModelSpec(cut, ("-md", str(cut)), n_ctx=256), use_cache=False)
         assert e.value.path == str(cut) and "draft" not in str(e.value)  # the model's error, not the draft's
     _check_still_probes(tiny)

@@ -24,7 +24,7 @@ def image_chat(text: str = "what is in it?", seed: int = 0) -> list[dict]:
 
 def test_the_probe_counts_the_projector_weights_and_compute_on_its_device(tiny, projector):
     plain = probe(ModelSpec(tiny["tiny-llama"], n_ctx=512), use_cache=False)
-    with_projector = probe(ModelSpec(tiny["tiny-llama"], n_ctx=512, mmproj=str(projector)), use_cache=False)
+    with_projector = probe(ModelSpec(tiny["tiny-llama"], ("--mmproj", str(projector)), n_ctx=512), use_cache=False)
     rows = [b for b in with_projector.buffers if b.projector]
     assert len(rows) == 1 and rows[0].device == "CPU" and rows[0].host
     bytes_ = rows[0].projector
@@ -41,21 +41,21 @@ def test_the_probe_counts_the_projector_weights_and_compute_on_its_device(tiny, 
 def test_a_missing_or_corrupt_projector_is_named(tiny, projector, tmp_path):
     missing = tmp_path / "gone.gguf"
     with pytest.raises(ProbeError, match="gone.gguf: projector: file not found") as e:
-        probe(ModelSpec(tiny["tiny-llama"], mmproj=str(missing)), use_cache=False)
+        probe(ModelSpec(tiny["tiny-llama"], ("--mmproj", str(missing))), use_cache=False)
     assert e.value.path == str(missing)
     # a GGUF that is not a projector (the text model itself)
     with pytest.raises(ProbeError, match="cannot load it as a projector") as e:
-        probe(ModelSpec(tiny["tiny-llama"], mmproj=str(tiny["tiny-llama"])), use_cache=False)
+        probe(ModelSpec(tiny["tiny-llama"], ("--mmproj", str(tiny["tiny-llama"]))), use_cache=False)
     assert e.value.path == str(tiny["tiny-llama"])
     noise = tmp_path / "noise.gguf"
     noise.write_bytes(b"not a gguf at all")
     with pytest.raises(ProbeError, match="noise.gguf: projector: not a GGUF file"):
-        probe(ModelSpec(tiny["tiny-llama"], mmproj=str(noise)), use_cache=False)
+        probe(ModelSpec(tiny["tiny-llama"], ("--mmproj", str(noise))), use_cache=False)
 
 
 @pytest.mark.slow
 def test_an_image_request_answers_through_the_router(tiny, projector):
-    spec = ModelSpec(tiny["tiny-llama"], n_ctx=512, n_seq_max=1, mmproj=str(projector))
+    spec = ModelSpec(tiny["tiny-llama"], ("-np", "1", "--mmproj", str(projector)), n_ctx=512)
     with Router([ModelConfig("vision", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
         text_only = r.chat("vision", [{"role": "user", "content": "what is in it?"}], max_tokens=2)
         seen = r.chat("vision", image_chat(), max_tokens=2)
@@ -73,7 +73,7 @@ def test_an_image_request_answers_through_the_router(tiny, projector):
 @pytest.mark.slow
 def test_a_bad_projector_fails_its_model_and_unloads_nothing(tiny, tmp_path):
     models = [ModelConfig("text", ModelSpec(tiny["tiny-llama"], n_ctx=512), devices=("GPU0",)),
-              ModelConfig("vision", ModelSpec(tiny["tiny-llama"], n_ctx=512, mmproj=str(tmp_path / "gone.gguf")),
+              ModelConfig("vision", ModelSpec(tiny["tiny-llama"], ("--mmproj", str(tmp_path / "gone.gguf")), n_ctx=512),
                           devices=("GPU0",))]
     with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0, max_models=1) as r:
         r.load("text")
@@ -89,8 +89,8 @@ def test_seed_incident_with_a_projector_the_second_model_fits_only_without_it(ti
     projector: the projector is counted, so the second waits while the first is busy,
     then evicts it once idle; GPU0 is never oversubscribed."""
     text = ModelSpec(tiny["tiny-llama"], n_ctx=512)
-    vision = ModelSpec(tiny["tiny-llama"], n_ctx=256, mmproj=str(projector))
-    without = probe(vision.replace(mmproj=None)).total
+    vision = ModelSpec(tiny["tiny-llama"], ("--mmproj", str(projector)), n_ctx=256)
+    without = probe(ModelSpec(tiny["tiny-llama"], n_ctx=256)).total
     gpu0 = probe(text).total + without + probe(vision).total // 100  # room for both, less the projector
     assert probe(text).total + probe(vision).total > gpu0
     models = [ModelConfig("text", text, devices=("GPU0",)), ModelConfig("vision", vision, devices=("GPU0",))]

@@ -35,7 +35,7 @@ def specs(tiny):
         "a": ModelSpec(tiny["tiny-llama"], n_ctx=512),
         "b": ModelSpec(tiny["tiny-moe"], n_ctx=512),
         "c": ModelSpec(tiny["tiny-llama"], n_ctx=256),
-        "e": ModelSpec(tiny["tiny-bert"], n_ctx=256, embedding=True),
+        "e": ModelSpec(tiny["tiny-bert"], ("--embedding",), n_ctx=256),
     }
 
 
@@ -385,7 +385,7 @@ def test_async_request_left_by_its_caller_stops_and_keeps_its_lease_until_the_wo
     # request started cold) shows whether it stopped
     model = tinymodels.write_llama(tmp_path / "long.gguf", replace(tinymodels.LLAMA, n_ctx_train=4096))
     long = dict(max_tokens=4000, logit_bias={2: -100, 4: -100}, temperature=0.0, cache_prompt=False)
-    specs = dict(specs, a=ModelSpec(model, n_ctx=4096, n_seq_max=1, n_threads=1))
+    specs = dict(specs, a=ModelSpec(model, ("-np", "1", "-t", "1"), n_ctx=4096))
 
     def leases(r):
         return r.status()["models"]["a"]["leases"]
@@ -490,7 +490,7 @@ def test_a_hung_worker_is_killed_by_the_heartbeat_and_replaced(specs, tiny):
     """A worker busy decoding keeps answering its pings; one that stops answering
     (SIGSTOP: it hangs) is killed within the bound, its request in flight fails with
     WorkerDied, its model is unloaded, and the next request starts a new worker."""
-    specs = dict(specs, a=ModelSpec(tiny["tiny-llama"], n_ctx=2048, n_seq_max=1, n_threads=1))
+    specs = dict(specs, a=ModelSpec(tiny["tiny-llama"], ("-np", "1", "-t", "1"), n_ctx=2048))
     long = dict(max_tokens=2000, logit_bias={"2": -100, "4": -100}, temperature=0.0)
     with make(specs, ["a"], {"GPU0": 1 << 30}, heartbeat=0.5) as r:
         r.load("a")

@@ -29,13 +29,13 @@ pytestmark = [pytest.mark.slow,  # rpc-servers and worker processes
 
 
 
-@pytest.mark.parametrize("model, extra", [
-    ("tiny-llama", "tensor_split=(1, 2)"),
-    ("tiny-moe", "tensor_split=(1, 1)"),
-    ("tiny-moe", "tensor_split=(1, 1), cpu_moe=True"),
-    ("tiny-llama", "n_gpu_layers=1, tensor_split=(1, 1)"),
+@pytest.mark.parametrize("model, extra, args", [
+    ("tiny-llama", "tensor_split=(1, 2)", ()),
+    ("tiny-moe", "tensor_split=(1, 1)", ()),
+    ("tiny-moe", "tensor_split=(1, 1)", ("--cpu-moe",)),
+    ("tiny-llama", "n_gpu_layers=1, tensor_split=(1, 1)", ()),
 ])
-def test_probe_equals_allocation_on_rpc_devices(rpc_servers, tiny, model, extra):
+def test_probe_equals_allocation_on_rpc_devices(rpc_servers, tiny, model, extra, args):
     out = run_py(f"""
         import json
         from pyllmrouter.engine.backend import native
@@ -43,7 +43,7 @@ def test_probe_equals_allocation_on_rpc_devices(rpc_servers, tiny, model, extra)
         from pyllmrouter.engine.loader import load, request
         from pyllmrouter.engine.probe import live_breakdown
         names = native().add_rpc_servers({rpc_servers[:2]!r})
-        spec = ModelSpec({str(tiny[model])!r}, n_ctx=512, use_mmap=False, {extra})
+        spec = ModelSpec({str(tiny[model])!r}, ("-lm", "none", *{args!r}), n_ctx=512, {extra})
         est = probe(spec, use_cache=False)
         llm = load(spec)
         live = live_breakdown(llm)  # as allocated by the load (a decode may shrink compute buffers later)
@@ -122,8 +122,7 @@ def test_a_projector_goes_to_a_device_or_to_the_host_as_the_engine_puts_it(rpc_s
         native().add_rpc_servers({rpc_servers[:2]!r})
         result = {{}}
         for offload in (True, False):
-            spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, devices=("RPC1",),
-                             mmproj={str(projector)!r}, mmproj_offload=offload)
+            spec = ModelSpec({str(tiny["tiny-llama"])!r}, ("-np", "1", "-dev", "RPC1", "--mmproj", {str(projector)!r}), n_ctx=512, mmproj_offload=offload)
             est = probe(spec, use_cache=False)
             rows = [[b.device, b.host, b.projector] for b in est.buffers if b.projector]
             llm = load(spec)
@@ -157,8 +156,8 @@ def test_a_lora_adapter_is_counted_on_the_devices_of_the_layers_it_adapts(rpc_se
         from pyllmrouter import ModelSpec, probe
         from pyllmrouter.engine.loader import load, request
         native().add_rpc_servers({rpc_servers[:2]!r})
-        spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, tensor_split=(1, 2),
-                         lora=(({str(lora)!r}, 1.0),))
+        spec = ModelSpec({str(tiny["tiny-llama"])!r}, ("-np", "1", "--lora", {str(lora)!r}), n_ctx=512,
+                         tensor_split=(1, 2))
         rows = {{b.device: b.model for b in probe(spec, use_cache=False).buffers if b.component == "lora"}}
         llm = load(spec)
         texts = [request(llm, "/v1/completions", {{"prompt": "hello", "max_tokens": 8, "temperature": 0,
@@ -184,8 +183,8 @@ def test_a_draft_on_a_device_of_its_own(rpc_servers, tiny, draft):
         from pyllmrouter import ModelSpec, probe
         from pyllmrouter.engine.loader import load, request
         native().add_rpc_servers({rpc_servers[:2]!r})
-        spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, devices=("RPC0",), draft={str(draft)!r},
-                         draft_devices=("RPC1",), spec_type="draft-simple")
+        spec = ModelSpec({str(tiny["tiny-llama"])!r}, ("-np", "1", "-dev", "RPC0", "-md", {str(draft)!r}, "--spec-type", "draft-simple"), n_ctx=512,
+                         draft_devices=("RPC1",))
         est = probe(spec, use_cache=False)
         where = lambda c: sorted({{b.device for b in est.buffers if b.component == c and not b.host and b.model}})
         llm = load(spec)
@@ -214,9 +213,8 @@ def test_probe_equals_what_the_rpc_servers_hold_with_projector_and_draft(tiny, p
             from pyllmrouter.tools.loopback import rpc_live_bytes
             native().add_rpc_servers({endpoints!r})
             held = lambda: {{f"RPC{{i}}": rpc_live_bytes(Path({str(tmp_path)!r}) / f"rpc{{i}}.log") for i in range(2)}}
-            spec = ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512, n_seq_max=1, devices=("RPC0",),
-                             mmproj={str(projector)!r}, mmproj_offload={offload}, draft={str(draft)!r},
-                             draft_devices=("RPC1",), spec_type="draft-simple")
+            spec = ModelSpec({str(tiny["tiny-llama"])!r}, ("-np", "1", "-dev", "RPC0", "--mmproj", {str(projector)!r}, "-md", {str(draft)!r}, "--spec-type", "draft-simple"), n_ctx=512, mmproj_offload={offload},
+                             draft_devices=("RPC1",))
             est = probe(spec, use_cache=False)
             before = held()
             llm = load(spec)

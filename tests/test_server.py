@@ -39,12 +39,12 @@ def server(tiny, tmp_path_factory, module_cache):
     data = tiny["tiny-llama"].read_bytes()
     broken.write_bytes(data[: len(data) // 3])
     # a serves one request at a time through llama_cpp's streaming (slow enough to stay busy)
-    a, b = ModelSpec(tiny["tiny-llama"], n_ctx=2048, n_seq_max=1), ModelSpec(tiny["tiny-moe"], n_ctx=512)
+    a, b = ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=2048), ModelSpec(tiny["tiny-moe"], n_ctx=512)
     gpu0 = max(probe(a).total, probe(b).total) + 1
     models = [
         ModelConfig("a", a, aliases=("alpha",), devices=("GPU0",)),
         ModelConfig("b", b, devices=("GPU0",)),
-        ModelConfig("e", ModelSpec(tiny["tiny-bert"], n_ctx=256, embedding=True), devices=("GPU1",)),
+        ModelConfig("e", ModelSpec(tiny["tiny-bert"], ("--embedding",), n_ctx=256), devices=("GPU1",)),
         ModelConfig("broken", ModelSpec(broken, n_ctx=512), devices=("GPU1",)),
         ModelConfig("huge", ModelSpec(tiny["tiny-llama"], n_ctx=1 << 20), devices=("GPU1",)),
     ]

@@ -40,7 +40,7 @@ def test_chat_template_is_applied(tiny, engine):
 
 
 def test_bert_embeds(tiny, engine):
-    e = engine(ModelSpec(tiny["tiny-bert"], n_ctx=512, embedding=True))
+    e = engine(ModelSpec(tiny["tiny-bert"], ("--embedding",), n_ctx=512))
     a, b = (d["embedding"] for d in request(e, "/v1/embeddings", {"input": ["hello world", "the model"]})["data"])
     assert len(a) == tinymodels.BERT.n_embd
     assert a != b

@@ -1,8 +1,12 @@
 """Fit a model into per-device grants: layers per device, MoE experts in host memory.
 
-    fit(spec, devices, grants, probe)            devices fastest first (ggml names as
+    fit(spec, devices, grants, probe, params)   devices fastest first (ggml names as
         │                                        the probing process sees them)
         ├─ probe the spec as given: fits? ──▶ done (one probe)
+        ├─ a context left to llama.cpp (no -c): shrunk as llama.cpp's own fit shrinks it
+        │  (common_fit_params, step 2: probed at --fit-ctx too, the context interpolated
+        │  between the two to what the grants hold, aligned to 256 per stream), one
+        │  probe to verify: fits? ──▶ done
         ├─ the projector, then the draft model, to host memory (one probe each):
         │  fits? ──▶ done; what moved is in the plan (``to_host``)
         ├─ costs measured once: per-layer weights and expert weights from the GGUF
@@ -19,6 +23,10 @@ with integer proportions each device gets exactly its count, so the plan is
 expressed as ``n_gpu_layers = sum(counts)`` and ``tensor_split = counts``.
 ``probe`` returns bytes per pool ({"RPC0": ..., "CPU": ...}); the pool "CPU"
 is host memory and its grant is ``grants.get("CPU")`` (no limit if absent).
+``params`` is what llama-server makes of the spec's arguments
+(``_native.server_params``): whether its context was left to the fit, the
+projector and draft it loads, and so on.  A model on the host alone can only be
+fitted by its context.
 """
 
 from __future__ import annotations
@@ -49,11 +57,12 @@ class FitPlan:
     probes: int
     grants: dict[str, int] = field(default_factory=dict)
     to_host: tuple[str, ...] = ()  # parts moved to host memory before any layer: "projector", "draft"
+    n_ctx: int | None = None  # the context chosen, where the fit chose it (a context left to llama.cpp)
 
     def to_dict(self) -> dict:
         return {"spec": self.spec.to_dict(), "per_device": self.per_device, "layers": self.layers,
                 "experts_on_host": self.experts_on_host, "probes": self.probes, "grants": self.grants,
-                "to_host": list(self.to_host)}
+                "to_host": list(self.to_host), "n_ctx": self.n_ctx}
 
 
 def _over(per_device: Mapping[str, int], grants: Mapping[str, int]) -> dict[str, int]:
@@ -120,10 +129,43 @@ def _placed(c: _Costs, counts: Mapping[str, int], devices: Sequence[str], k: int
 def _spec_for(spec: ModelSpec, counts: Mapping[str, int], devices: Sequence[str], k: int, moe: bool) -> ModelSpec:
     total = sum(counts.values())
     split = tuple(float(counts[d]) for d in devices)
-    changes = dict(n_gpu_layers=total, tensor_split=split if total else None)
+    changes: dict = dict(n_gpu_layers=total, tensor_split=split if total else None)
     if moe:
-        changes.update(n_cpu_moe=k, cpu_moe=False)
+        changes.update(n_cpu_moe=k)
     return spec.replace(**changes)
+
+
+def _pools_used(totals: Mapping[str, int], pools: Sequence[str]) -> int:
+    return sum(totals.get(d, 0) for d in pools)
+
+
+def _context(v: "_Verifier", spec: ModelSpec, params: Mapping, devices: Sequence[str],
+             first: Mapping[str, Mapping[str, int]], n_layer: int, moe: bool) -> ModelSpec | None:
+    """llama.cpp's step 2 (common_fit_params): a context left to llama.cpp, shrunk toward
+    --fit-ctx in proportion to what the grants lack, aligned to 256 cells per stream (None:
+    the context is not the fit's to change)."""
+    if not params.get("ctx_auto") or params.get("fit_ctx", -1) < 0:
+        return None
+    streams = max(1, int(params.get("n_streams", 1)))
+    n_max = int(params["n_ctx"])
+    n_min = min(int(params["fit_ctx"]) * streams, 2**32 - 1)
+    if n_max <= n_min:
+        return None
+    pools = list(devices) or [HOST]  # the devices, or the host where there are none
+    used = _pools_used({d: u["total"] for d, u in first.items()}, pools)
+    target = sum(v.grants.get(d, 0) for d in pools)
+    if len(pools) > 1:  # whole layers (MoE: tensors) per device waste some room: llama.cpp's allowance
+        ngl = int(params.get("n_gpu_layers", -1))
+        per_layer = sum(first.get(d, {}).get("weights", 0) for d in pools) // max(1, min(ngl, n_layer) if ngl >= 0
+                                                                                     else n_layer)
+        target -= (len(pools) + 1) * per_layer // (6 if moe else 2)
+    smallest = spec.replace(n_ctx=n_min)
+    used_min = _pools_used(v.check(smallest)[0], pools)
+    if target <= used_min or used <= used_min:
+        return smallest
+    n_ctx = n_min + (n_max - n_min) * (target - used_min) // (used - used_min)
+    align = 256 * streams
+    return spec.replace(n_ctx=max(n_ctx - n_ctx % align, n_min))
 
 
 class _Verifier:
@@ -150,24 +192,39 @@ class _Verifier:
 def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
         probe: Callable[[ModelSpec], Mapping[str, Mapping[str, int]]],
         tensors: Sequence[tuple[str, int]], n_layer: int, max_probes: int = 12,
-        buffer_types: Mapping[str, str] | None = None) -> FitPlan:
+        buffer_types: Mapping[str, str] | None = None, params: Mapping | None = None) -> FitPlan:
     """The spec that fits ``grants`` with the most bytes on ``devices``.
 
     ``probe(spec)`` returns {pool: {"weights", "kv", "compute", "output", "total"}}.
     With ``buffer_types`` (device -> its buffer type name), what room a device has
     left after whole layers is filled with single tensors of host-resident layers.
+    ``params``: llama-server's reading of the spec (``_native.server_params``).
     """
     grants = dict(grants)
+    params = params or {}
     moe = any(_EXPERTS.search(n) for n, _ in tensors)
     v = _Verifier(probe, grants, max_probes)
     first = v.measure(spec)
     totals = {d: u["total"] for d, u in first.items()}
+    experts = spec.n_cpu_moe or 0
     if not _over(totals, grants):
-        return FitPlan(spec, totals, {}, spec.n_cpu_moe, v.count, grants)
+        return FitPlan(spec, totals, {}, experts, v.count, grants)
+    n_ctx = None
+    shrunk = _context(v, spec, params, devices, first, n_layer, moe)
+    if shrunk is not None:  # the context first, as llama.cpp's fit: then layers, with the smaller context
+        spec, n_ctx = shrunk, shrunk.n_ctx
+        first = v.measure(spec)
+        totals = {d: u["total"] for d, u in first.items()}
+        if not _over(totals, grants):
+            return FitPlan(spec, totals, {}, experts, v.count, grants, n_ctx=n_ctx)
+    if not devices:
+        raise FitError(f"needs {totals.get(HOST, 0)} bytes of host memory"
+                       f"{f' at its smallest context ({n_ctx})' if n_ctx else ''}, more than the "
+                       f"{grants.get(HOST, 0)} granted, and there is no device to move layers to")
     to_host: list[str] = []
-    for part, offloaded, change in (("projector", spec.mmproj is not None and spec.mmproj_offload,
+    for part, offloaded, change in (("projector", bool(params.get("mmproj")) and params.get("mmproj_offload", True),
                                      {"mmproj_offload": False}),
-                                    ("draft", spec.draft is not None and spec.draft_n_gpu_layers != 0,
+                                    ("draft", bool(params.get("draft")) and params.get("draft_n_gpu_layers", -1) != 0,
                                      {"draft_n_gpu_layers": 0})):
         if offloaded and any(d in _over(totals, grants) for d in devices):  # before any layer moves
             spec = spec.replace(**change)
@@ -175,7 +232,7 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
             totals = {d: u["total"] for d, u in first.items()}
             to_host.append(part)
             if not _over(totals, grants):
-                return FitPlan(spec, totals, {}, spec.n_cpu_moe, v.count, grants, tuple(to_host))
+                return FitPlan(spec, totals, {}, experts, v.count, grants, tuple(to_host), n_ctx)
     c = _costs(tensors, n_layer, first, devices)
     room = {d: grants.get(d, 0) for d in devices}
     k = n_layer if moe else 0
@@ -193,7 +250,7 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
     quick = _with_extras(v, spec, counts, devices, k, moe, c, tensors, n_layer, buffer_types) if moe else None
     if quick is not None:  # room the estimate left unused takes more expert tensors, if one fits
         return replace(_top_up(v, quick, devices, tensors, n_layer, buffer_types), probes=v.count,
-                       to_host=tuple(to_host))
+                       to_host=tuple(to_host), n_ctx=n_ctx)
     while True:
         candidate = _spec_for(spec, counts, devices, k, moe)
         totals, over = v.check(candidate)
@@ -214,7 +271,7 @@ def fit(spec: ModelSpec, devices: Sequence[str], grants: Mapping[str, int],
             counts[d] -= 1
     candidate, totals = _grow(v, c, counts, devices, spec, k, moe, candidate, totals)
     plan = FitPlan(candidate, totals, {d: n for d, n in counts.items() if n}, k if moe else 0, v.count, grants,
-                   tuple(to_host))
+                   tuple(to_host), n_ctx)
     plan = _top_up(v, plan, devices, tensors, n_layer, buffer_types)
     return replace(plan, probes=v.count)
 
@@ -287,7 +344,8 @@ def _host_tensors(plan: FitPlan, tensors: Sequence[tuple[str, int]], n_layer: in
     moving alone: the layer's graph then crosses devices, and the compute buffers grow
     by more than the tensor.)"""
     s = plan.spec
-    first_offloaded = max(0, n_layer + 1 - max(0, s.n_gpu_layers if s.n_gpu_layers >= 0 else n_layer + 1))
+    ngl = n_layer + 1 if s.n_gpu_layers is None or s.n_gpu_layers < 0 else s.n_gpu_layers
+    first_offloaded = max(0, n_layer + 1 - ngl)
     moved = {pattern for pattern, _buft in s.tensor_overrides}  # already placed one by one
     out = []
     for name, size in tensors:
@@ -295,7 +353,7 @@ def _host_tensors(plan: FitPlan, tensors: Sequence[tuple[str, int]], n_layer: in
         if not m:
             continue
         i = int(m.group(1))
-        on_host = i < first_offloaded or i < s.n_cpu_moe
+        on_host = i < first_offloaded or i < (s.n_cpu_moe or 0)
         if on_host and size > 0 and _EXPERTS.search(name) and "^" + re.escape(name) + "$" not in moved:
             out.append((i, name, size))
     return sorted(out, key=lambda t: (-t[0], -t[2]))
@@ -336,15 +394,13 @@ def _top_up(v: _Verifier, plan: FitPlan, devices: Sequence[str], tensors, n_laye
 
 def fit_here(spec: ModelSpec, grants: Mapping[str, int], devices: Sequence[str] | None = None) -> FitPlan:
     """``fit`` with probes in this process, over the devices it sees (fastest first:
-    as ggml lists them, or as given)."""
+    as ggml lists them, or as given); with none, over the host alone (the context)."""
     from pyllmrouter.engine.backend import native  # noqa: PLC0415
     from pyllmrouter.memory import ProbeError
     from pyllmrouter.engine.probe import probe  # noqa: PLC0415
 
     nat = native()
-    devs = list(devices) if devices else [d["name"] for d in nat.devices() if d["type"] != "cpu"]
-    if not devs:
-        raise FitError("no device to fit onto: this process sees only the host")
+    devs = list(devices) if devices is not None else [d["name"] for d in nat.devices() if d["type"] != "cpu"]
     unknown = [d for d in grants if d != HOST and d not in devs]
     if unknown:
         raise FitError(f"grants name devices this process does not see: {', '.join(unknown)}")
@@ -352,10 +408,14 @@ def fit_here(spec: ModelSpec, grants: Mapping[str, int], devices: Sequence[str] 
     n_layer = meta.get(f"{meta.get('general.architecture')}.block_count")
     if not isinstance(n_layer, int):
         raise ProbeError(spec.path, "no <arch>.block_count in the GGUF header")
+    try:
+        params = nat.server_params(spec.to_args())
+    except ValueError as e:
+        raise ProbeError(spec.path, str(e)) from None
 
     def run(s: ModelSpec) -> dict[str, dict[str, int]]:
         return {d.device: {"weights": d.weights, "kv": d.kv, "compute": d.compute, "output": d.output,
                            "total": d.total} for d in probe(s).devices}
 
     return fit(spec, devs, {d: g for d, g in grants.items()}, run, nat.tensor_sizes(spec.path), n_layer,
-               buffer_types={d: nat.device_buffer_type(d) for d in devs})
+               buffer_types={d: nat.device_buffer_type(d) for d in devs}, params=params)

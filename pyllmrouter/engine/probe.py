@@ -2,10 +2,11 @@
 
     probe(spec) ─┬─ cache hit? ──> MemoryEstimate (from JSON, memory.py)
                  └─ checks the file (exists, GGUF magic)
-                    spec.to_args() ──> _native.probe_server: llama.cpp's parser, the
+                    spec.to_args() ──> _native.server_params: what llama-server makes of them
+                                   ──> _native.probe_server: llama.cpp's parser, the
                     engine's own llama params (common_model_params_to_llama,
                     common_context_params_to_llama), no_alloc model + context
-                    ──> MemoryEstimate ──> cache
+                    ──> MemoryEstimate (with those params) ──> cache
 
 The arguments are the ones the worker gives the model's engine, so the probe
 measures the very structs the engine loads with.
@@ -49,12 +50,16 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
             return hit
 
     nat = native()  # imports llama_cpp: only on a cache miss
+    args = spec.to_args()
     try:
-        raw = nat.probe_server(spec.to_args())
+        params = nat.server_params(args)
+        if params["cache_ram"] < 0:
+            raise ValueError("--cache-ram -1 (no limit) cannot be admitted: give the prompt cache's cap in MiB")
+        raw = nat.probe_server(args)
     except nat.LlamaError as e:  # "FILE: reason", FILE the one at fault: the model, projector, draft or adapter
         reason = str(e)
-        at_fault = next((p for p in (spec.path, spec.mmproj, spec.draft, *(p for p, _ in spec.lora))
-                         if p is not None and reason.startswith(p + ": ")), spec.path)
+        files = (spec.path, params["mmproj"], params["draft"], *params["lora"])
+        at_fault = next((p for p in files if p and reason.startswith(p + ": ")), spec.path)
         raise ProbeError(at_fault, reason.removeprefix(at_fault + ": ")) from None
     except ValueError as e:  # llama.cpp's parser refused an argument
         reason = str(e)
@@ -65,14 +70,15 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
     facts = dict(raw["facts"])
     facts["devices"] = tuple(facts["devices"])
     buffers = _rows(raw["rows"])
-    if spec.cache_ram:  # llama-server's host prompt cache, counted at its cap
-        buffers += (BufferUse("prompt_cache", "CPU", True, cache=spec.cache_ram * MiB),)
+    if params["cache_ram"] > 0:  # llama-server's host prompt cache, counted at its cap
+        buffers += (BufferUse("prompt_cache", "CPU", True, cache=params["cache_ram"] * MiB),)
     est = MemoryEstimate(
         spec=spec,
         facts=ModelFacts(file_size=sum(st.st_size for st in stats), **facts),
         buffers=buffers,
         n_ctx=raw["n_ctx"],
         n_seq_max=raw["n_seq_max"],
+        params=params,
     )
     if use_cache:
         cache_write(key_path, est)

@@ -64,7 +64,7 @@ class _Worker:
         try:
             t0 = time.perf_counter()
             keep = ("--slot-save-path", msg.keep_dir) if msg.keep_dir else ()
-            engine = load(msg.spec, *msg.args, *keep, name=msg.name)
+            engine = load(msg.spec, *keep, name=msg.name)
             pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
             restored, refused = restore_all(engine, list(msg.restore)) if msg.restore else ({}, {})
             with self.models_lock:

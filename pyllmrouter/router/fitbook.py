@@ -33,6 +33,7 @@ class Fitted:
     experts_on_host: int = 0
     to_host: tuple[str, ...] = ()  # parts moved to host memory before any layer ("projector", "draft")
     error: str | None = None
+    n_ctx: int | None = None  # the context the fit chose (a context left to llama.cpp), if it chose one
 
     @property
     def ok(self) -> bool:
@@ -40,7 +41,8 @@ class Fitted:
 
     def to_dict(self) -> dict:
         return {"grant": dict(self.grant), "need": dict(self.need), "layers": dict(self.layers),
-                "experts_on_host": self.experts_on_host, "to_host": list(self.to_host), "error": self.error}
+                "experts_on_host": self.experts_on_host, "to_host": list(self.to_host), "error": self.error,
+                "n_ctx": self.n_ctx}
 
 
 def mib(per_device: Mapping[str, int]) -> str:

@@ -12,9 +12,10 @@
 
 A file is checked before it is offered (its size and CRC-32 as saved, kept in a
 sidecar ``.meta``): llama.cpp asserts on a truncated state, so a damaged file is
-discarded with a warning, never loaded.  A state is tied to its identity: a hash of the model file's identity and of the
-whole spec (context, slots, cache types, everything that shapes the KV), so it is
-only ever offered to the very configuration that wrote it.  The RAM directory is
+discarded with a warning, never loaded.  A state is tied to its identity: a hash of
+the model's name, its file's identity and the whole spec (every llama-server
+argument: context, slots, cache types, rope settings, overrides...), so it is only
+ever offered to the very configuration that wrote it.  The RAM directory is
 a tmpfs (/dev/shm) where there is one: its bytes are host memory, which admission
 counts as held.  The store does file I/O under its own lock only, never under
 the scheduler's; what the scheduler reads under its lock (``held_ram``) is a
@@ -43,14 +44,16 @@ __all__ = ["KeepStore", "Kept", "identity"]
 _LOG = logging.getLogger(__name__)
 
 
-def identity(spec: ModelSpec) -> str | None:
-    """The configuration a kept state belongs to: the model file and the whole spec
-    (None if the file cannot be read: nothing is kept for it)."""
+def identity(name: str, spec: ModelSpec) -> str | None:
+    """The configuration a kept state belongs to: the model's name, its file and the
+    whole spec, every llama-server argument included (None if the file cannot be read:
+    nothing is kept for it).  Two models over one file never share a directory."""
     try:
         st = os.stat(spec.path)
     except OSError:
         return None
-    ident = {"file": [os.path.realpath(spec.path), st.st_size, st.st_mtime_ns, st.st_ino], "spec": spec.to_dict()}
+    ident = {"name": name, "file": [os.path.realpath(spec.path), st.st_size, st.st_mtime_ns, st.st_ino],
+             "spec": spec.to_dict()}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -35,6 +35,9 @@ from pyllmrouter.router.pool import WorkerHandle
 __all__ = ["Measurer", "worker_spec"]
 
 
+_SPLIT_FLAGS = ("-ts", "--tensor-split")  # a split the user gave is theirs
+
+
 def worker_spec(spec: ModelSpec, device_set: frozenset[str], local: Mapping[str, str] | None = None) -> ModelSpec:
     """The spec a worker gets: the mask decides its devices (ggml names inside
     differ), and a split over several devices is explicit, because llama.cpp's
@@ -44,9 +47,9 @@ def worker_spec(spec: ModelSpec, device_set: frozenset[str], local: Mapping[str,
     draft = spec.draft_devices
     if draft is not None:
         draft = tuple(local[d] for d in draft if d in local) if local else None
-    spec = spec.replace(devices=None, draft_devices=draft)
+    spec = spec.replace(draft_devices=draft)
     n = len([d for d in device_set if d != HOST])
-    if n > 1 and spec.tensor_split is None:
+    if n > 1 and spec.tensor_split is None and not any(a in _SPLIT_FLAGS for a in spec.args):
         spec = spec.replace(tensor_split=(1.0,) * n)
     return spec
 
@@ -63,22 +66,28 @@ class Measurer:
         self._start_worker = start_worker
 
     def requirement(self, spec: ModelSpec, device_set: frozenset[str],
-                    only: bool = False) -> tuple[dict[str, int], dict[str, dict]]:
+                    only: bool = False) -> tuple[dict[str, int], dict[str, dict], dict[str, Any]]:
         """Bytes per inventory device of ``spec`` (a worker spec) loaded masked to
-        ``device_set``, and its components per memory pool as the worker sees them
-        (weights, kv, compute, output, cache, projector, draft).  ``only``: the device
-        set is the model's only candidate, so a worker started for it is the one the load
-        will use."""
+        ``device_set``; its components per memory pool as the worker sees them
+        (weights, kv, compute, output, cache, projector, draft, lora, checkpoints); and
+        what llama-server makes of its arguments (context, slots, fit...).  ``only``:
+        the device set is the model's only candidate, so a worker started for it is the
+        one the load will use."""
         est = self._probe(spec, device_set, only)
         components = {d.device: {k: v for k, v in asdict(d).items() if k != "device"} for d in est.devices}
-        return self.inventory.to_inventory(device_set, est.per_device()), components
+        params = dict(est.params, n_ctx=est.n_ctx, n_seq_max=est.n_seq_max)
+        return self.inventory.to_inventory(device_set, est.per_device()), components, params
 
     def fit(self, spec: ModelSpec, device_set: frozenset[str], grant: dict[str, int]) -> Fitted:
         """``spec`` fitted into ``grant`` (layers per device, MoE experts to the host);
         a grant nothing fits into gives a Fitted without spec; other failures raise."""
         local = self.inventory.to_local(device_set)
         grants = {local[d]: n for d, n in grant.items() if d in local}
-        grants[HOST] = grant[HOST]
+        if local:
+            grants[HOST] = grant[HOST]
+        else:  # no device to move layers to: the worker's host pool is what the set holds (its context)
+            charged = [d for d in device_set if d != HOST]  # emulated devices share what the host runs
+            grants[HOST] = min(grant[d] for d in charged) * len(charged) if charged else grant[HOST]
         self._start(device_set)
         reply = self._call(device_set, lambda rid: Fit(rid, spec, grants))
         if isinstance(reply, Failed):
@@ -88,7 +97,8 @@ class Measurer:
         v = reply.value
         to_inv = self.inventory.to_inventory
         return Fitted(grant, ModelSpec.from_dict(v["spec"]), to_inv(device_set, v["per_device"]),
-                      to_inv(device_set, v["layers"]), v["experts_on_host"], tuple(v.get("to_host", ())))
+                      to_inv(device_set, v["layers"]), v["experts_on_host"], tuple(v.get("to_host", ())),
+                      n_ctx=v.get("n_ctx"))
 
     def _probe(self, spec: ModelSpec, device_set: frozenset[str], only: bool) -> MemoryEstimate:
         if only:

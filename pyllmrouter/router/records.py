@@ -30,6 +30,7 @@ class Record:
     reason: str | None = None  # why it is UNLOADED (failed load, dead worker)
     requirements: dict[frozenset[str], dict[str, int]] | None = None
     components: dict[frozenset[str], dict[str, dict]] = field(default_factory=dict)  # per pool, as probed
+    params: dict[frozenset[str], dict] = field(default_factory=dict)  # llama-server's reading of the spec, as probed
     fits: Fits = field(default_factory=Fits)  # specs fitted into grants, per device set
     fitting: bool = False
     fit: Fitted | None = None  # the fit being loaded or loaded (None: the spec as given)
@@ -45,6 +46,18 @@ class Record:
     def name(self) -> str:
         return self.config.name
 
+    def context(self) -> dict | None:
+        """The context the model is (or would be) loaded with: the fit's, or as probed on
+        its device set (the first candidate's while it is not loaded)."""
+        params = self.params.get(self.device_set) if self.device_set else None
+        params = params or next(iter(self.params.values()), None)
+        if params is None:
+            return None
+        fitted = self.fit.n_ctx if self.fit is not None and holds_memory(self.state) else None
+        return {"n_ctx": fitted or params.get("n_ctx"), "n_ctx_train": params.get("n_ctx_train"),
+                "slots": params.get("n_parallel"), "unified": params.get("kv_unified"),
+                "auto": bool(params.get("ctx_auto")), "fitted": fitted is not None}
+
     def report(self, kept: dict[str, int] | None) -> dict:
         """The model in ``status()`` (lock held): plain values only."""
         held = holds_memory(self.state)
@@ -57,6 +70,7 @@ class Record:
                             for ds, need in (self.requirements or {}).items()},
             "components": {"+".join(sorted(ds)): parts for ds, parts in self.components.items()},
             "fit": self.fit.to_dict() if self.fit and held else None,
+            "context": self.context(),
             "live": dict(self.live), "reason": self.reason, "loads": self.loads,
             "persistent": self.config.persistent, "ttl": self.config.ttl,
             "kept": kept or {"ram": 0, "disk": 0, "files": 0},

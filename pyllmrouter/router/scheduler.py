@@ -55,6 +55,18 @@ __all__ = ["Scheduler", "Record", "Lease", "KEPT"]
 KEPT = "(kept prompt states)"  # a resident that holds host memory: the kept states in RAM
 
 
+def _fit_over(device_set: frozenset[str], local: dict[str, str], params: dict[str, Any]) -> tuple[str, ...]:
+    """The devices a fit may share a model over: the set's real devices and the host
+    (layers, experts, the context); where there are none (the host alone, emulated
+    devices), the set itself, whose context alone can shrink; none where llama-server's
+    fit is off for the model (--fit off)."""
+    if not params.get("fit", True):
+        return ()
+    if local:
+        return (*sorted(local), HOST)
+    return tuple(sorted(device_set)) if params.get("ctx_auto") else ()
+
+
 class Scheduler:
     def __init__(self, models: list[ModelConfig], inventory: Inventory, options: RouterOptions):
         self.options = options
@@ -329,8 +341,7 @@ class Scheduler:
             for ds in self._candidates(rec):
                 local = self.inventory.to_local(ds)  # a fit can only move bytes off real devices
                 spec = worker_spec(rec.config.spec, ds, local)
-                options.append(admission.Option(ds, rec.requirements[ds], spec,
-                                                (*sorted(local), HOST) if spec.fit and local else ()))
+                options.append(admission.Option(ds, rec.requirements[ds], spec, _fit_over(ds, local, rec.params[ds])))
             options = tuple(options)
         return admission.Request(rec.name, options, rec.fits, self._earlier_loader_blocks(rec, ticket),
                                  rec.probing, rec.fitting)
@@ -384,12 +395,13 @@ class Scheduler:
     def _probe_requirements(self, rec: Record) -> None:
         reqs: dict[frozenset[str], dict[str, int]] = {}
         parts: dict[frozenset[str], dict[str, dict]] = {}
+        params: dict[frozenset[str], dict[str, Any]] = {}
         error = None
         try:
             candidates = self._candidates(rec)
             for ds in candidates:
                 spec = worker_spec(rec.config.spec, ds, self.inventory.to_local(ds))
-                reqs[ds], parts[ds] = self._measure.requirement(spec, ds, only=len(candidates) == 1)
+                reqs[ds], parts[ds], params[ds] = self._measure.requirement(spec, ds, only=len(candidates) == 1)
                 if self.options.max_models:
                     reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
@@ -397,7 +409,7 @@ class Scheduler:
         with self._cond:
             rec.probing = False
             if error is None:
-                rec.requirements, rec.components = reqs, parts
+                rec.requirements, rec.components, rec.params = reqs, parts, params
             else:
                 rec.error_epoch += 1
                 rec.reason = f"cannot measure memory: {error}"
@@ -482,9 +494,9 @@ class Scheduler:
             cfg = rec.config
             spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set, self.inventory.to_local(rec.device_set))
             ident, keep_dir, restore = None, None, []
-            if self._keep is not None and (ident := identity(spec)) is not None:
+            if self._keep is not None and (ident := identity(cfg.name, spec)) is not None:
                 keep_dir, restore = str(self._keep.dir_for(ident)), self._keep.prepare(ident)
-            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, cfg.args, keep_dir, tuple(restore),
+            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, keep_dir, tuple(restore),
                                                           self.options.stream_interval))
             reply = pending.get(self.options.load_timeout)
             if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused

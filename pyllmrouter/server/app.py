@@ -66,6 +66,7 @@ def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
         "path": cfg.spec.path, "status": status,
         "memory": {"requirement": m["requirement"], "components": m["components"], "devices": m["devices"],
                    "live": m["live"], "fit": m["fit"], "kept": m["kept"]},
+        "context": m["context"],
         "in_flight": m["leases"], "loads": m["loads"], "persistent": m["persistent"], "ttl": m["ttl"],
     }
 

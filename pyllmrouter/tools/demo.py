@@ -74,9 +74,9 @@ c = 262144
 
 def run_demo() -> int:
     paths = tinymodels.write_tiny_set(cache_dir() / "models")
-    sizes = {name: probe(ModelSpec(paths[f], n_ctx=c, embedding=emb)).total
-             for name, f, c, emb in [("chat", "tiny-llama", 2048, False), ("coder", "tiny-moe", 2048, False),
-                                     ("embed", "tiny-bert", 512, True)]}
+    sizes = {name: probe(ModelSpec(paths[f], args)).total
+             for name, f, args in [("chat", "tiny-llama", ("-c", "2048")), ("coder", "tiny-moe", ("-c", "2048")),
+                                   ("embed", "tiny-bert", ("--embedding", "-c", "512"))]}
     # GPU0 holds the coder or the chat model, not both; GPU1 holds chat + embed
     gpu0 = max(sizes["chat"], sizes["coder"]) + min(sizes["chat"], sizes["coder"]) // 2
     gpu1 = sizes["chat"] + sizes["embed"] + sizes["embed"] // 2
