@@ -125,9 +125,8 @@ def main() -> None:
         except ImportError:
             pass
         # a model with a projector or a draft against the same model alone
-        bases = {spec.path: spec for _, spec, _ in cases if spec.mmproj is None and spec.draft is None}
-        rows = [bench_model(name, spec, args.repeat, real, None if spec.mmproj is None and spec.draft is None
-                            else bases[spec.path])
+        bases = {spec.path: spec for _, spec, _ in cases if not spec.files()}  # no projector, no draft
+        rows = [bench_model(name, spec, args.repeat, real, None if not spec.files() else bases[spec.path])
                 for name, spec, real in cases]
 
     def ms(x):
