@@ -75,6 +75,17 @@ const std::vector<std::pair<std::string, handler_ptr>> & route_table() {
     return table;
 }
 
+// The resumable stream routes (llama-server's server.cpp wires them for a model's own
+// server): their sessions are the process's, whichever model's engine answers.
+const std::map<std::string, server_http_context::handler_t> & stream_routes() {
+    static const std::map<std::string, server_http_context::handler_t> table = {
+        {"GET /v1/stream", server_stream_make_get_handler()},
+        {"POST /v1/streams/lookup", server_stream_make_lookup_handler()},
+        {"DELETE /v1/stream", server_stream_make_delete_handler()},
+    };
+    return table;
+}
+
 // Does "METHOD /a/:x" match (method, path)? Binds ":x" segments into params.
 bool match(const std::string & pattern, const std::string & key, std::map<std::string, std::string> & params) {
     size_t i = 0, j = 0;
@@ -438,17 +449,19 @@ std::shared_ptr<EngineReply> Engine::handle(const std::string & method, const st
             break;
         }
     }
+    const auto stream_route = stream_routes().find(key);
+    const bool routed = handler != nullptr || stream_route != stream_routes().end();
     std::shared_ptr<EngineCore> core = current();
     auto reply = std::make_shared<EngineReply>(core, std::move(params), headers, path, query_string, body,
                                                 std::move(stop));
-    if (handler == nullptr || !core) {
-        reply->res_ = error_reply(handler == nullptr ? "File Not Found" : "Loading model",
-                                  handler == nullptr ? ERROR_TYPE_NOT_FOUND : ERROR_TYPE_UNAVAILABLE);
+    if (!routed || !core) {
+        reply->res_ = error_reply(!routed ? "File Not Found" : "Loading model",
+                                  !routed ? ERROR_TYPE_NOT_FOUND : ERROR_TYPE_UNAVAILABLE);
         return reply;
     }
     // as llama-server's ex_wrapper: invalid_argument is a bad request, anything else a server error
     try {
-        reply->res_ = (core->routes.*handler)(*reply->req_);
+        reply->res_ = handler != nullptr ? (core->routes.*handler)(*reply->req_) : stream_route->second(*reply->req_);
     } catch (const std::invalid_argument & e) {
         reply->res_ = error_reply(e.what(), ERROR_TYPE_INVALID_REQUEST);
     } catch (const std::exception & e) {

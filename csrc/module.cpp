@@ -5,8 +5,10 @@
 
 #include "ggml-backend.h"
 #include "llama.h"
+#include "build-info.h"
 #include "engine.h"
 #include "params.h"
+#include "hub.h"
 #include "probe.h"
 
 namespace py = pybind11;
@@ -241,6 +243,35 @@ void bind_engine(py::module_ & m) {
           "llama.cpp's own fit (common_fit_params) of these llama-server arguments on devices with exactly "
           "the room given, [(device, bytes)] ('CPU': the host alone): {status, n_ctx, n_gpu_layers, "
           "tensor_split, overrides, seconds, log}.");
+    m.def("cached_models", [] {
+              std::vector<CachedModel> models;
+              {
+                  py::gil_scoped_release release;
+                  models = cached_models();
+              }
+              py::list out;
+              for (const auto & c : models) {
+                  py::dict d;
+                  d["name"] = c.name;
+                  d["path"] = c.path;
+                  d["mmproj"] = c.mmproj;
+                  d["error"] = c.error;
+                  out.append(d);
+              }
+              return out;
+          }, "Every model in llama.cpp's cache (-hf downloads): [{name, path, mmproj, error}], resolved offline.");
+    m.def("download_model", [](const std::string & name, py::function progress) {
+              py::gil_scoped_release release;
+              return download_model(name, [&progress](const std::string & url, std::uint64_t done, std::uint64_t total) {
+                  py::gil_scoped_acquire acquire;
+                  progress(url, done, total);
+              });
+          }, py::arg("name"), py::arg("progress"),
+          "Download org/repo[:tag] into llama.cpp's cache with llama.cpp's downloader; progress(url, done, total) "
+          "as it goes; returns the model's path (RuntimeError names the reason).");
+    m.def("remove_cached", &remove_cached, py::arg("name"), "Remove org/repo[:tag] from llama.cpp's cache.");
+    m.def("cache_dir", &cache_dir, "Where llama.cpp's cache of downloads is.");
+    m.def("build_info", [] { return std::string(llama_build_info()); }, "llama.cpp's build (llama-server's build_info).");
     m.def("server_params", [](const std::vector<std::string> & args) {
               ServerParams p;
               {

@@ -30,6 +30,7 @@ class ModelConfig:
     persistent: bool = False  # never evicted
     load_on_startup: bool = False
     stop_timeout: float = 10.0  # seconds an explicit unload waits for requests in flight
+    source: str = "api"  # where it was listed: preset, models_dir, cache (llama.cpp's downloads), api
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:

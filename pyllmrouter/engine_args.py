@@ -1,8 +1,10 @@
-"""llama-server preset keys -> a model's file, aliases, devices and arguments, checked by llama.cpp.
+"""llama-server preset keys -> a model's file, aliases, devices and arguments, checked by
+llama.cpp; and the models of llama.cpp's cache, as llama.cpp lists them.
 
     read_preset ──[(model, [(key, value, line)])]──▶ python -m pyllmrouter.engine_args
                 ◀── per model: {model, aliases, devices, draft_devices, args}
                     | the first bad key, its line and llama.cpp's reason ──┘
+    cached_models ──▶ the same process ──▶ [{name, path, mmproj, error}]
 
 The router process never imports llama.cpp, so the keys are turned into
 arguments (``common_preset::to_args``, as llama-server's router does for a
@@ -22,7 +24,7 @@ from typing import Any
 
 from pyllmrouter.spec import ROUTER_DEFAULTS
 
-__all__ = ["ArgsError", "resolve"]
+__all__ = ["ArgsError", "resolve", "cached_models"]
 
 # a checking process must not open a GPU context
 _NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1", "HIP_VISIBLE_DEVICES": "-1", "ROCR_VISIBLE_DEVICES": "-1",
@@ -38,21 +40,31 @@ class ArgsError(ValueError):
         self.model, self.key, self.line, self.reason = model, key, line, reason
 
 
+def _run(request: dict[str, Any]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(request), capture_output=True,
+                          text=True, env={**os.environ, **_NO_GPU}, timeout=120)
+    try:
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise RuntimeError(f"asking llama.cpp failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}") from None
+    if "error" in out:
+        raise ArgsError(**out["error"])
+    return out
+
+
 def resolve(models: list[tuple[str, list[tuple[str, str, int]]]]) -> dict[str, dict[str, Any]]:
     """Per model, its llama-server keys as {model, aliases, devices, draft_devices, args},
     checked by llama.cpp's parser; ArgsError names the first key it refuses."""
     if not models:
         return {}
-    proc = subprocess.run([sys.executable, "-m", __name__], input=json.dumps(models), capture_output=True,
-                          text=True, env={**os.environ, **_NO_GPU}, timeout=120)
-    try:
-        out = json.loads(proc.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise RuntimeError(f"checking the preset's keys failed (exit {proc.returncode}): "
-                           f"{proc.stderr.strip()[-2000:]}") from None
-    if "error" in out:
-        raise ArgsError(**out["error"])
-    return out["models"]
+    return _run({"models": models})["models"]
+
+
+def cached_models() -> tuple[str, list[dict[str, str]]]:
+    """Where llama.cpp's cache of downloads (-hf) is, and its models resolved offline by
+    llama.cpp: [{name, path, mmproj, error}]."""
+    out = _run({"cache": True})
+    return out["cache_dir"], out["cache"]
 
 
 def _check(native: Any, name: str, keys: list[list[Any]]) -> dict[str, Any]:
@@ -78,9 +90,11 @@ def _check(native: Any, name: str, keys: list[list[Any]]) -> dict[str, Any]:
 def _main() -> None:
     from pyllmrouter.engine.backend import native  # noqa: PLC0415 - this process only
 
-    models = json.loads(sys.stdin.read())
+    request = json.loads(sys.stdin.read())
     try:
-        out: dict[str, Any] = {"models": {name: _check(native(), name, keys) for name, keys in models}}
+        out: dict[str, Any] = {"models": {name: _check(native(), name, keys) for name, keys in request.get("models", [])}}
+        if request.get("cache"):
+            out["cache"], out["cache_dir"] = native().cached_models(), native().cache_dir()
     except ArgsError as e:
         out = {"error": {"model": e.model, "key": e.key, "line": e.line, "reason": e.reason}}
     sys.stdout.write("\n" + json.dumps(out) + "\n")

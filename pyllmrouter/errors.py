@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
-    "RouterClosed", "NotLoaded", "Withdrawn",
+    "RouterClosed", "NotLoaded", "Withdrawn", "ModelRemoved",
 ]
 
 
@@ -19,6 +19,14 @@ class UnknownModel(RouterError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.args[0]
+
+
+class ModelRemoved(RouterError):
+    """The model was removed from the router's list while the request waited for it."""
+
+    def __init__(self, name: str):
+        super().__init__(f"model {name!r} was removed from the router's model list")
+        self.name = name
 
 
 class NeverFits(RouterError):

@@ -128,7 +128,7 @@ def test_busy_models_in_the_way_are_drained_not_evicted():
     busy = Resident("busy", {"d0": 80}, 1.0, False)
     view = View({"d0": 20}, {"d0": 100}, (busy,), (Resident("busy", {"d0": 80}, 1.0, True),), ())
     decision = decide(view, Request("new", (Option(frozenset({"d0"}), {"d0": 50}, SPEC),), Fits()))
-    assert decision == Wait("waiting for busy models to finish", drain=("busy",))
+    assert decision == Wait("waiting for busy models to finish", drain=("busy",), short={"d0": 30})
 
 
 def test_a_model_too_big_for_its_grant_is_fitted_then_admitted_with_the_fit():

@@ -21,7 +21,7 @@ one (``Wait.fit``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from pyllmrouter.router import placement
@@ -77,6 +77,7 @@ class Admit:
 @dataclass(frozen=True)
 class Evict:
     victims: tuple[str, ...]
+    need: Mapping[str, int] = field(default_factory=dict)  # what the model needs where it goes
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Wait:
     probe: bool = False  # start measuring the model's memory
     fit: FitJob | None = None  # start this fit
     drain: tuple[str, ...] = ()  # busy models in the way: they take new requests for one turn only
+    short: Mapping[str, int] = field(default_factory=dict)  # waiting for memory: bytes missing per device
 
 
 @dataclass(frozen=True)
@@ -119,9 +121,11 @@ def decide(view: View, request: Request) -> Decision:
     plan = placement.choose(candidates, view.available, view.evictable)
     if plan is None:
         idle = placement.choose(candidates, view.available, view.drainable)
-        return Wait("waiting for busy models to finish", fit=job, drain=idle.victims if idle else ())
+        short = min((placement.shortfall(need, view.available) for _, need in candidates),
+                    key=lambda s: sum(s.values()))
+        return Wait("waiting for busy models to finish", fit=job, drain=idle.victims if idle else (), short=short)
     if plan.victims:
-        return Evict(plan.victims)
+        return Evict(plan.victims, plan.need)
     option, fit = next((o, f) for o, f in ready if o.device_set == plan.device_set)
     return Admit(plan.device_set, plan.need, fit.spec if fit else option.spec, fit)
 

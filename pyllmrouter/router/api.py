@@ -27,7 +27,11 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
-from pyllmrouter.errors import RequestFailed, RouterError, WorkerDied, Withdrawn
+from pyllmrouter.errors import RequestFailed, RouterError, UnknownModel, WorkerDied, Withdrawn
+from pyllmrouter.router.conversations import Conversations
+from pyllmrouter.router.downloads import Downloads
+from pyllmrouter.router.sources import Sources
+from pyllmrouter.spec import ModelSpec
 from pyllmrouter.protocol import Call, Chunk, ErrorKind, Failed, HttpReply
 from pyllmrouter.router.scheduler import Lease, Scheduler
 
@@ -36,26 +40,35 @@ __all__ = ["Router"]
 
 class Router:
     def __init__(self, models: Iterable[ModelConfig], *, inventory: Inventory | None = None,
-                 options: RouterOptions | None = None, **option_overrides: Any):
+                 options: RouterOptions | None = None, sources: Sources | None = None, watch: float = 0.0,
+                 **option_overrides: Any):
+        """``sources``: where ``reload()`` reads the model list again (a preset, a models
+        directory, llama.cpp's cache); ``watch``: read them again within this many seconds
+        of a change (0: only on ``reload()``)."""
         options = options or RouterOptions()
         if option_overrides:
             options = RouterOptions(**{**options.__dict__, **option_overrides})
         self.options = options
         self._sched = Scheduler(list(models), inventory or SystemInventory(), options)
+        self._sources = sources or Sources()
+        self._reloading = threading.Lock()  # one reading of the sources at a time
+        self._downloads = Downloads(self._sched.bus, self._downloaded)
+        self.conversations = Conversations()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, name="ttl-reaper", daemon=True)
         self._reaper.start()
+        if watch > 0 and self._sources:
+            threading.Thread(target=self._watch, args=(watch,), name="source-watcher", daemon=True).start()
         for rec in self._sched.records():
             if rec.config.load_on_startup:
                 threading.Thread(target=self._load_quietly, args=(rec.name,), daemon=True).start()
 
     @classmethod
     def from_preset(cls, path, **kw: Any) -> "Router":
-        """A router over the models of a llama-server preset INI file."""
-        from pyllmrouter.presets import read_preset  # noqa: PLC0415
-
-        preset = read_preset(path)
-        return cls(preset.models, **{**preset.router, **kw})
+        """A router over the models of a llama-server preset INI file (``reload()`` reads it again)."""
+        sources = Sources(preset=str(path))
+        models, router = sources.read()
+        return cls(models, sources=sources, **{**router, **kw})
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -68,6 +81,7 @@ class Router:
     def close(self) -> None:
         """Stop every worker; leaves no child process behind."""
         self._stop.set()
+        self._downloads.close()
         self._sched.close()
         self._reaper.join(5)
 
@@ -80,7 +94,7 @@ class Router:
                 self._heartbeat(self.options.heartbeat)
 
     def _heartbeat(self, bound: float) -> None:
-        pings = [(w, w.ping()) for w in self._sched.workers()]
+        pings = [(w, w.ping()) for w in self._sched.workers.alive()]
         deadline = time.monotonic() + bound
         for worker, pending in pings:
             if pending is None:
@@ -111,10 +125,81 @@ class Router:
         return self._sched.unload(name, wait)
 
     def status(self) -> dict[str, Any]:
-        return self._sched.status()
+        out = self._sched.status()
+        out["downloads"] = self._downloads.status()
+        return out
 
     def models(self) -> list[ModelConfig]:
-        return [r.config for r in self._sched.records()]
+        return list(self._sched.configs().values())
+
+    # -- the live model list ---------------------------------------------------------
+
+    def add_model(self, cfg: ModelConfig) -> None:
+        """Serve one more model (ValueError: its name or an alias is taken)."""
+        self._sched.add_model(cfg)
+
+    def remove_model(self, name: str) -> None:
+        """``name`` takes no new request, finishes those in flight, unloads and goes."""
+        self._sched.remove_model(name)
+
+    def replace_model(self, cfg: ModelConfig) -> None:
+        """``cfg`` takes over its name once the model there has finished and unloaded."""
+        self._sched.replace_model(cfg)
+
+    def reload(self) -> dict[str, list[str]]:
+        """Read the sources again: new models added, changed ones replaced (once idle),
+        removed ones removed (once idle); models added through the API stay.  A bad preset
+        changes nothing (PresetError)."""
+        with self._reloading:
+            models, _router_options = self._sources.read()  # router-wide options take a restart
+            return self._sched.reconcile(models)
+
+    def _watch(self, period: float) -> None:
+        seen = self._sources.stamp()
+        while not self._stop.wait(period):
+            now = self._sources.stamp()
+            if now == seen:
+                continue
+            seen = now
+            try:
+                self.reload()
+            except (ValueError, RuntimeError) as e:  # a preset being edited: the next change retries
+                self._sched.bus.publish("models_reload_failed", "*", reason=str(e))
+
+    def pull(self, name: str) -> None:
+        """Download ``org/repo[:tag]`` into llama.cpp's cache, in a short-lived process; it
+        is listed (and servable) once it is there (ValueError: the name is taken)."""
+        if name in self._sched.configs():
+            raise ValueError(f"model {name!r} already exists")
+        self._downloads.start(name)
+
+    def _downloaded(self, name: str, path: str | None, error: str | None) -> None:
+        if path is None or self._stop.is_set():
+            return
+        if self._sources.cache:
+            self.reload()
+        elif name not in self._sched.configs():
+            self.add_model(ModelConfig(name, ModelSpec(path), source="cache"))
+
+    def delete(self, name: str) -> None:
+        """Remove a model of llama.cpp's cache: its download stopped, or the model removed
+        (once its requests have finished) and its files deleted.  UnknownModel, or
+        ValueError for a model that is not from the cache."""
+        if self._downloads.cancel(name):
+            return
+        cfg = self._sched.configs().get(name)
+        if cfg is None:
+            if name in self._downloads.status():  # a failed download
+                self._downloads.forget(name)
+                return
+            raise UnknownModel(name, list(self._sched.configs()))
+        if cfg.source != "cache":
+            raise ValueError(f"model {name!r} is not removable: it is not from llama.cpp's cache (source: {cfg.source})")
+        self._sched.remove_model(name)
+        deadline = time.monotonic() + cfg.stop_timeout + self.options.load_timeout
+        while any(r.name == name for r in self._sched.records()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._downloads.remove(name)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -153,12 +238,14 @@ class Router:
         return await self._aopenai(model, "/v1/embeddings", dict(params, input=input), False, timeout, autoload)
 
     def call(self, model: str, method: str, path: str, body: bytes = b"", query: dict[str, str] | None = None,
-             timeout: float | None = None, autoload: bool | None = None) -> "tuple[HttpReply, Stream | None]":
-        """Any llama-server request for one model (``method`` GET or POST, ``path`` as
-        llama-server serves it): llama.cpp's reply, and for a stream the Stream of its
-        body's chunks (bytes).  The model is loaded first if it must be."""
+             timeout: float | None = None, autoload: bool | None = None,
+             headers: dict[str, str] | None = None) -> "tuple[HttpReply, Stream | None]":
+        """Any llama-server request for one model (``method`` GET, POST or DELETE, ``path``
+        as llama-server serves it, ``headers`` as its client sent them): llama.cpp's reply,
+        and for a stream the Stream of its body's chunks (bytes).  The model is loaded first
+        if it must be."""
         lease = self._sched.lease(model, timeout, autoload)
-        pending = self._send(lease, method, path, body, query)
+        pending = self._send(lease, method, path, body, query, headers)
         try:
             first = pending.get()
         except BaseException:
@@ -168,8 +255,8 @@ class Router:
 
     async def acall(self, model: str, method: str, path: str, body: bytes = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
-                    autoload: bool | None = None,
-                    gone: Callable[[], Awaitable[Any]] | None = None) -> "tuple[HttpReply, Stream | None]":
+                    autoload: bool | None = None, gone: Callable[[], Awaitable[Any]] | None = None,
+                    headers: dict[str, str] | None = None) -> "tuple[HttpReply, Stream | None]":
         """``call`` from a coroutine.  A model that can take the request now is leased in
         the event loop (no thread hop before the worker has it); otherwise the lease is
         waited for in a thread.  A caller that leaves (the coroutine is cancelled, or
@@ -180,7 +267,7 @@ class Router:
             lease = self._sched.try_lease(model)
             if lease is None:
                 lease = await self._await_lease(model, timeout, autoload, watch)
-            pending = self._send(lease, method, path, body, query)
+            pending = self._send(lease, method, path, body, query, headers)
             try:
                 while (first := pending.get_nowait()) is None:
                     await _unless_gone(pending.wait_async(), watch, model)
@@ -209,11 +296,13 @@ class Router:
         if not fut.cancelled() and fut.exception() is None:
             self._sched.release(fut.result())
 
-    def _send(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str] | None):
+    def _send(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str] | None,
+              headers: dict[str, str] | None = None):
         """Send the request to the worker the lease was taken on (the lease is released if
         that fails: a worker that died since raises WorkerDied)."""
         try:
-            return lease.worker.call(lambda rid: Call(rid, lease.name, method, path, body, dict(query or {})))
+            return lease.worker.call(lambda rid: Call(rid, lease.name, method, path, body, dict(query or {}),
+                                                      dict(headers or {})))
         except BaseException:
             self._sched.release(lease)
             raise

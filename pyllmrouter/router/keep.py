@@ -83,7 +83,9 @@ class KeepStore:
         self.disk_budget = max(0, disk_budget) if disk_dir else 0
         self._lock = threading.Lock()
         self._files: dict[tuple[str, str], Kept] = {}  # (identity, name) -> where and how big
+        self._models: dict[str, str] = {}  # identity -> the model's name
         self._ram_bytes = 0  # the RAM files' bytes, published by _settle
+        self._snapshot: dict = {"models": {}, "counters": {}}  # what report() returns, published by _settle
         self.counters = {"saved": 0, "restores": 0, "restored_tokens": 0, "hits": 0, "discarded": 0, "dropped": 0}
         if ram_dir is None:
             shm = Path("/dev/shm")
@@ -95,6 +97,8 @@ class KeepStore:
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
             self._index_disk()
+        with self._lock:
+            self._settle()
 
     def _index_disk(self) -> None:
         """States a previous run left on disk, with their sidecars (by identity: safe to
@@ -112,10 +116,13 @@ class KeepStore:
     def _path(self, k: Kept) -> Path:
         return (self.ram_dir if k.place == "ram" else self.disk_dir) / k.identity / k.name
 
-    def dir_for(self, ident: str) -> Path:
-        """Where the engine of this identity saves and restores its slots."""
+    def dir_for(self, ident: str, model: str | None = None) -> Path:
+        """Where the engine of this identity (of model ``model``) saves and restores its slots."""
         d = self.ram_dir / ident
         d.mkdir(parents=True, exist_ok=True)
+        if model is not None:
+            with self._lock:
+                self._models[ident] = model
         return d
 
     def held_ram(self) -> int:
@@ -123,8 +130,16 @@ class KeepStore:
         return self._ram_bytes
 
     def _settle(self) -> None:
-        """Publish the RAM bytes (store lock held, at the end of every change)."""
+        """Publish the RAM bytes and the report (store lock held, at the end of every change):
+        readers take them without the store's lock, so they never wait on its file work."""
         self._ram_bytes = sum(k.size for k in self._files.values() if k.place == "ram")
+        models: dict[str, dict[str, int]] = {}
+        for k in self._files.values():
+            s = models.setdefault(self._models.get(k.identity, k.identity), {"ram": 0, "disk": 0, "files": 0})
+            s[k.place] += k.size
+            s["files"] += 1
+        self._snapshot = {"enabled": True, "ram_budget": self.ram_budget, "disk_budget": self.disk_budget,
+                          "models": models, "counters": dict(self.counters)}
 
     def add(self, ident: str, files: list[tuple[str, int, int]]) -> None:
         """Slot files the engine of ``ident`` saved in dir_for(ident): (name, tokens, bytes)."""
@@ -199,6 +214,14 @@ class KeepStore:
         from llama-server's timings, reported when their model leaves)."""
         with self._lock:
             self.counters["hits"] += n
+            self._settle()
+
+    def forget(self, model: str) -> None:
+        """Every state of ``model`` goes (it left the router's list: no one can use them)."""
+        with self._lock:
+            for k in [k for k in self._files.values() if self._models.get(k.identity) == model]:
+                self._drop(k, "dropped")
+            self._settle()
 
     def status(self) -> dict[str, dict[str, int]]:
         """Per identity: bytes kept in RAM and on disk, and files."""
@@ -217,11 +240,10 @@ class KeepStore:
             self._enforce(ram_budget=0)
             self._settle()
 
-    def report(self, names: dict[str, str]) -> dict:
-        """Per model (``names``: identity -> model name), bytes in RAM and on disk and
-        files; the budgets and counters."""
-        return {"enabled": True, "ram_budget": self.ram_budget, "disk_budget": self.disk_budget,
-                "models": {names.get(i, i): s for i, s in self.status().items()}, "counters": dict(self.counters)}
+    def report(self) -> dict:
+        """Per model, bytes in RAM and on disk and files; the budgets and counters: the
+        snapshot published after the last change (never waits on the store's file work)."""
+        return self._snapshot
 
     def close(self) -> None:
         """The RAM directory goes (its states are lost); the disk directory stays."""

@@ -4,6 +4,7 @@ scheduler's lock, and a model's state only through ``Scheduler._move``."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from pyllmrouter.config import ModelConfig
@@ -13,7 +14,14 @@ from pyllmrouter.router.placement import COUNT
 from pyllmrouter.router.state import State, holds_memory
 from pyllmrouter.spec import ModelSpec
 
-__all__ = ["Record", "Lease", "Ticket"]
+__all__ = ["Record", "Lease", "Ticket", "Fate"]
+
+
+class Fate(enum.Enum):
+    """What happens to a model removed from, or changed in, the live model list."""
+
+    REMOVE = "remove"
+    REPLACE = "replace"
 
 
 @dataclass(eq=False)
@@ -41,6 +49,11 @@ class Record:
     loads: int = 0
     live: dict[str, int] = field(default_factory=dict)  # bytes the worker measured after load
     identity: str | None = None  # the loaded configuration's, for kept prompt states (keep.py)
+    # the live model list (registry.py): a model removed or changed finishes its requests, unloads, goes
+    fate: Fate | None = None
+    replacement: ModelConfig | None = None  # the config that takes over (Fate.REPLACE)
+    successor: "Record | None" = None  # the Record of that config, once this one is gone
+    gone: bool = False  # no longer in the list: its waiters follow ``successor``, or fail
 
     @property
     def name(self) -> str:
@@ -72,7 +85,8 @@ class Record:
             "fit": self.fit.to_dict() if self.fit and held else None,
             "context": self.context(),
             "live": dict(self.live), "reason": self.reason, "loads": self.loads,
-            "persistent": self.config.persistent, "ttl": self.config.ttl,
+            "persistent": self.config.persistent, "ttl": self.config.ttl, "source": self.config.source,
+            "pending": self.fate.value if self.fate is not None else None,
             "kept": kept or {"ram": 0, "disk": 0, "files": 0},
         }
 
@@ -81,18 +95,28 @@ class Record:
 class Lease:
     """A request's hold on a LOADED model: its name and the worker that hosted it when
     the lease was taken (captured under the lock).  If that worker dies, a call on it
-    raises WorkerDied.  ``Scheduler.release`` ends it, once."""
+    raises WorkerDied.  ``Scheduler.release`` ends it, once.  ``record`` is the
+    scheduler's (the model leased, even once a new config has taken its name): callers
+    never read it."""
 
     name: str
     worker: WorkerHandle
+    record: "Record" = field(repr=False)
 
 
 @dataclass(eq=False)
 class Ticket:
-    """A request waiting for its model: its place in the FIFO queue (seq), the model's
-    failure count when it arrived (epoch) and when it arrived."""
+    """A request waiting for its model (under the scheduler's lock): the model's Record
+    (a changed model's new one, once it takes over), its place in the FIFO queue (seq),
+    the model's failure count when it arrived (epoch), when it arrived, and the
+    shortfall last reported for it (bytes per device)."""
 
-    name: str
+    rec: Record
     seq: int
     epoch: int
     created: float
+    short: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.rec.name

@@ -10,16 +10,20 @@
         wait on the condition
     LOADED ──▶ leases += 1, return a Lease;  release(lease) ──▶ leases -= 1, notify
 
+    add_model / remove_model / replace_model / reconcile ──▶ the live list (registry.py):
+        a removed or changed model takes no new request, finishes what it has,
+        unloads, and goes (or makes room for its new config, which its waiters follow)
+
 Callers hold a ``Lease`` (the model's name and the worker captured when the lease
 was taken), never a ``Record``: records change under the lock only, and a
 model's state only in ``_move``, which checks the transition (state.py).
 
 All state lives under one lock (``self._cond``).  Nothing does I/O while
 holding it: free memory is read before the lock is taken; probes, worker
-starts, loads and unloads run in background threads and report back under the
-lock.  A decision and the state change it implies (reserve, mark UNLOADING)
-happen in the same critical section, so no other thread can act on a stale
-check.  Deciding is pure (admission.py, placement.py).
+starts, loads and unloads run in background threads (jobs.py) and report back
+under the lock.  A decision and the state change it implies (reserve, mark
+UNLOADING) happen in the same critical section, so no other thread can act on a
+stale check.  Deciding is pure (admission.py, placement.py, registry.step).
 
 FIFO: a ticket may start a load only if no earlier ticket that also waits for
 a load could use one of the same devices.  Requests for a LOADED model go
@@ -34,25 +38,27 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any
+from typing import Any, Iterable
 
-from pyllmrouter.router import admission
-from pyllmrouter.router import placement
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import HOST, Inventory
-from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RouterClosed, UnknownModel,
-                                WorkerDied, Withdrawn)
-from pyllmrouter.router.keep import KeepStore, identity
+from pyllmrouter.errors import (LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueTimeout, RouterClosed,
+                                UnknownModel, Withdrawn)
+from pyllmrouter.router import admission, placement
+from pyllmrouter.router.events import EventBus
+from pyllmrouter.router.jobs import Jobs
+from pyllmrouter.router.keep import KeepStore
 from pyllmrouter.router.measure import Measurer, worker_spec
-from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, Unloaded, UnloadModel
-from pyllmrouter.spec import ModelSpec
-from pyllmrouter.router.state import State, check_transition, evictable, holds_memory
 from pyllmrouter.router.pool import WorkerHandle
-from pyllmrouter.router.records import Lease, Record, Ticket
+from pyllmrouter.router.records import Fate, Lease, Record, Ticket
+from pyllmrouter.router.registry import Registry, Step, diff, step
+from pyllmrouter.router.state import State, check_transition, evictable, holds_memory
+from pyllmrouter.router.workers import WorkerSet
 
 __all__ = ["Scheduler", "Record", "Lease", "KEPT"]
 
 KEPT = "(kept prompt states)"  # a resident that holds host memory: the kept states in RAM
+_HISTORY = frozenset({"load", "evict", "unload", "load-failed", "worker-died", "fit", "no-fit", "spill"})
 
 
 def _fit_over(device_set: frozenset[str], local: dict[str, str], params: dict[str, Any]) -> tuple[str, ...]:
@@ -72,52 +78,52 @@ class Scheduler:
         self.options = options
         self.inventory = inventory
         self._devices = {d.name: d for d in inventory.devices()}
-        self._records: dict[str, Record] = {}
-        self._aliases: dict[str, str] = {}
+        self._registry = Registry(self._devices)
         for m in models:
-            if m.name in self._records or m.name in self._aliases:
-                raise ValueError(f"model name {m.name!r} is used twice")
-            for d in m.devices or ():
-                if d not in self._devices:
-                    raise ValueError(f"model {m.name!r} is pinned to unknown device {d!r} "
-                                     f"(devices: {', '.join(self._devices)})")
-            if m.spec.draft_devices and not set(m.spec.draft_devices) <= set(m.devices or ()):
-                raise ValueError(f"model {m.name!r}: its draft's devices {', '.join(m.spec.draft_devices)} must be "
-                                 f"among the devices it is pinned to")
-            self._records[m.name] = Record(m)
-            for a in m.aliases:
-                if a in self._records or a in self._aliases:
-                    raise ValueError(f"alias {a!r} of model {m.name!r} is used twice")
-                self._aliases[a] = m.name
+            self._registry.add(m)
         self._cond = threading.Condition()
         self._queue: list[Ticket] = []
         self._seq = itertools.count(1)
-        self._workers: dict[frozenset[str], WorkerHandle] = {}
-        self._worker_locks: dict[frozenset[str], threading.Lock] = {}
-        self._threads: list[threading.Thread] = []
         self._closed = False
-        self.events: list[tuple[float, str, str, str]] = []  # (time, event, model, devices), the last 1000
+        self.bus = EventBus()
         self.counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0}
         self.on_wait: Any = None  # called as on_wait(model, seconds) for every lease (metrics)
-        self._measure = Measurer(inventory, options.load_timeout, self._running_worker,
-                                 self._ensure_worker if options.keep_idle_workers else None)
+        self.workers = WorkerSet(inventory, self._cond, self._on_worker_death, self._worker_started)
+        measure = Measurer(inventory, options.load_timeout, self.workers.running,
+                           self.workers.ensure if options.keep_idle_workers else None)
         ram = options.kv_keep_ram
         if ram is None:
             ram = inventory.free().get(HOST, 0) // 8
         self._keep = KeepStore(ram, options.kv_keep_dir, options.kv_keep_disk) if ram > 0 else None
+        self._jobs = Jobs(self, measure)
         self._spilling = False  # kept states are leaving RAM for host memory a load wants
 
     # -- lookup --------------------------------------------------------------
 
     def resolve(self, name: str) -> Record:
-        real = self._aliases.get(name, name)
-        rec = self._records.get(real)
-        if rec is None:
-            raise UnknownModel(name, list(self._records))
+        with self._cond:
+            return self._resolve(name)
+
+    def _resolve(self, name: str) -> Record:
+        rec = self._registry.get(name)
+        if rec is None or rec.fate is Fate.REMOVE:
+            raise UnknownModel(name, [n for n, r in self._registry.configs().items()])
         return rec
 
     def records(self) -> list[Record]:
-        return list(self._records.values())
+        with self._cond:
+            return self._registry.records()
+
+    @property
+    def events(self) -> list[tuple[float, str, str, str]]:
+        """What happened to the models lately, as (time, event, model, devices): loads,
+        evictions, unloads, failures, fits, spills, dead workers (the bus has more)."""
+        return [(e.t, e.event, e.model, e.devices) for e in self.bus.recent() if e.event in _HISTORY]
+
+    def configs(self) -> dict[str, ModelConfig]:
+        """Every model's config, as it will be (a changed model's new one)."""
+        with self._cond:
+            return self._registry.configs()
 
     # -- accounting (lock held) ---------------------------------------------
 
@@ -127,11 +133,11 @@ class Scheduler:
 
     def _held(self) -> dict[str, int]:
         held: dict[str, int] = {}
-        for r in self._records.values():
+        for r in self._registry.records():
             if holds_memory(r.state):
                 for d, n in r.need.items():
                     held[d] = held.get(d, 0) + n
-        for w in self._workers.values():
+        for w in self.workers.all():
             for d, n in w.overhead.items():
                 held[d] = held.get(d, 0) + n
         if self._keep is not None:  # kept prompt states in RAM are host memory
@@ -161,8 +167,7 @@ class Scheduler:
         """Models holding memory; evictable only if idle and no earlier request waits for them
         (``ignore_busy``: if not persistent; ``leaving``: models already unloading count too)."""
         # an earlier request that may take a lease keeps its model (one blocked by a drain does not)
-        awaited = {t.name for t in self._queue
-                   if t.seq < ticket.seq and self._may_lease(self._records[t.name], t)}
+        awaited = {t.rec.name for t in self._queue if t.seq < ticket.seq and self._may_lease(t.rec, t)}
         residents = [
             placement.Resident(
                 r.name, r.need, r.last_used,
@@ -170,7 +175,7 @@ class Scheduler:
                 or (evictable(r.state, 0, r.config.persistent) if ignore_busy
                     else evictable(r.state, r.leases, r.config.persistent) and r.name not in awaited),
             )
-            for r in self._records.values() if holds_memory(r.state)
+            for r in self._registry.records() if holds_memory(r.state)
         ]
         kept = self._keep.held_ram() if self._keep is not None else 0
         if kept:  # kept prompt states give way first (spilled to disk or dropped), before any model
@@ -196,33 +201,34 @@ class Scheduler:
         """Block until ``name`` is LOADED and take a lease on it.  Once ``gone`` is set
         (``withdraw``) the wait ends with Withdrawn: the ticket leaves the queue, and what
         it alone asked for (a load, a drain of a busy model) does not happen."""
-        rec = self.resolve(name)
         timeout = self.options.queue_timeout if timeout is None else timeout
         autoload = self.options.autoload if autoload is None else autoload
         with self._cond:
             if self._closed:
                 raise RouterClosed("router is closed")
+            rec = self._resolve(name)
             if rec.state is not State.LOADED and not autoload:
                 raise NotLoaded(rec.name, rec.state.value)
-            ticket = Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
+            ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic())
             self._queue.append(ticket)
         deadline = ticket.created + timeout
         free: dict[str, int] | None = None  # the inventory's reading, taken since the last wait
         try:
             while True:
                 with self._cond:
+                    rec = self._follow(ticket)
                     if self._closed:
                         raise RouterClosed("router is closed")
                     if gone is not None and gone.is_set():
                         raise Withdrawn(rec.name)
                     if rec.error_epoch > ticket.epoch:
                         raise LoadFailed(rec.name, rec.reason or "unknown reason")
-                    if rec.state is State.LOADED and self._may_lease(rec, ticket):
+                    if rec.fate is None and rec.state is State.LOADED and self._may_lease(rec, ticket):
                         return self._take(rec, ticket)
-                    stale = rec.state is State.UNLOADED and free is None
+                    stale = rec.fate is None and rec.state is State.UNLOADED and free is None
                     if not stale:
-                        why = "waiting"
-                        if rec.state is State.UNLOADED:
+                        why = "waiting" if rec.fate is None else "waiting for its new configuration"
+                        if rec.fate is None and rec.state is State.UNLOADED:
                             why = self._admit(rec, ticket, free)
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
@@ -234,10 +240,21 @@ class Scheduler:
         finally:
             with self._cond:
                 self._queue.remove(ticket)
-                for r in self._records.values():
+                for r in self._registry.records():
                     if r.drain is not None and r.drain[1] == ticket.seq:
                         r.drain = None  # its waiter is gone; a later waiter sets its own
                 self._cond.notify_all()
+
+    def _follow(self, ticket: Ticket) -> Record:
+        """The ticket's model now: a changed model's new Record; ModelRemoved if it went."""
+        while ticket.rec.gone:
+            if ticket.rec.successor is None:
+                raise ModelRemoved(ticket.rec.name)
+            ticket.rec = ticket.rec.successor
+            ticket.epoch = ticket.rec.error_epoch
+        if ticket.rec.fate is Fate.REMOVE:
+            raise ModelRemoved(ticket.rec.name)
+        return ticket.rec
 
     def withdraw(self, gone: threading.Event) -> None:
         """The caller of a waiting ``lease(..., gone=gone)`` has left: end its wait now."""
@@ -247,12 +264,12 @@ class Scheduler:
 
     def try_lease(self, name: str) -> Lease | None:
         """A lease on ``name`` if it can be taken at once (LOADED, not draining for an
-        earlier waiter), else None; never waits, never starts a load."""
-        rec = self.resolve(name)
+        earlier waiter, not retiring), else None; never waits, never starts a load."""
         with self._cond:
-            if self._closed or rec.state is not State.LOADED:
+            rec = self._resolve(name)
+            if self._closed or rec.state is not State.LOADED or rec.fate is not None:
                 return None
-            ticket = Ticket(rec.name, next(self._seq), rec.error_epoch, time.monotonic())
+            ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic())
             return self._take(rec, ticket) if self._may_lease(rec, ticket) else None
 
     def _take(self, rec: Record, ticket: Ticket) -> Lease:
@@ -260,13 +277,14 @@ class Scheduler:
         rec.last_used = time.monotonic()
         if self.on_wait is not None:
             self.on_wait(rec.name, rec.last_used - ticket.created)
-        return Lease(rec.name, rec.worker)
+        return Lease(rec.name, rec.worker, rec)
 
     def release(self, lease: Lease) -> None:
         with self._cond:
-            rec = self._records[lease.name]
+            rec = lease.record
             rec.leases -= 1
             rec.last_used = time.monotonic()
+            self._settle(rec)
             self._cond.notify_all()
 
     def _may_lease(self, rec: Record, ticket: Ticket) -> bool:
@@ -275,6 +293,74 @@ class Scheduler:
         deadline, waiter_seq = rec.drain
         return ticket.seq < waiter_seq or time.monotonic() < deadline
 
+    # -- the live model list -----------------------------------------------------
+
+    def add_model(self, cfg: ModelConfig) -> None:
+        """A new model, servable at once (ValueError: its name or an alias is taken)."""
+        with self._cond:
+            self._registry.add(cfg)
+            self._event("added", cfg.name, source=cfg.source)
+            self._cond.notify_all()
+
+    def remove_model(self, name: str) -> None:
+        """``name`` takes no new request, finishes those in flight, unloads and goes."""
+        with self._cond:
+            self._retire(self._resolve(name), None)
+
+    def replace_model(self, cfg: ModelConfig) -> None:
+        """``cfg`` replaces the model of its name once that one has finished its requests
+        and unloaded; requests that come meanwhile wait for the new config."""
+        with self._cond:
+            rec = self._resolve(cfg.name)
+            if (rec.replacement or rec.config) != cfg:
+                self._retire(rec, cfg)
+
+    def reconcile(self, configs: Iterable[ModelConfig]) -> dict[str, list[str]]:
+        """Make the list the sources' new one (models added through the API stay): new
+        names added, changed configs replaced, names gone removed.  Each change is checked
+        first, so a bad list changes nothing (ValueError)."""
+        configs = list(configs)
+        with self._cond:
+            changes = diff(self._registry.configs(), configs)
+            self._check_changes(changes)
+            for cfg in changes.add:
+                self._registry.add(cfg)
+                self._event("added", cfg.name, source=cfg.source)
+            for name in changes.remove:
+                self._retire(self._registry.get(name), None)
+            for cfg in changes.replace:
+                self._retire(self._registry.get(cfg.name), cfg)
+            self._event("models_reload", "*")
+            self._cond.notify_all()
+        return {"added": [c.name for c in changes.add], "removed": list(changes.remove),
+                "changed": [c.name for c in changes.replace]}
+
+    def _check_changes(self, changes) -> None:
+        """ValueError if the changes would clash (names, aliases, devices); lock held."""
+        probe = Registry(self._devices)
+        keep = {n: c for n, c in self._registry.configs().items() if n not in changes.remove}
+        keep.update({c.name: c for c in changes.replace})
+        for cfg in [*keep.values(), *changes.add]:
+            probe.add(cfg)
+
+    def _retire(self, rec: Record, replacement: ModelConfig | None) -> None:
+        self._registry.retire(rec, replacement)
+        self._event("remove" if replacement is None else "change", rec.name)
+        self._settle(rec)
+        self._cond.notify_all()
+
+    def _settle(self, rec: Record) -> None:
+        """A retiring model's next step (registry.step): unload once idle, go once unloaded."""
+        action = step(rec.state, rec.leases, rec.fate is not None)
+        if action is Step.UNLOAD:
+            self._begin_unload(rec)
+        elif action is Step.FINISH:
+            if self._keep is not None and rec.fate is Fate.REMOVE:
+                self._keep.forget(rec.name)  # its kept states can serve no one
+            new = self._registry.finish(rec)
+            self._event("model_remove" if new is None else "replaced", rec.name)
+            self._cond.notify_all()
+
     # -- admission (lock held) -----------------------------------------------
 
     def _earlier_loader_blocks(self, rec: Record, ticket: Ticket) -> bool:
@@ -282,10 +368,10 @@ class Scheduler:
         for t in self._queue:
             if t.seq >= ticket.seq:
                 return False
-            other = self._records[t.name]
+            other = t.rec
             if other is rec:
                 return True  # an earlier ticket of the same model drives its load
-            if other.state is State.UNLOADED and mine & set().union(*self._candidates(other)):
+            if other.state is State.UNLOADED and not other.gone and mine & set().union(*self._candidates(other)):
                 return True
         return False
 
@@ -297,33 +383,42 @@ class Scheduler:
         if isinstance(decision, admission.Never):
             rec.error_epoch += 1
             rec.reason = decision.why
+            self._event("load-failed", rec.name, reason=decision.why)
             raise NeverFits(rec.name, decision.device, decision.need, decision.capacity, decision.why)
         if isinstance(decision, admission.Evict):
+            short = placement.shortfall(decision.need, available)
             for v in decision.victims:
                 if v == KEPT:
                     self._spilling = True
-                    self._spawn(self._spill)
+                    self._jobs.spawn(self._jobs.spill)
                 else:
-                    self._begin_unload(self._records[v], evicted=True)
+                    victim = self._registry.get(v)
+                    self._event("evicted", v, newcomer=rec.name, bytes=dict(victim.need),
+                                short={d: n for d, n in short.items() if victim.need.get(d, 0) > 0})
+                    self._begin_unload(victim, evicted=True)
             return "evicting idle models"
         if isinstance(decision, admission.Wait):
             if decision.probe:
                 rec.probing = True
-                self._spawn(self._probe_requirements, rec)
+                self._jobs.spawn(self._jobs.probe, rec)
             if decision.fit is not None:
                 rec.fitting = True
                 job = decision.fit
-                self._spawn(self._fit, rec, job.device_set, job.spec, dict(job.grant))
+                self._jobs.spawn(self._jobs.fit, rec, job.device_set, job.spec, dict(job.grant))
             deadline = ticket.created + self.options.turn
             for v in decision.drain:
-                victim = self._records[v]
+                victim = self._registry.get(v)
                 if victim.drain is None or victim.drain[1] > ticket.seq:
                     victim.drain = (deadline, ticket.seq)
+            if decision.short and decision.short != ticket.short:
+                ticket.short = dict(decision.short)
+                self._event("waiting", rec.name, why=decision.why, short=dict(decision.short))
             return decision.why
         self._move(rec, State.LOADING)
         rec.device_set, rec.need, rec.reason = decision.device_set, dict(decision.need), None
         rec.load_spec, rec.fit = decision.spec, decision.fit
-        self._spawn(self._load, rec)
+        self._event("load-start", rec.name)
+        self._jobs.spawn(self._jobs.load, rec)
         return "loading"
 
     def _view(self, ticket: Ticket, available: dict[str, int]) -> admission.View:
@@ -367,210 +462,44 @@ class Scheduler:
         self._event("evict" if evicted else "unload", rec.name)
         if evicted:
             self.counters["evictions"] += 1
-        self._spawn(self._unload, rec)
+        self._jobs.spawn(self._jobs.unload, rec)
 
-    # -- background work -------------------------------------------------------
+    def _event(self, what: str, name: str, **data: Any) -> None:
+        rec = self._registry.get(name)
+        where = "+".join(sorted(rec.device_set)) if rec is not None and rec.device_set else ""
+        self.bus.publish(what, name, where, **data)
 
-    def _spawn(self, fn, *args) -> None:
-        t = threading.Thread(target=fn, args=args, daemon=True)
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
+    def _worker_started(self, worker: WorkerHandle) -> None:
+        self._jobs.refresh_overhead(worker)  # its GPU context counts from now on
+        self.bus.publish("worker-started", "", "+".join(sorted(worker.devices)), pid=worker.pid)
 
-    def _event(self, what: str, name: str) -> None:
-        rec = self._records[name]
-        where = "+".join(sorted(rec.device_set)) if rec.device_set else ""
-        self.events.append((time.monotonic(), what, name, where))
-        del self.events[:-1000]
-
-    def _spill(self) -> None:
-        """Host memory is wanted: kept prompt states leave RAM (file work, outside the lock)."""
-        try:
-            self._keep.spill()
-        finally:
-            with self._cond:
-                self._spilling = False
-                self.events.append((time.monotonic(), "spill", KEPT, HOST))
-                self._cond.notify_all()
-
-    def _probe_requirements(self, rec: Record) -> None:
-        reqs: dict[frozenset[str], dict[str, int]] = {}
-        parts: dict[frozenset[str], dict[str, dict]] = {}
-        params: dict[frozenset[str], dict[str, Any]] = {}
-        error = None
-        try:
-            candidates = self._candidates(rec)
-            for ds in candidates:
-                spec = worker_spec(rec.config.spec, ds, self.inventory.to_local(ds))
-                reqs[ds], parts[ds], params[ds] = self._measure.requirement(spec, ds, only=len(candidates) == 1)
-                if self.options.max_models:
-                    reqs[ds][placement.COUNT] = 1
-        except Exception as e:  # noqa: BLE001 - reported to every waiting request
-            error = e
+    def _on_worker_death(self, worker: WorkerHandle) -> None:
         with self._cond:
-            rec.probing = False
-            if error is None:
-                rec.requirements, rec.components, rec.params = reqs, parts, params
-            else:
-                rec.error_epoch += 1
-                rec.reason = f"cannot measure memory: {error}"
+            self.counters["worker_deaths"] += 1
+            self.workers.forget(worker)
+            for r in self._registry.records():
+                if r.worker is worker or (r.state is State.LOADING and r.device_set == worker.devices):
+                    self._move(r, State.UNLOADED, f"worker process {worker.pid} died")
+                    self._event("worker-died", r.name, pid=worker.pid)
+                    self._settle(r)
             self._cond.notify_all()
 
     def measure(self, name: str) -> None:
         """Probe ``name``'s bytes now (no load), unless measured or being measured."""
         with self._cond:
-            rec = self.resolve(name)
+            rec = self._resolve(name)
             if rec.requirements is not None or rec.probing:
                 return
             rec.probing = True
-        self._probe_requirements(rec)
-
-    def _fit(self, rec: Record, ds: frozenset[str], spec: ModelSpec, grant: dict[str, int]) -> None:
-        """Fit ``spec`` into ``grant`` and remember the result for that grant."""
-        fitted, error = None, None
-        try:
-            fitted = self._measure.fit(spec, ds, grant)
-        except Exception as e:  # noqa: BLE001 - reported to every waiting request
-            error = e
-        with self._cond:
-            rec.fitting = False
-            if fitted is not None:
-                rec.fits.add(ds, fitted)
-                self.events.append((time.monotonic(), "fit" if fitted.ok else "no-fit", rec.name,
-                                    "+".join(sorted(ds))))
-            else:
-                rec.error_epoch += 1
-                rec.reason = f"cannot fit: {error}"
-            self._cond.notify_all()
-
-    def _running_worker(self, device_set: frozenset[str]) -> WorkerHandle | None:
-        with self._cond:
-            return self._workers.get(device_set)
-
-    def workers(self) -> list[WorkerHandle]:
-        with self._cond:
-            return [w for w in self._workers.values() if w.alive]
-
-    def _ensure_worker(self, device_set: frozenset[str]) -> WorkerHandle:
-        with self._cond:
-            lock = self._worker_locks.setdefault(device_set, threading.Lock())
-        with lock:
-            with self._cond:
-                w = self._workers.get(device_set)
-                if w is not None and w.alive:
-                    return w
-            w = WorkerHandle("+".join(sorted(device_set)), device_set, self.inventory.mask_env(device_set),
-                             self._on_worker_death)
-            w.start()
-            self._refresh_overhead(w)
-            with self._cond:
-                self._workers[device_set] = w
-                self._cond.notify_all()
-            return w
-
-    def _refresh_overhead(self, worker: WorkerHandle) -> None:
-        """A worker's own cost on its GPUs: what the device reports for the process
-        (context, cuBLAS workspace, pools) minus the probed bytes of its models."""
-        usage = self.inventory.process_usage(worker.pid) if worker.pid else {}
-        if not usage:
-            return
-        with self._cond:
-            for device, used in usage.items():
-                models = sum(r.need.get(device, 0) for r in self._records.values()
-                             if r.worker is worker and r.state is State.LOADED)
-                worker.overhead[device] = max(0, used - models)
-
-    def _load(self, rec: Record) -> None:
-        try:
-            worker = self._ensure_worker(rec.device_set)
-            free = self.inventory.free()
-            with self._cond:
-                # the worker's measured overhead now counts: does the reservation still fit?
-                available = self._available(free)
-                mine = {d: available.get(d, 0) + n for d, n in rec.need.items()}
-                if placement.shortfall(rec.need, mine):
-                    self._move(rec, State.UNLOADED)
-                    self._cond.notify_all()
-                    return
-            cfg = rec.config
-            spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set, self.inventory.to_local(rec.device_set))
-            ident, keep_dir, restore = None, None, []
-            if self._keep is not None and (ident := identity(cfg.name, spec)) is not None:
-                keep_dir, restore = str(self._keep.dir_for(ident)), self._keep.prepare(ident)
-            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, keep_dir, tuple(restore),
-                                                          self.options.stream_interval))
-            reply = pending.get(self.options.load_timeout)
-            if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused
-                self._keep.consumed(ident, restore, reply.restored, reply.refused)
-        except Exception as e:  # noqa: BLE001
-            reply = Failed(0, ErrorKind.WORKER_DIED if isinstance(e, WorkerDied) else ErrorKind.INTERNAL,
-                           f"{type(e).__name__}: {e}")
-        with self._cond:
-            if rec.state is not State.LOADING:  # the worker died meanwhile and said so
-                return
-            if isinstance(reply, Loaded):
-                self._move(rec, State.LOADED)
-                rec.worker, rec.live, rec.identity = worker, dict(reply.pools), ident
-                rec.last_used = time.monotonic()
-                rec.loads += 1
-                self.counters["loads"] += 1
-                self._event("load", rec.name)
-                loaded = True
-            else:
-                loaded = False
-                self._move(rec, State.UNLOADED, reply.message)
-                rec.error_epoch += 1
-                self.counters["load_failures"] += 1
-                self._event("load-failed", rec.name)
-            self._cond.notify_all()
-        if loaded:
-            self._refresh_overhead(worker)
-
-    def _unload(self, rec: Record) -> None:
-        with self._cond:
-            worker, ident = rec.worker, rec.identity
-        keep = self._keep is not None and ident is not None
-        if worker is not None and worker.alive:
-            try:
-                reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep)).get(self.options.load_timeout)
-                if keep and isinstance(reply, Unloaded):
-                    self._keep.add(ident, list(reply.kept))  # I/O: outside the lock
-                    self._keep.hit(reply.hits)
-            except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
-                pass
-        with self._cond:
-            if rec.state is State.UNLOADING:
-                self._move(rec, State.UNLOADED)
-            self._cond.notify_all()
-        if not self.options.keep_idle_workers and worker is not None:
-            self._stop_if_idle(worker)
-
-    def _stop_if_idle(self, worker: WorkerHandle) -> None:
-        with self._cond:
-            if any(r.worker is worker for r in self._records.values()):
-                return
-            self._workers.pop(worker.devices, None)
-        worker.stop()
-        with self._cond:
-            self._cond.notify_all()
-
-    def _on_worker_death(self, worker: WorkerHandle) -> None:
-        with self._cond:
-            self.counters["worker_deaths"] += 1
-            if self._workers.get(worker.devices) is worker:
-                del self._workers[worker.devices]
-            for r in self._records.values():
-                if r.worker is worker or (r.state is State.LOADING and r.device_set == worker.devices):
-                    self._move(r, State.UNLOADED, f"worker process {worker.pid} died")
-                    self._event("worker-died", r.name)
-            self._cond.notify_all()
+        self._jobs.probe(rec)
 
     # -- explicit control ------------------------------------------------------
 
     def unload(self, name: str, wait: float | None = 30.0) -> bool:
         """Unload ``name`` once idle (waits for in-flight requests). False if not loaded."""
-        rec = self.resolve(name)
         deadline = time.monotonic() + (wait or 0)
         with self._cond:
+            rec = self._resolve(name)
             while rec.state is State.LOADED and rec.leases > 0 and time.monotonic() < deadline:
                 self._cond.wait(0.1)
             if rec.state is not State.LOADED or rec.leases > 0:
@@ -585,7 +514,7 @@ class Scheduler:
         now = time.monotonic()
         out = []
         with self._cond:
-            for r in self._records.values():
+            for r in self._registry.records():
                 ttl = r.config.ttl
                 if ttl and evictable(r.state, r.leases, False) and now - r.last_used > ttl:
                     self._begin_unload(r)
@@ -595,17 +524,15 @@ class Scheduler:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            workers = list(self._workers.values())
-            self._workers.clear()
-            for r in self._records.values():
+            workers = self.workers.take_all()
+            for r in self._registry.records():
                 if r.state is not State.UNLOADED:
                     self._move(r, State.UNLOADED)
                 r.leases = 0
             self._cond.notify_all()
         for w in workers:
             w.stop()
-        for t in list(self._threads):
-            t.join(5)
+        self._jobs.join(5)
         if self._keep is not None:
             self._keep.close()
 
@@ -613,19 +540,17 @@ class Scheduler:
 
     def status(self) -> dict[str, Any]:
         free = self.inventory.free()
-        with self._cond:
-            names = {r.identity: r.name for r in self._records.values() if r.identity}
-        kept = self._keep.report(names) if self._keep is not None else {"enabled": False, "models": {}}
+        kept = self._keep.report() if self._keep is not None else {"enabled": False, "models": {}}
         with self._cond:
             available = self._available(free)
             held = self._held()
-            models = {r.name: r.report(kept["models"].get(r.name)) for r in self._records.values()}
+            models = {r.name: r.report(kept["models"].get(r.name)) for r in self._registry.records()}
             devices = {
                 n: {"kind": d.kind, "total": d.total, "free": free.get(n), "capacity": self._capacity(n),
                     "held": held.get(n, 0), "available": available.get(n)}
                 for n, d in self._devices.items()
             }
             workers = [{"devices": sorted(w.devices), "pid": w.pid, "alive": w.alive, "overhead": w.overhead}
-                       for w in self._workers.values()]
+                       for w in self.workers.all()]
             return {"models": models, "devices": devices, "workers": workers, "counters": dict(self.counters),
                     "queue": len(self._queue), "kept": {k: v for k, v in kept.items() if k != "models"}}

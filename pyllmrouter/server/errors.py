@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterClosed,
-                                UnknownModel, WorkerDied, Withdrawn)
+from pyllmrouter.errors import (LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueTimeout, RequestFailed,
+                                RouterClosed, UnknownModel, WorkerDied, Withdrawn)
 
 __all__ = ["ApiError", "error_response", "from_router_error"]
 
@@ -32,6 +32,8 @@ def from_router_error(e: Exception) -> ApiError:
         return ApiError(499, str(e), "client_closed_request", "client_closed_request")
     if isinstance(e, UnknownModel):
         return ApiError(404, str(e), code="model_not_found", param="model")
+    if isinstance(e, ModelRemoved):
+        return ApiError(404, str(e), code="model_removed", param="model")
     if isinstance(e, NotLoaded):
         return ApiError(400, str(e), code="model_not_loaded", param="model")
     if isinstance(e, NeverFits):

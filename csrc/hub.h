@@ -1,0 +1,32 @@
+// llama.cpp's cache of downloaded models: see hub.cpp.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace pyllmrouter {
+
+struct CachedModel {
+    std::string name;    // "org/repo:tag"
+    std::string path;    // the model's file, resolved offline
+    std::string mmproj;  // its projector, if the repository has one
+    std::string error;   // why it could not be resolved
+};
+
+// Every model in llama.cpp's cache, resolved offline.
+std::vector<CachedModel> cached_models();
+
+// Downloads "org/repo[:tag]" into llama.cpp's cache with llama.cpp's downloader, calling
+// progress(url, downloaded, total) as it goes; the model's path.  Throws naming the reason.
+std::string download_model(const std::string & name,
+                           const std::function<void(const std::string &, std::uint64_t, std::uint64_t)> & progress);
+
+// Removes "org/repo[:tag]" from the cache; false if nothing was there.
+bool remove_cached(const std::string & name);
+
+// Where llama.cpp's cache is.
+std::string cache_dir();
+
+}  // namespace pyllmrouter

@@ -1,0 +1,51 @@
+"""A model pulled into llama.cpp's cache, or removed from it: run as a short-lived process.
+
+    python -m pyllmrouter.engine.download org/repo[:tag]          one JSON line per progress
+        {"progress": {"url", "done", "total"}} ... then {"path": ...} | {"error": ...}
+    python -m pyllmrouter.engine.download --remove org/repo[:tag]  {"removed": true|false}
+
+llama.cpp's own downloader and cache layout (common/download.cpp, hf-cache.cpp): the
+endpoint follows MODEL_ENDPOINT (or HF_ENDPOINT), the cache LLAMA_CACHE (or the Hugging
+Face variables), a token HF_TOKEN.  The router reads the lines; it never loads llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+__all__ = ["main"]
+
+
+def _say(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def main(argv: list[str]) -> int:
+    from pyllmrouter.engine.backend import native  # noqa: PLC0415 - this process only
+
+    if argv[:1] == ["--remove"]:
+        _say({"removed": bool(native().remove_cached(argv[1]))})
+        return 0
+    name = argv[0]
+    last = [0.0]
+
+    def progress(url: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= 0.1 or (total and done >= total):  # as llama-server's child throttles
+            last[0] = now
+            _say({"progress": {"url": url, "done": done, "total": total}})
+
+    try:
+        path = native().download_model(name, progress)
+    except Exception as e:  # noqa: BLE001 - the reason goes to the router
+        _say({"error": f"{name}: {e}"})
+        return 1
+    _say({"path": path})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

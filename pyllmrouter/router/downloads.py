@@ -1,0 +1,111 @@
+"""Models pulled into llama.cpp's cache (POST /models), each in a short-lived process.
+
+    start(name) ──▶ python -m pyllmrouter.engine.download NAME (llama.cpp's downloader)
+                    ◀── JSON lines: progress ... path | error
+        progress ──▶ the bus: download_progress {progress: {url: {done, total}}}
+        the end  ──▶ the bus: download_finished | download_failed {error}; on_done(name, path, error)
+    cancel(name) ──▶ the process killed (DELETE /models while it downloads)
+    remove(name) ──▶ python -m pyllmrouter.engine.download --remove NAME
+
+One download per name at a time.  What a download owns (its process, its progress)
+changes under ``_lock`` only; the router process never loads llama.cpp.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from typing import Any, Callable
+
+from pyllmrouter.router.events import EventBus
+
+__all__ = ["Downloads"]
+
+
+class Downloads:
+    def __init__(self, bus: EventBus, on_done: Callable[[str, str | None, str | None], None]):
+        """``on_done(name, path, error)``: a download ended (path or error), no lock held."""
+        self._bus = bus
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._state: dict[str, dict[str, Any]] = {}  # name -> {"status", "progress", "error"}
+
+    def start(self, name: str) -> None:
+        with self._lock:
+            if name in self._procs:
+                raise ValueError(f"model {name!r} is already being downloaded")
+            proc = subprocess.Popen([sys.executable, "-m", "pyllmrouter.engine.download", name],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            self._procs[name] = proc
+            self._state[name] = {"status": "downloading", "progress": {}, "error": None}
+        self._bus.publish("status_change", name, status="downloading")
+        threading.Thread(target=self._follow, args=(name, proc), name=f"download-{name}", daemon=True).start()
+
+    def _follow(self, name: str, proc: subprocess.Popen) -> None:
+        path, error = None, None
+        for line in proc.stdout:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if "progress" in msg:
+                p = msg["progress"]
+                with self._lock:
+                    progress = self._state[name]["progress"]
+                    progress[p["url"]] = {"done": p["done"], "total": p["total"]}
+                    snapshot = {u: dict(v) for u, v in progress.items()}
+                self._bus.publish("download_progress", name, progress=snapshot)
+            elif "path" in msg:
+                path = msg["path"]
+            elif "error" in msg:
+                error = msg["error"]
+        code = proc.wait()
+        if path is None and error is None:
+            error = f"{name}: the download stopped (exit code {code})"
+        with self._lock:
+            self._procs.pop(name, None)
+            if path is not None:
+                self._state.pop(name, None)
+            else:
+                self._state[name] = {"status": "failed", "progress": self._state[name]["progress"], "error": error}
+        self._bus.publish("download_finished" if path else "download_failed", name,
+                          **({"error": error} if error else {}))
+        self._on_done(name, path, error)
+
+    def cancel(self, name: str) -> bool:
+        with self._lock:
+            proc = self._procs.get(name)
+            self._state.pop(name, None)
+        if proc is not None:
+            proc.kill()
+        return proc is not None
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Downloads under way or failed: name -> {status, progress, error}."""
+        with self._lock:
+            return {n: {"status": s["status"], "progress": {u: dict(p) for u, p in s["progress"].items()},
+                        "error": s["error"]} for n, s in self._state.items()}
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            if name not in self._procs:
+                self._state.pop(name, None)
+
+    @staticmethod
+    def remove(name: str) -> bool:
+        """Remove ``name`` from llama.cpp's cache (in a short-lived process)."""
+        proc = subprocess.run([sys.executable, "-m", "pyllmrouter.engine.download", "--remove", name],
+                              capture_output=True, text=True, timeout=120)
+        try:
+            return bool(json.loads(proc.stdout.strip().splitlines()[-1])["removed"])
+        except (ValueError, IndexError, KeyError):
+            raise RuntimeError(f"removing {name} failed: {proc.stderr.strip()[-500:]}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            p.kill()

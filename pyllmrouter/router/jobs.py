@@ -1,0 +1,204 @@
+"""The scheduler's background half: probes, fits, loads, unloads and spills, each on a
+thread of its own, doing its I/O outside the scheduler's lock and reporting back under it.
+
+    probe(rec)  ──▶ requirements per candidate device set (measure.py) ──▶ rec, notify
+    fit(rec, ds, spec, grant) ──▶ a fit for that grant (or "no fit") ──▶ rec.fits, notify
+    load(rec)   ──▶ the device set's worker ──▶ LoadModel ──▶ LOADED | UNLOADED (reason)
+    unload(rec) ──▶ UnloadModel (slot states kept) ──▶ UNLOADED ──▶ settle (registry.step)
+    spill()     ──▶ kept prompt states leave RAM
+
+Jobs belongs to one Scheduler and works on its state (records, workers, the keep
+store) under the scheduler's own lock, as the scheduler's methods do; it owns
+nothing but its threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from pyllmrouter.errors import WorkerDied
+from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, Unloaded, UnloadModel
+from pyllmrouter.router import placement
+from pyllmrouter.router.keep import identity
+from pyllmrouter.router.measure import Measurer, worker_spec
+from pyllmrouter.router.pool import WorkerHandle
+from pyllmrouter.router.records import Record
+from pyllmrouter.router.state import State
+from pyllmrouter.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from pyllmrouter.router.scheduler import Scheduler
+
+__all__ = ["Jobs"]
+
+
+class Jobs:
+    def __init__(self, scheduler: "Scheduler", measure: Measurer):
+        self._s = scheduler
+        self._measure = measure
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def spawn(self, fn, *args) -> None:
+        t = threading.Thread(target=fn, args=args, daemon=True)
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def join(self, timeout: float) -> None:
+        with self._lock:
+            threads = list(self._threads)
+        for t in threads:
+            t.join(timeout)
+
+    def spill(self) -> None:
+        """Host memory is wanted: kept prompt states leave RAM (file work, outside the lock)."""
+        s = self._s
+        try:
+            s.keep.spill()
+        finally:
+            with s._cond:
+                s._spilling = False
+                s.bus.publish("spill", "(kept prompt states)", "CPU")
+                s._cond.notify_all()
+
+    def probe(self, rec: Record) -> None:
+        s = self._s
+        reqs: dict[frozenset[str], dict[str, int]] = {}
+        parts: dict[frozenset[str], dict[str, dict]] = {}
+        params: dict[frozenset[str], dict[str, Any]] = {}
+        error = None
+        try:
+            candidates = s._candidates(rec)
+            for ds in candidates:
+                spec = worker_spec(rec.config.spec, ds, s.inventory.to_local(ds))
+                reqs[ds], parts[ds], params[ds] = self._measure.requirement(spec, ds, only=len(candidates) == 1)
+                if s.options.max_models:
+                    reqs[ds][placement.COUNT] = 1
+        except Exception as e:  # noqa: BLE001 - reported to every waiting request
+            error = e
+        with s._cond:
+            rec.probing = False
+            if error is None:
+                rec.requirements, rec.components, rec.params = reqs, parts, params
+            else:
+                rec.error_epoch += 1
+                rec.reason = f"cannot measure memory: {error}"
+                s._event("load-failed", rec.name, reason=rec.reason)
+            s._cond.notify_all()
+
+    def fit(self, rec: Record, ds: frozenset[str], spec: ModelSpec, grant: dict[str, int]) -> None:
+        """Fit ``spec`` into ``grant`` and remember the result for that grant."""
+        s = self._s
+        fitted, error = None, None
+        try:
+            fitted = self._measure.fit(spec, ds, grant)
+        except Exception as e:  # noqa: BLE001 - reported to every waiting request
+            error = e
+        with s._cond:
+            rec.fitting = False
+            if fitted is not None:
+                rec.fits.add(ds, fitted)
+                s.bus.publish("fit" if fitted.ok else "no-fit", rec.name, "+".join(sorted(ds)),
+                              n_ctx=fitted.n_ctx, layers=dict(fitted.layers), error=fitted.error)
+            else:
+                rec.error_epoch += 1
+                rec.reason = f"cannot fit: {error}"
+                s._event("load-failed", rec.name, reason=rec.reason)
+            s._cond.notify_all()
+
+    def refresh_overhead(self, worker: WorkerHandle) -> None:
+        """A worker's own cost on its GPUs: what the device reports for the process
+        (context, cuBLAS workspace, pools) minus the probed bytes of its models."""
+        s = self._s
+        usage = s.inventory.process_usage(worker.pid) if worker.pid else {}
+        if not usage:
+            return
+        with s._cond:
+            for device, used in usage.items():
+                models = sum(r.need.get(device, 0) for r in s._registry.records()
+                             if r.worker is worker and r.state is State.LOADED)
+                worker.overhead[device] = max(0, used - models)
+
+    def load(self, rec: Record) -> None:
+        s = self._s
+        try:
+            worker = s.workers.ensure(rec.device_set)
+            free = s.inventory.free()
+            with s._cond:
+                # the worker's measured overhead now counts: does the reservation still fit?
+                available = s._available(free)
+                mine = {d: available.get(d, 0) + n for d, n in rec.need.items()}
+                if placement.shortfall(rec.need, mine):
+                    s._move(rec, State.UNLOADED)
+                    s._settle(rec)
+                    s._cond.notify_all()
+                    return
+            cfg = rec.config
+            spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set, s.inventory.to_local(rec.device_set))
+            ident, keep_dir, restore = None, None, []
+            if s.keep is not None and (ident := identity(cfg.name, spec)) is not None:
+                keep_dir, restore = str(s.keep.dir_for(ident, cfg.name)), s.keep.prepare(ident)
+            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, keep_dir, tuple(restore),
+                                                          s.options.stream_interval))
+            reply = pending.get(s.options.load_timeout)
+            if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused
+                s.keep.consumed(ident, restore, reply.restored, reply.refused)
+        except Exception as e:  # noqa: BLE001
+            reply = Failed(0, ErrorKind.WORKER_DIED if isinstance(e, WorkerDied) else ErrorKind.INTERNAL,
+                           f"{type(e).__name__}: {e}")
+        with s._cond:
+            if rec.state is not State.LOADING:  # the worker died meanwhile and said so
+                return
+            if isinstance(reply, Loaded):
+                s._move(rec, State.LOADED)
+                rec.worker, rec.live, rec.identity = worker, dict(reply.pools), ident
+                rec.last_used = time.monotonic()
+                rec.loads += 1
+                s.counters["loads"] += 1
+                s._event("load", rec.name, seconds=round(reply.seconds, 3))
+                loaded = True
+            else:
+                loaded = False
+                s._move(rec, State.UNLOADED, reply.message)
+                rec.error_epoch += 1
+                s.counters["load_failures"] += 1
+                s._event("load-failed", rec.name, reason=reply.message)
+            s._settle(rec)
+            s._cond.notify_all()
+        if loaded:
+            self.refresh_overhead(worker)
+
+    def unload(self, rec: Record) -> None:
+        s = self._s
+        with s._cond:
+            worker, ident = rec.worker, rec.identity
+        keep = s.keep is not None and ident is not None
+        if worker is not None and worker.alive:
+            try:
+                reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep)).get(s.options.load_timeout)
+                if keep and isinstance(reply, Unloaded):
+                    s.keep.add(ident, list(reply.kept))  # I/O: outside the lock
+                    s.keep.hit(reply.hits)
+            except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
+                pass
+        with s._cond:
+            if rec.state is State.UNLOADING:
+                s._move(rec, State.UNLOADED)
+                s._event("unloaded", rec.name)
+            s._settle(rec)
+            s._cond.notify_all()
+        if not s.options.keep_idle_workers and worker is not None:
+            self._stop_if_idle(worker)
+
+    def _stop_if_idle(self, worker: WorkerHandle) -> None:
+        s = self._s
+        with s._cond:
+            if any(r.worker is worker for r in s._registry.records()):
+                return
+            s.workers.forget(worker)
+        worker.stop()
+        with s._cond:
+            s._cond.notify_all()

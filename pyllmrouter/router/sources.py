@@ -1,0 +1,84 @@
+"""Where the models come from, read again on demand: a llama-server preset file, a
+models directory, and llama.cpp's cache of downloads (what ``-hf`` and ``POST /models``
+put there), as llama-server's router reads them.
+
+    read() ──▶ the sources' ModelConfigs, each with its source; a name listed by several
+               takes the highest: cache < models_dir < preset (llama-server's order)
+           ──▶ the preset's router-wide options (memory-margin)
+    stamp() ──▶ what changes when a source changes (modification times, listings): the
+               watcher (--watch) reads the sources again when it moves
+
+Reading a preset checks its keys, and listing the cache asks llama.cpp, both in a
+short-lived process (engine_args.py): the router process loads no llama.cpp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from pyllmrouter.config import ModelConfig
+from pyllmrouter.engine_args import cached_models
+from pyllmrouter.presets import read_preset, scan_models_dir
+from pyllmrouter.spec import ModelSpec
+
+__all__ = ["Sources"]
+
+PRESET, MODELS_DIR, CACHE = "preset", "models_dir", "cache"
+
+
+def _with_source(cfg: ModelConfig, source: str) -> ModelConfig:
+    return dataclasses.replace(cfg, source=source)
+
+
+class Sources:
+    def __init__(self, preset: str | None = None, models_dir: str | None = None, cache: bool = False):
+        """``cache``: list llama.cpp's cache of downloads, as llama-server's router does."""
+        self.preset, self.models_dir, self.cache = preset, models_dir, cache
+        self._cache_dir: Path | None = None  # where llama.cpp said its cache is, when it was listed
+
+    def read(self) -> tuple[list[ModelConfig], dict[str, Any]]:
+        """The models the sources list now, and the preset's router-wide options;
+        PresetError for a bad preset (nothing else is read then)."""
+        by_name: dict[str, ModelConfig] = {}
+        router: dict[str, Any] = {}
+        if self.cache:
+            where, models = cached_models()
+            self._cache_dir = Path(where)
+            for m in models:
+                if m["path"] and not m["error"]:
+                    args = ("--mmproj", m["mmproj"]) if m["mmproj"] else ()
+                    by_name[m["name"]] = ModelConfig(m["name"], ModelSpec(m["path"], args), source=CACHE)
+        if self.models_dir:
+            for cfg in scan_models_dir(self.models_dir):
+                by_name[cfg.name] = _with_source(cfg, MODELS_DIR)
+        if self.preset:
+            preset = read_preset(self.preset)
+            router.update(preset.router)
+            for cfg in preset.models:
+                by_name[cfg.name] = _with_source(cfg, PRESET)
+        return list(by_name.values()), router
+
+    def stamp(self) -> tuple:
+        """Modification times and listings of the sources (changes when one changes)."""
+        def mtimes(path: Path, depth: int) -> tuple:
+            try:
+                st = path.stat()
+            except OSError:
+                return (str(path), None)
+            if depth == 0 or not path.is_dir():
+                return (str(path), st.st_mtime_ns, st.st_size)
+            return (str(path), st.st_mtime_ns, tuple(mtimes(p, depth - 1) for p in sorted(path.iterdir())))
+
+        parts: list[tuple] = []
+        if self.preset:
+            parts.append(mtimes(Path(self.preset), 0))
+        if self.models_dir:
+            parts.append(mtimes(Path(self.models_dir), 2))
+        if self.cache and self._cache_dir is not None:
+            parts.append(mtimes(self._cache_dir, 1))
+        return tuple(parts)
+
+    def __bool__(self) -> bool:
+        return bool(self.preset or self.models_dir or self.cache)
