@@ -14,6 +14,14 @@ from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import RpcServers, rpc_server_binary
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _empty_llama_cache(tmp_path_factory):
+    """llama.cpp's cache of downloads (which the router lists) is the tests' own, empty at
+    the start: the user's downloads never show up in a test."""
+    os.environ["LLAMA_CACHE"] = str(tmp_path_factory.mktemp("llama-cache"))
+    yield
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory) -> dict:
     """The three tiny models (llama, qwen3moe, bert), written once per session."""

@@ -38,7 +38,7 @@ class Downloads:
             if name in self._procs:
                 raise ValueError(f"model {name!r} is already being downloaded")
             proc = subprocess.Popen([sys.executable, "-m", "pyllmrouter.engine.download", name],
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self._procs[name] = proc
             self._state[name] = {"status": "downloading", "progress": {}, "error": None}
         self._bus.publish("status_change", name, status="downloading")
@@ -46,6 +46,9 @@ class Downloads:
 
     def _follow(self, name: str, proc: subprocess.Popen) -> None:
         path, error = None, None
+        said: list[str] = []  # llama.cpp's downloader says why on its log (a 404, a timeout...)
+        reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
+        reader.start()
         for line in proc.stdout:
             try:
                 msg = json.loads(line)
@@ -63,8 +66,12 @@ class Downloads:
             elif "error" in msg:
                 error = msg["error"]
         code = proc.wait()
+        reader.join(5)
         if path is None and error is None:
             error = f"{name}: the download stopped (exit code {code})"
+        why = [line.strip() for line in said if "error" in line.lower() or "failed" in line.lower()]
+        if error is not None and why:
+            error = f"{error} ({'; '.join(why[-2:])})"
         with self._lock:
             self._procs.pop(name, None)
             if path is not None:

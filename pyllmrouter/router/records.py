@@ -86,6 +86,7 @@ class Record:
             "context": self.context(),
             "live": dict(self.live), "reason": self.reason, "loads": self.loads,
             "persistent": self.config.persistent, "ttl": self.config.ttl, "source": self.config.source,
+            "projector": any(p.get("mmproj") for p in self.params.values()),
             "pending": self.fate.value if self.fate is not None else None,
             "kept": kept or {"ram": 0, "disk": 0, "files": 0},
         }

@@ -14,12 +14,11 @@
 |                                   | completions, responses, embeddings; Anthropic     |
 |                                   | messages; rerank, tokenize, infill, slots...      |
 | GET  /props, /slots, /lora-adapters, /metrics ?model= | the same, for one model       |
-| GET  /models                      | llama-server router list: status, memory per device |
-| POST /models/load, /models/unload | llama-server router control                       |
-| GET  /props[?model=]              | router or model properties                        |
-| GET  /devices                     | devices: capacity, held, free, available, workers |
-| GET  /events                      | recent loads, evictions, unloads, failures        |
+| GET  /props?model=                | the model's properties                            |
 | GET  /metrics                     | Prometheus                                        |
+| the router's management API       | server/manage.py: the live model list, pulls,     |
+|                                   | /models/sse, router /props, resumable streams,    |
+|                                   | devices and events                                |
 """
 
 from __future__ import annotations
@@ -37,12 +36,16 @@ from fastapi.responses import Response, StreamingResponse
 
 from pyllmrouter.errors import RouterError, UnknownModel
 from pyllmrouter.router.api import Router
+from pyllmrouter.server import manage
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
 from pyllmrouter.server.metrics import Metrics
 
 __all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET"]
 
 PUBLIC = frozenset({"/health"})
+# request headers that stay here: the connection's own, and the router's secrets
+_NOT_FORWARDED = frozenset({"host", "content-length", "connection", "transfer-encoding", "authorization", "x-api-key",
+                            "cookie", "keep-alive", "upgrade", "te", "trailer", "proxy-authorization"})
 # llama-server's per-model POST endpoints (tools/server/server.cpp), served by the model's engine
 ENGINE_POST = (
     "/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion",
@@ -57,25 +60,10 @@ ENGINE_POST = (
 ENGINE_GET = ("/slots", "/lora-adapters")
 
 
-def _model_entry(name: str, m: dict[str, Any], cfg) -> dict[str, Any]:
-    status: dict[str, Any] = {"value": m["state"]}
-    if m["reason"]:
-        status.update(failed=True, reason=m["reason"])
-    return {
-        "id": name, "object": "model", "owned_by": "pyllmrouter", "aliases": m["aliases"],
-        "path": cfg.spec.path, "status": status,
-        "memory": {"requirement": m["requirement"], "components": m["components"], "devices": m["devices"],
-                   "live": m["live"], "fit": m["fit"], "kept": m["kept"]},
-        "context": m["context"],
-        "in_flight": m["leases"], "loads": m["loads"], "persistent": m["persistent"], "ttl": m["ttl"],
-    }
-
-
 def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
                close_router: bool = True, max_threads: int = 1024) -> "_Guard":
     metrics = Metrics(router.status)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
-    configs = {c.name: c for c in router.models()}
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -103,21 +91,16 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         v = request.query_params.get("autoload")
         return None if v is None else v.lower() in ("1", "true", "yes", "on")
 
-    async def call(fn, *args, **kw):
-        try:
-            return await asyncio.to_thread(fn, *args, **kw)
-        except RouterError as e:
-            raise from_router_error(e) from None
-
-    async def forward(request: Request, model: str, raw: bytes) -> Response:
-        """The request to ``model``'s engine; its reply unchanged."""
+    async def forward(request: Request, model: str, raw: bytes, autoload: bool | None = None) -> Response:
+        """The request to ``model``'s engine, with its client's headers; its reply unchanged."""
         t0 = time.perf_counter()
         endpoint = request.scope["path"]
         query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
         try:
             reply, stream = await router.acall(model, request.method, endpoint, raw, query,
-                                               autoload=autoload_param(request),
-                                               gone=lambda: _disconnected(request))
+                                               autoload=autoload_param(request) if autoload is None else autoload,
+                                               gone=lambda: _disconnected(request), headers=headers)
         except RouterError as e:
             err = from_router_error(e)
             metrics.latency.labels(model, endpoint, str(err.status)).observe(time.perf_counter() - t0)
@@ -150,6 +133,9 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             model = (await body(request)).get("model")
             if not isinstance(model, str) or not model:
                 raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
+            conv_id = request.headers.get("x-conversation-id")
+            if conv_id:  # its stream survives the connection: GET /v1/stream finds it at this model
+                router.conversations.remember(conv_id, model)
             response = await forward(request, model, await request.body())
         except ApiError as e:
             response = error_response(e)
@@ -175,38 +161,6 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             raise from_router_error(UnknownModel(name, list(st)))
         return _openai_model(found, st[found])
 
-    @app.get("/models")
-    async def models():
-        st = router.status()
-        return {"object": "list", "data": [_model_entry(n, m, configs[n]) for n, m in st["models"].items()],
-                "devices": st["devices"]}
-
-    async def model_arg(request: Request) -> str:
-        name = (await body(request)).get("model")
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "'model' is required", param="model")
-        return name
-
-    @app.post("/models/load")
-    async def load(request: Request):
-        await call(router.load, await model_arg(request))
-        return {"success": True}
-
-    @app.post("/models/unload")
-    async def unload(request: Request):
-        name = await model_arg(request)
-        done = await call(router.unload, name)
-        return {"success": bool(done)}
-
-    @app.get("/props")
-    async def props(request: Request):
-        name = request.query_params.get("model")
-        if name is not None:
-            return await forward(request, name, b"")
-        st = router.status()
-        return {"role": "router", "models": len(st["models"]), "max_models": router.options.max_models,
-                "autoload": router.options.autoload, "margin_bytes": router.options.margin}
-
     async def engine_get(request: Request) -> Response:
         name = request.query_params.get("model")
         if not name:
@@ -216,17 +170,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     for path in ENGINE_GET:
         app.add_api_route(path, engine_get, methods=["GET"], include_in_schema=False)
 
-    @app.get("/devices")
-    async def devices():
-        st = router.status()
-        return {"devices": st["devices"], "workers": st["workers"]}
-
-    @app.get("/events")
-    async def events():
-        evs = list(router.scheduler.events)
-        t0 = evs[0][0] if evs else 0.0
-        return {"data": [{"t": round(t - t0, 3), "event": what, "model": name, "devices": where}
-                         for t, what, name, where in evs]}
+    manage.mount(app, router, forward, body)
 
     @app.get("/metrics")
     async def prometheus(request: Request):

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 
 from pyllmrouter.config import MiB, RouterOptions
 from pyllmrouter.devices import EmulatedInventory, RpcInventory, SystemInventory, parse_budgets
-from pyllmrouter.presets import read_preset, scan_models_dir
 from pyllmrouter.router.api import Router
+from pyllmrouter.router.sources import Sources
 
 __all__ = ["add_serve_arguments", "parse_serve_args", "router_from_args", "serve"]
 
@@ -41,6 +41,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="llama.cpp rpc-servers as devices RPC0, RPC1..., e.g. 10.0.0.2:50052=20GiB,10.0.0.3:50052=20GiB")
     p.add_argument("--models-autoload", dest="autoload", action=argparse.BooleanOptionalAction,
                    default=_env_bool("LLAMA_ARG_MODELS_AUTOLOAD", True))
+    p.add_argument("--models-cache", action=argparse.BooleanOptionalAction,
+                   default=_env_bool("PYLLMROUTER_MODELS_CACHE", True),
+                   help="serve the models of llama.cpp's cache of downloads too, as llama-server's router does")
+    p.add_argument("--watch", action=argparse.BooleanOptionalAction, default=False,
+                   help="read the preset, the models directory and the cache again when they change "
+                        "(GET /models?reload=1 always does)")
     p.add_argument("--host", default=_env("LLAMA_ARG_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("LLAMA_ARG_PORT", 8080)))
     p.add_argument("--api-key", default=_env("LLAMA_API_KEY"), help="required as Bearer token or X-Api-Key")
@@ -73,16 +79,10 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def router_from_args(a: argparse.Namespace) -> Router:
-    models, router_kw = [], {}
-    if a.models_preset:
-        preset = read_preset(a.models_preset)
-        models += preset.models
-        router_kw.update(preset.router)
-    if a.models_dir:
-        taken = {m.name for m in models}
-        models += [m for m in scan_models_dir(a.models_dir) if m.name not in taken]
-    if not models:
+    if not (a.models_preset or a.models_dir or a.models_cache):
         raise SystemExit("pyllmrouter serve: no models: give --models-preset and/or --models-dir")
+    sources = Sources(a.models_preset, a.models_dir, a.models_cache)
+    models, router_kw = sources.read()
     if a.emulate_devices and a.rpc_devices:
         raise SystemExit("pyllmrouter serve: --emulate-devices and --rpc-devices exclude each other")
     if a.rpc_devices:
@@ -99,7 +99,7 @@ def router_from_args(a: argparse.Namespace) -> Router:
         heartbeat=a.heartbeat, kv_keep_ram=None if a.kv_keep_ram is None else a.kv_keep_ram * MiB,
         kv_keep_dir=a.kv_keep_dir, kv_keep_disk=a.kv_keep_disk * MiB, stream_interval=a.stream_interval_ms / 1e3,
     )
-    return Router(models, inventory=inventory, options=options)
+    return Router(models, inventory=inventory, options=options, sources=sources, watch=1.0 if a.watch else 0.0)
 
 
 def serve(a: argparse.Namespace) -> int:

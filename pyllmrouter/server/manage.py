@@ -1,0 +1,228 @@
+"""llama-server's router management API, and ours, on the FastAPI app.
+
+| endpoint                               | what                                                   |
+| GET    /models[?reload=1]              | the live list (sources read again with reload=1)       |
+| POST   /models {"model": "org/repo:Q"} | pull into llama.cpp's cache, then listed (source cache) |
+| DELETE /models?model=                  | a cache model: download stopped, or removed and deleted |
+| POST   /models/load, /models/unload    | llama-server router control                            |
+| GET    /models/sse                     | state changes as server-sent events (sse.py)           |
+| GET    /props                          | router properties (llama-server's and ours)            |
+| GET    /v1/stream, POST /v1/streams/lookup, DELETE /v1/stream | resumable streams, at the   |
+|                                        | engine of the model that serves the conversation       |
+| GET    /devices, /events               | ours: devices and workers, recent events               |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from pyllmrouter.errors import RouterError
+from pyllmrouter.router.api import Router
+from pyllmrouter.server.errors import ApiError, from_router_error
+from pyllmrouter.server.sse import event_stream
+
+__all__ = ["mount"]
+
+
+def _model_entry(name: str, m: dict[str, Any], cfg, created: int) -> dict[str, Any]:
+    status: dict[str, Any] = {"value": m["state"], "args": cfg.spec.to_args()}
+    if m["reason"]:
+        status.update(failed=True, exit_code=1, reason=m["reason"])
+    if m["pending"]:
+        status["pending"] = m["pending"]  # removed or changed: finishing its requests
+    inputs = ["text", "image"] if m["projector"] else ["text"]
+    return {
+        "id": name, "aliases": m["aliases"], "tags": [], "object": "model", "owned_by": "pyllmrouter",
+        "created": created, "status": status,
+        "architecture": {"input_modalities": inputs, "output_modalities": ["text"]},
+        "source": m["source"], "can_remove": m["source"] == "cache",
+        "path": cfg.spec.path,
+        "memory": {"requirement": m["requirement"], "components": m["components"], "devices": m["devices"],
+                   "live": m["live"], "fit": m["fit"], "kept": m["kept"]},
+        "context": m["context"],
+        "in_flight": m["leases"], "loads": m["loads"], "persistent": m["persistent"], "ttl": m["ttl"],
+    }
+
+
+def _download_entry(name: str, d: dict[str, Any], created: int) -> dict[str, Any]:
+    status: dict[str, Any] = {"value": d["status"]}
+    if d["error"]:
+        status.update(failed=True, reason=d["error"])
+    return {"id": name, "aliases": [], "tags": [], "object": "model", "owned_by": "pyllmrouter", "created": created,
+            "status": status, "source": "cache", "can_remove": True, "progress": d["progress"]}
+
+
+def _build_info() -> str:
+    """llama.cpp's build, asked in a short-lived process (the router loads no llama.cpp)."""
+    proc = subprocess.run([sys.executable, "-c", "from pyllmrouter.engine.backend import native; "
+                                                 "print(native().build_info())"],
+                          capture_output=True, text=True, timeout=120)
+    return proc.stdout.strip().splitlines()[-1] if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+
+
+def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Response]],
+          body: Callable[[Request], Awaitable[dict]]) -> None:
+    """The management routes on ``app``; ``forward(request, model, raw, query=...)`` sends a
+    request to a model's engine, ``body(request)`` reads a JSON object."""
+    created = int(time.time())
+    build: list[str] = []
+
+    async def call(fn, *args, **kw):
+        try:
+            return await asyncio.to_thread(fn, *args, **kw)
+        except RouterError as e:
+            raise from_router_error(e) from None
+
+    async def model_arg(request: Request) -> str:
+        name = (await body(request)).get("model")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "'model' is required", param="model")
+        return name
+
+    @app.get("/models")
+    async def models(request: Request):
+        if request.query_params.get("reload"):
+            try:
+                await call(router.reload)
+            except ValueError as e:  # a bad preset: nothing changed
+                raise ApiError(400, f"the model list was not read again: {e}", code="bad_preset") from None
+        st = router.status()
+        configs = {c.name: c for c in router.models()}
+        data = [_model_entry(n, m, configs[n], created) for n, m in st["models"].items() if n in configs]
+        data += [_download_entry(n, d, created) for n, d in st["downloads"].items() if n not in configs]
+        return {"object": "list", "data": data, "devices": st["devices"]}
+
+    @app.post("/models")
+    async def pull(request: Request):
+        name = await model_arg(request)
+        try:
+            await call(router.pull, name)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="model") from None
+        return {"success": True}
+
+    @app.delete("/models")
+    async def delete(request: Request):
+        name = request.query_params.get("model")
+        if not name:
+            raise ApiError(400, "model must be a non-empty string (?model=)", param="model")
+        try:
+            await call(router.delete, name)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="model") from None
+        return {"success": True}
+
+    @app.post("/models/load")
+    async def load(request: Request):
+        await call(router.load, await model_arg(request))
+        return {"success": True}
+
+    @app.post("/models/unload")
+    async def unload(request: Request):
+        name = await model_arg(request)
+        done = await call(router.unload, name)
+        return {"success": bool(done)}
+
+    @app.get("/models/sse")
+    async def models_sse():
+        return StreamingResponse(event_stream(router.scheduler.bus), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    @app.get("/props")
+    async def props(request: Request):
+        name = request.query_params.get("model")
+        if name is not None:
+            return await forward(request, name, b"")
+        if not build:
+            build.append(await asyncio.to_thread(_build_info))
+        st = router.status()
+        return {
+            # llama-server's router (tools/server/server-models.cpp)
+            "role": "router", "max_instances": router.options.max_models, "models_autoload": router.options.autoload,
+            "model_alias": "llama-server", "model_path": "none",
+            "default_generation_settings": {"params": {}, "n_ctx": 0}, "ui_settings": {}, "build_info": build[0],
+            "cors_proxy_enabled": False,
+            # ours
+            "models": len(st["models"]), "max_models": router.options.max_models, "autoload": router.options.autoload,
+            "margin_bytes": router.options.margin,
+        }
+
+    @app.get("/devices")
+    async def devices():
+        st = router.status()
+        return {"devices": st["devices"], "workers": st["workers"]}
+
+    @app.get("/events")
+    async def events():
+        evs = router.scheduler.bus.recent()
+        t0 = evs[0].t if evs else 0.0
+        return {"data": [{"t": round(e.t - t0, 3), "event": e.event, "model": e.model, "devices": e.devices,
+                          **({"data": e.data} if e.data else {})} for e in evs]}
+
+    # -- resumable streams: the engine of the model that serves the conversation -------
+
+    def owner(conv_id: str) -> tuple[str | None, ApiError | None]:
+        """The conversation's model, if it can answer for its stream now; else the error."""
+        name = router.conversations.owner(conv_id)
+        if name is None:
+            return None, ApiError(404, "Stream not found or expired", "not_found_error", "not_found")
+        m = router.status()["models"].get(name)
+        if m is None:
+            return None, ApiError(404, f"the model {name!r} that served conversation {conv_id!r} was removed: "
+                                       f"its stream is gone", "not_found_error", "not_found")
+        if m["state"] == "loading":
+            return None, ApiError(503, "Stream owner model is loading, retry later", "unavailable_error",
+                                  "unavailable", headers={"Retry-After": "1"})
+        if m["state"] != "loaded":
+            return None, ApiError(404, f"the model {name!r} that served conversation {conv_id!r} was unloaded: "
+                                       f"its stream is gone", "not_found_error", "not_found")
+        return name, None
+
+    @app.get("/v1/stream")
+    async def stream_get(request: Request):
+        conv_id = request.query_params.get("conv_id", "")
+        if not conv_id:
+            raise ApiError(400, "Missing conversation id in path", param="conv_id")
+        name, err = owner(conv_id)
+        if err is not None:
+            raise err
+        return await forward(request, name, b"", autoload=False)
+
+    @app.post("/v1/streams/lookup")
+    async def streams_lookup(request: Request):
+        ids = (await body(request)).get("conversation_ids")
+        per_model: dict[str, list[str]] = {}
+        for cid in ids if isinstance(ids, list) else []:
+            if isinstance(cid, str) and cid:
+                name, err = owner(cid)
+                if err is None:
+                    per_model.setdefault(name, []).append(cid)
+        found: list[Any] = []
+        for name, mine in per_model.items():
+            raw = json.dumps({"conversation_ids": mine}).encode()
+            reply = await forward(request, name, raw, autoload=False)
+            try:
+                entries = json.loads(reply.body)
+            except (ValueError, AttributeError):
+                continue
+            found += [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+        return found
+
+    @app.delete("/v1/stream")
+    async def stream_delete(request: Request):
+        conv_id = request.query_params.get("conv_id", "")
+        if not conv_id:
+            raise ApiError(400, "Missing conversation id in path", param="conv_id")
+        name, err = owner(conv_id)
+        if err is None:
+            await forward(request, name, b"", autoload=False)
+        router.conversations.forget(conv_id)
+        return Response(status_code=204, media_type="application/json")

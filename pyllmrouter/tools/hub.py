@@ -1,0 +1,113 @@
+"""A Hugging Face hub on loopback, serving local files as repositories, in the layout
+llama.cpp's downloader reads (common/hf-cache.cpp, download.cpp): for the tests and the
+llama.cpp server suite, offline.
+
+    GET  /api/models/{org}/{repo}/refs                     {"branches": [{"name": "main", "targetCommit"}]}
+    GET  /api/models/{org}/{repo}/tree/{commit}?recursive  [{"type": "file", "path", "oid", "lfs": {...}}]
+    HEAD /{org}/{repo}/resolve/{commit}/{path}             size and ETag
+    GET  /{org}/{repo}/resolve/{commit}/{path}             the file
+
+    with LocalHub({"org/repo": {"model-Q8_0.gguf": "/path/to/file.gguf"}}) as endpoint:
+        os.environ["MODEL_ENDPOINT"] = endpoint      # llama.cpp downloads from here
+
+Requests are counted per path (``hits``), so a test can tell whether a file was fetched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Mapping
+from urllib.parse import unquote, urlparse
+
+__all__ = ["LocalHub"]
+
+
+def _oid(path: Path) -> str:
+    """A stable 64-hex id of the file (its path, size and time: no need to read it)."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+
+
+class LocalHub:
+    def __init__(self, repos: Mapping[str, Mapping[str, str | os.PathLike]], host: str = "127.0.0.1"):
+        self.repos = {repo: {name: Path(p) for name, p in files.items()} for repo, files in repos.items()}
+        self.hits: dict[str, int] = {}
+        self._lock = threading.Lock()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def do_HEAD(self) -> None:
+                hub._serve(self, body=False)
+
+            def do_GET(self) -> None:
+                hub._serve(self, body=True)
+
+        self._server = ThreadingHTTPServer((host, 0), Handler)
+        self.endpoint = f"http://{host}:{self._server.server_address[1]}/"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @staticmethod
+    def commit(repo: str) -> str:
+        return hashlib.sha1(repo.encode()).hexdigest()
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        return self.endpoint
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _reply(self, h: BaseHTTPRequestHandler, status: int, data: bytes, ctype: str, body: bool,
+               extra: dict[str, str] | None = None) -> None:
+        h.send_response(status)
+        h.send_header("Content-Type", ctype)
+        h.send_header("Content-Length", str(len(data)))
+        for k, v in (extra or {}).items():
+            h.send_header(k, v)
+        h.end_headers()
+        if body:
+            h.wfile.write(data)
+
+    def _serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+        path = unquote(urlparse(h.path).path)
+        with self._lock:
+            self.hits[path] = self.hits.get(path, 0) + 1
+        parts = path.strip("/").split("/")
+        if parts[:2] == ["api", "models"] and len(parts) >= 5:
+            repo = "/".join(parts[2:4])
+            if repo not in self.repos:
+                return self._reply(h, 404, json.dumps({"error": "Repository not found"}).encode(),
+                                   "application/json", body)
+            if parts[4] == "refs":
+                doc = {"branches": [{"name": "main", "ref": "refs/heads/main", "targetCommit": self.commit(repo)}]}
+            else:
+                doc = [{"type": "file", "path": name, "size": p.stat().st_size,
+                        "oid": hashlib.sha1(name.encode()).hexdigest(),
+                        "lfs": {"oid": _oid(p), "size": p.stat().st_size}} for name, p in self.repos[repo].items()]
+            return self._reply(h, 200, json.dumps(doc).encode(), "application/json", body)
+        if len(parts) >= 5 and parts[2] == "resolve":
+            repo, name = "/".join(parts[:2]), "/".join(parts[4:])
+            file = self.repos.get(repo, {}).get(name)
+            if file is None:
+                return self._reply(h, 404, b"Entry not found", "text/plain", body)
+            data = file.read_bytes() if body else b""
+            size = file.stat().st_size
+            h.send_response(200)
+            h.send_header("Content-Type", "application/octet-stream")
+            h.send_header("Content-Length", str(size))
+            h.send_header("ETag", f'"{_oid(file)}"')
+            h.send_header("Accept-Ranges", "none")
+            h.end_headers()
+            if body:
+                h.wfile.write(data)
+            return None
+        return self._reply(h, 404, b"Not found", "text/plain", body)
