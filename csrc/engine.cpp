@@ -496,6 +496,22 @@ void Engine::close() {
     // the model and context go now, or with the last reply that still holds them
 }
 
+std::string Engine::slot_file(bool save, int slot, const std::string & path) {
+    const std::shared_ptr<EngineCore> core = current();
+    if (!core) throw std::runtime_error("engine is not loaded");
+    server_response_reader rd = core->ctx.get_response_reader();
+    server_task task(save ? SERVER_TASK_TYPE_SLOT_SAVE : SERVER_TASK_TYPE_SLOT_RESTORE);
+    task.id = rd.get_new_id();
+    task.slot_action.id_slot = slot;
+    task.slot_action.filename = std::filesystem::path(path).filename().string();
+    task.slot_action.filepath = path;
+    rd.post_task(std::move(task));
+    server_task_result_ptr result = rd.next([] { return false; });
+    if (!result) throw std::runtime_error("the engine stopped before the slot action ended");
+    json out = result->to_json();
+    return safe_json_to_str(result->is_error() ? json{{"error", out}} : out);
+}
+
 std::vector<BufferRow> Engine::breakdown() const {
     const std::shared_ptr<EngineCore> core = current();
     const llama_context * lctx = core ? core->ctx.get_llama_context() : nullptr;

@@ -133,6 +133,12 @@ class Engine {
     // (idempotent).
     void close();
 
+    // A slot's state saved to, or restored from, ``path`` (the router's own keep store,
+    // not the --slot-save-path a client's /slots action may reach): llama-server's slot
+    // save/restore task posted on the engine's own queue.  llama-server's JSON result
+    // ({"n_saved", "n_written"...}), or its error ({"error": ...}).
+    std::string slot_file(bool save, int slot, const std::string & path);
+
     std::vector<BufferRow> breakdown() const;
     int n_parallel() const;
     int n_ctx() const;

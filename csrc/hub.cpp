@@ -54,8 +54,10 @@ std::vector<CachedModel> cached_models() {
 }
 
 std::string download_model(const std::string & name,
-                           const std::function<void(const std::string &, std::uint64_t, std::uint64_t)> & progress) {
+                           const std::function<void(const std::string &, std::uint64_t, std::uint64_t)> & progress,
+                           const std::string & hf_file) {
     common_params p = hf_params(name, /*offline =*/false);
+    p.model.hf_file = hf_file;
     common_models_handler handler = common_models_handler_init(p, LLAMA_EXAMPLE_SERVER);
     ProgressRelay relay(progress);
     common_models_handler_apply(handler, p, &relay);
@@ -63,6 +65,22 @@ std::string download_model(const std::string & name,
         throw std::runtime_error("no GGUF model in " + name);
     }
     return p.model.path;
+}
+
+CachedModel resolve_cached(const std::string & hf_repo, const std::string & hf_file) {
+    common_params p = hf_params(hf_repo, /*offline =*/true);
+    p.model.hf_file = hf_file;
+    common_models_handler handler = common_models_handler_init(p, LLAMA_EXAMPLE_SERVER);
+    common_models_handler_apply(handler, p);
+    if (p.model.path.empty()) {
+        throw std::runtime_error(hf_repo + (hf_file.empty() ? "" : " " + hf_file) +
+                                 ": not in llama.cpp's cache (pull it first: POST /models)");
+    }
+    CachedModel c;
+    c.name = hf_repo;
+    c.path = p.model.path;
+    c.mmproj = p.mmproj.path;
+    return c;
 }
 
 bool remove_cached(const std::string & name) {

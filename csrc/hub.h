@@ -20,8 +20,14 @@ std::vector<CachedModel> cached_models();
 
 // Downloads "org/repo[:tag]" into llama.cpp's cache with llama.cpp's downloader, calling
 // progress(url, downloaded, total) as it goes; the model's path.  Throws naming the reason.
+// hf_file: one file of the repository (llama-server's --hf-file), else the tag's model.
 std::string download_model(const std::string & name,
-                           const std::function<void(const std::string &, std::uint64_t, std::uint64_t)> & progress);
+                           const std::function<void(const std::string &, std::uint64_t, std::uint64_t)> & progress,
+                           const std::string & hf_file = "");
+
+// A model of the cache, resolved offline as llama-server resolves --hf-repo [--hf-file]:
+// its file and its projector; throws naming the repository where it is not there.
+CachedModel resolve_cached(const std::string & hf_repo, const std::string & hf_file);
 
 // Removes "org/repo[:tag]" from the cache; false if nothing was there.
 bool remove_cached(const std::string & name);

@@ -190,6 +190,10 @@ void bind_engine(py::module_ & m) {
              "The reply of llama-server's handler for (method, path).")
         .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>(),
              "End the slot loop and free the model and context.")
+        .def("slot_file", &Engine::slot_file, py::arg("save"), py::arg("slot"), py::arg("path"),
+             py::call_guard<py::gil_scoped_release>(),
+             "Save (or restore) a slot's state to (from) path: the router's own keep store, out of any client's "
+             "reach; llama-server's JSON result, or {\"error\": ...}.")
         .def("breakdown", [](const Engine & e) { return rows_list(e.breakdown()); },
              "The per-buffer-type breakdown of the engine's llama_context.")
         .def_property_readonly("n_parallel", &Engine::n_parallel)
@@ -219,6 +223,8 @@ void bind_engine(py::module_ & m) {
               d["devices"] = p.has_devices ? py::cast(p.devices) : py::none();
               d["draft_devices"] = p.has_draft_devices ? py::cast(p.draft_devices) : py::none();
               d["aliases"] = p.aliases;
+              d["hf_repo"] = p.hf_repo;
+              d["hf_file"] = p.hf_file;
               return d;
           }, py::arg("keys"),
           "A preset section's keys: {args, model, devices, draft_devices, aliases} (the model file, the "
@@ -260,16 +266,30 @@ void bind_engine(py::module_ & m) {
               }
               return out;
           }, "Every model in llama.cpp's cache (-hf downloads): [{name, path, mmproj, error}], resolved offline.");
-    m.def("download_model", [](const std::string & name, py::function progress) {
+    m.def("download_model", [](const std::string & name, py::function progress, const std::string & hf_file) {
               py::gil_scoped_release release;
               return download_model(name, [&progress](const std::string & url, std::uint64_t done, std::uint64_t total) {
                   py::gil_scoped_acquire acquire;
                   progress(url, done, total);
-              });
-          }, py::arg("name"), py::arg("progress"),
+              }, hf_file);
+          }, py::arg("name"), py::arg("progress"), py::arg("hf_file") = "",
           "Download org/repo[:tag] into llama.cpp's cache with llama.cpp's downloader; progress(url, done, total) "
           "as it goes; returns the model's path (RuntimeError names the reason).");
     m.def("remove_cached", &remove_cached, py::arg("name"), "Remove org/repo[:tag] from llama.cpp's cache.");
+    m.def("resolve_cached", [](const std::string & repo, const std::string & file) {
+              CachedModel c;
+              {
+                  py::gil_scoped_release release;
+                  c = resolve_cached(repo, file);
+              }
+              py::dict d;
+              d["path"] = c.path;
+              d["mmproj"] = c.mmproj;
+              return d;
+          }, py::arg("hf_repo"), py::arg("hf_file") = "",
+          "A model of llama.cpp's cache resolved offline, as llama-server resolves -hf [--hf-file]: {path, mmproj}.");
+    m.def("args_to_preset", &args_to_preset, py::arg("args"),
+          "A llama-server command line as preset (key, value) pairs, as llama.cpp's preset machinery reads it.");
     m.def("cache_dir", &cache_dir, "Where llama.cpp's cache of downloads is.");
     m.def("build_info", [] { return std::string(llama_build_info()); }, "llama.cpp's build (llama-server's build_info).");
     m.def("server_params", [](const std::vector<std::string> & args) {

@@ -235,6 +235,10 @@ PresetModel preset_model(const std::vector<std::pair<std::string, std::string>> 
             out.draft_devices = split_names(it->second);
         } else if (named(opt, "--alias")) {
             out.aliases = split_names(it->second);
+        } else if (named(opt, "--hf-repo")) {
+            out.hf_repo = it->second;
+        } else if (named(opt, "--hf-file")) {
+            out.hf_file = it->second;
         } else {
             ++it;
             continue;
@@ -245,6 +249,28 @@ PresetModel preset_model(const std::vector<std::pair<std::string, std::string>> 
         out.args = preset.to_args();
     } catch (const std::exception & e) {
         throw engine_args_error(e.what());
+    }
+    return out;
+}
+
+std::vector<std::pair<std::string, std::string>> args_to_preset(const std::vector<std::string> & args) {
+    static const common_preset_context ctx(LLAMA_EXAMPLE_SERVER);
+    std::vector<std::string> full = {"llama-server"};
+    full.insert(full.end(), args.begin(), args.end());
+    std::vector<char *> argv;
+    for (auto & a : full) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    common_preset preset;
+    try {
+        preset = ctx.load_from_args(static_cast<int>(full.size()), argv.data());
+    } catch (const std::exception & e) {
+        throw engine_args_error(e.what());
+    }
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const auto & [opt, value] : preset.options) {
+        std::string key = opt.args.back();
+        key.erase(0, key.find_first_not_of('-'));
+        out.emplace_back(key, value);
     }
     return out;
 }

@@ -83,7 +83,12 @@ struct PresetModel {
     bool has_draft_devices = false;
     std::vector<std::string> draft_devices;
     std::vector<std::string> aliases;  // --alias: the router routes by them, and names the model itself
+    std::string hf_repo, hf_file;      // --hf-repo, --hf-file: a model of llama.cpp's cache
 };
+
+// A llama-server command line as preset keys, as llama.cpp's own preset machinery reads
+// it (common_preset_context::load_from_args): [(key, value)].
+std::vector<std::pair<std::string, std::string>> args_to_preset(const std::vector<std::string> & args);
 
 PresetModel preset_model(const std::vector<std::pair<std::string, std::string>> & keys);
 

@@ -263,7 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_fit)
     p = sub.add_parser("demo", help="offline tour on generated models")
     p.set_defaults(func=cmd_demo)
-    p = sub.add_parser("serve", help="OpenAI and llama-server router compatible HTTP server")
+    p = sub.add_parser("serve", help="OpenAI and llama-server router compatible HTTP server",
+                       epilog="any other argument is llama-server's, laid over every model (as llama-server's "
+                              "router gives its own command line to every model)")
     from pyllmrouter.server.run import add_serve_arguments  # noqa: PLC0415
 
     add_serve_arguments(p)
@@ -283,7 +285,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ours is not None:  # llama-server's arguments go to llama.cpp's parser, ours to argparse
         mine, llama_args = split_args(argv[1:], ours)
         argv = [argv[0], *mine]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if argv[:1] == ["serve"]:  # llama-server's arguments, laid over every model, as llama-server's router does
+        args, llama_args = parser.parse_known_args(argv)
+    else:
+        args = parser.parse_args(argv)
     args.argv = argv[1:]  # after the command's name
     args.llama_args = llama_args
     try:

@@ -52,7 +52,9 @@ class RouterOptions:
     turn: float = 5.0  # seconds a busy model keeps taking new requests once another waits for its memory
     load_timeout: float = 600.0
     autoload: bool = True
-    keep_idle_workers: bool = True
+    # seconds a worker may stay empty (no model, nothing in flight) before it stops and gives
+    # its devices back; 0: at once; -1: kept for the router's life
+    worker_idle_timeout: float = 300.0
     heartbeat: float = 5.0  # seconds a worker has to answer a ping before it is killed as hung; 0: off
     # prompt states kept across eviction (slot saves): bytes in host RAM (None: an eighth of
     # the host memory free at start; 0: off), and a directory on disk for what overflows,

@@ -83,6 +83,10 @@ class Inventory(Protocol):
     def process_usage(self, pid: int) -> dict[str, int]:
         """Device bytes a process holds (its GPU context included), where known."""
 
+    def worker_overhead(self, device_set: frozenset[str]) -> dict[str, int]:
+        """Device bytes a worker of ``device_set`` holds before any model, where known
+        without measuring (emulated devices: as configured); real ones are measured."""
+
     def to_local(self, device_set: frozenset[str]) -> dict[str, str]:
         """Inventory name -> the name a worker masked to ``device_set`` sees (only the
         devices llama.cpp really offloads to: none for emulated devices)."""
@@ -165,6 +169,9 @@ class SystemInventory:
     def process_usage(self, pid: int) -> dict[str, int]:
         return self._nvml.process_usage(pid) if self._nvml else {}
 
+    def worker_overhead(self, device_set: frozenset[str]) -> dict[str, int]:
+        return {}  # measured: NVML's view of the worker's process
+
     def to_local(self, device_set: frozenset[str]) -> dict[str, str]:
         cuda = _cuda_order(device_set)
         return {d: f"CUDA{i}" for i, d in enumerate(cuda)}
@@ -187,17 +194,20 @@ class EmulatedInventory:
     unless ``host`` gives one.
     """
 
-    def __init__(self, sizes: Mapping[str, int], host: int | None = None):
+    def __init__(self, sizes: Mapping[str, int], host: int | None = None, worker_overhead: int = 0):
+        """``worker_overhead``: bytes a worker holds on each emulated device of its set before
+        any model, as a GPU context would (0: none)."""
         if HOST in sizes:
             raise ValueError(f"{HOST} is the host; give its size as host=")
         self._sizes = dict(sizes)
         self._host = host
+        self._overhead = worker_overhead
 
     @classmethod
-    def parse(cls, text: str) -> "EmulatedInventory":
+    def parse(cls, text: str, worker_overhead: int = 0) -> "EmulatedInventory":
         sizes = parse_budgets(text)
         host = sizes.pop(HOST, None)
-        return cls(sizes, host)
+        return cls(sizes, host, worker_overhead)
 
     def devices(self) -> list[Device]:
         host = self._host if self._host is not None else _meminfo()[0]
@@ -214,7 +224,10 @@ class EmulatedInventory:
         return _hide_all_gpus()
 
     def process_usage(self, pid: int) -> dict[str, int]:
-        return {}  # emulated devices hold nothing outside what the probe measures
+        return {}  # emulated devices hold nothing outside what the probe measures and the worker's overhead
+
+    def worker_overhead(self, device_set: frozenset[str]) -> dict[str, int]:
+        return {d: self._overhead for d in device_set if d in self._sizes and self._overhead}
 
     def to_local(self, device_set: frozenset[str]) -> dict[str, str]:
         return {}  # run by the CPU backend: there is no device to move layers off
@@ -284,6 +297,9 @@ class RpcInventory:
         return out
 
     def process_usage(self, pid: int) -> dict[str, int]:
+        return {}
+
+    def worker_overhead(self, device_set: frozenset[str]) -> dict[str, int]:
         return {}
 
     def to_local(self, device_set: frozenset[str]) -> dict[str, str]:

@@ -52,12 +52,15 @@ def _run(request: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def resolve(models: list[tuple[str, list[tuple[str, str, int]]]]) -> dict[str, dict[str, Any]]:
+def resolve(models: list[tuple[str, list[tuple[str, str, int]]]],
+            base_args: tuple[str, ...] = ()) -> dict[str, dict[str, Any]]:
     """Per model, its llama-server keys as {model, aliases, devices, draft_devices, args},
-    checked by llama.cpp's parser; ArgsError names the first key it refuses."""
+    then ``base_args`` (the router's own llama-server arguments, which win, as llama-server's
+    router lays its command line over every model), checked by llama.cpp's parser;
+    ArgsError names the first key it refuses."""
     if not models:
         return {}
-    return _run({"models": models})["models"]
+    return _run({"models": models, "base_args": list(base_args)})["models"]
 
 
 def cached_models() -> tuple[str, list[dict[str, str]]]:
@@ -67,7 +70,7 @@ def cached_models() -> tuple[str, list[dict[str, str]]]:
     return out["cache_dir"], out["cache"]
 
 
-def _check(native: Any, name: str, keys: list[list[Any]]) -> dict[str, Any]:
+def _check(native: Any, name: str, keys: list[list[Any]], base_args: list[str]) -> dict[str, Any]:
     for key, value, line in keys:  # one at a time first: the error names its key and line
         try:
             alone = native.preset_model([(key, value)])
@@ -78,8 +81,18 @@ def _check(native: Any, name: str, keys: list[list[Any]]) -> dict[str, Any]:
         split = native.preset_model([(k, v) for k, v, _ in keys])
     except ValueError as e:
         raise ArgsError(name, None, 0, str(e)) from None
+    split["args"] = [*split["args"], *base_args]
+    if not split["model"] and split["hf_repo"]:  # a model of llama.cpp's cache, resolved as llama-server does
+        try:
+            found = native.resolve_cached(split["hf_repo"], split["hf_file"])
+        except (RuntimeError, ValueError) as e:
+            raise ArgsError(name, "hf-repo", 0, str(e)) from None
+        split["model"] = found["path"]
+        if found["mmproj"] and not any("mmproj" in a for a in split["args"]):  # its projector comes with it
+            split["args"] = [*split["args"], "--mmproj", found["mmproj"]]
     if not split["model"]:
-        raise ArgsError(name, None, 0, "no 'model' key: give the GGUF path (model = /path/to/file.gguf)")
+        raise ArgsError(name, None, 0, "no 'model' key: give the GGUF path (model = /path/to/file.gguf), "
+                                       "or hf-repo for a model of llama.cpp's cache")
     try:
         native.server_params(["-m", split["model"], *ROUTER_DEFAULTS, *split["args"]])
     except ValueError as e:
@@ -92,7 +105,9 @@ def _main() -> None:
 
     request = json.loads(sys.stdin.read())
     try:
-        out: dict[str, Any] = {"models": {name: _check(native(), name, keys) for name, keys in request.get("models", [])}}
+        base = request.get("base_args", [])
+        out: dict[str, Any] = {"models": {name: _check(native(), name, keys, base)
+                                          for name, keys in request.get("models", [])}}
         if request.get("cache"):
             out["cache"], out["cache_dir"] = native().cached_models(), native().cache_dir()
     except ArgsError as e:

@@ -85,8 +85,9 @@ def _lines(path: Path):
         yield n, None, key.strip(), value.strip().strip('"')
 
 
-def read_preset(path: os.PathLike | str) -> Preset:
-    """Parse a llama-server preset file; relative model paths are relative to the CWD."""
+def read_preset(path: os.PathLike | str, base_args: tuple[str, ...] = ()) -> Preset:
+    """Parse a llama-server preset file; relative model paths are relative to the CWD.
+    ``base_args``: llama-server arguments laid over every model (the router's command line)."""
     path = Path(path)
     if not path.is_file():
         raise PresetError(f"{path}: preset file not found")
@@ -116,7 +117,7 @@ def read_preset(path: os.PathLike | str) -> Preset:
         ours[name] = {**ours_glob, **mine}
         engine.append((name, engine_glob + keys))  # the section's after [*]'s: they win
     try:
-        split = resolve(engine)
+        split = resolve(engine, base_args)
     except ArgsError as e:
         raise PresetError(f"{path}:{e.line}: {e}") from None
     for name, _keys in engine:
@@ -154,7 +155,8 @@ def _config(path: Path, name: str, split: dict[str, Any], ours: dict[str, Any]) 
     try:
         spec = ModelSpec(split["model"], tuple(split["args"]),
                          draft_devices=tuple(split["draft_devices"]) if split["draft_devices"] is not None else None)
-        return ModelConfig(name=name, spec=spec, aliases=tuple(split["aliases"]), devices=devices, **ours)
+        aliases = tuple(a for a in split["aliases"] if a != name)  # the name itself is no alias
+        return ModelConfig(name=name, spec=spec, aliases=aliases, devices=devices, **ours)
     except (SpecError, ValueError) as e:
         raise PresetError(f"{path}: [{name}]: {e}") from None
 
@@ -191,5 +193,5 @@ def scan_models_dir(directory: os.PathLike | str, args: tuple[str, ...] = ()) ->
             projectors = sorted(p for p in entry.glob("*.gguf") if "mmproj" in p.name)
             if len(firsts) == 1:
                 extra = ("--mmproj", str(projectors[-1])) if projectors else ()
-                out.append(ModelConfig(entry.name, ModelSpec(firsts[0], (*args, *extra))))
+                out.append(ModelConfig(entry.name, ModelSpec(firsts[0], (*extra, *args))))
     return out

@@ -25,12 +25,18 @@ def states(draw):
         kind = draw(st.sampled_from(["idle", "busy", "persistent"]))
         residents.append((f"m{i}", need, draw(st.floats(0, 100)), kind))
         kinds[f"m{i}"] = kind
+    for i in range(draw(st.integers(0, 3))):  # workers: each holds its overhead on its devices
+        on = draw(st.lists(st.sampled_from(DEVICES), min_size=1, max_size=3, unique=True))
+        kind = draw(st.sampled_from(["worker-empty", "worker-busy"]))
+        residents.append((f"(worker w{i})", {d: draw(st.integers(1, 150)) for d in on}, float("-inf"), kind))
+        kinds[f"(worker w{i})"] = kind
     external = {d: draw(st.integers(0, 200)) for d in DEVICES}
     available = {d: capacity[d] - external[d] - sum(n.get(d, 0) for _, n, _, _ in residents) for d in DEVICES}
+    stoppable = ("idle", "worker-empty")  # an empty worker is evictable, busy or not busy alike
     view = View(available, capacity,
-                evictable=tuple(Resident(n, need, t, k == "idle") for n, need, t, k in residents),
-                drainable=tuple(Resident(n, need, t, k != "persistent") for n, need, t, k in residents),
-                grantable=tuple(Resident(n, need, t, k != "persistent") for n, need, t, k in residents))
+                evictable=tuple(Resident(n, need, t, k in stoppable) for n, need, t, k in residents),
+                drainable=tuple(Resident(n, need, t, k in stoppable or k == "busy") for n, need, t, k in residents),
+                grantable=tuple(Resident(n, need, t, k in stoppable or k == "busy") for n, need, t, k in residents))
     options = []
     for ds in draw(st.lists(st.lists(st.sampled_from(DEVICES), min_size=1, max_size=2, unique=True),
                             min_size=1, max_size=3, unique_by=lambda x: frozenset(x))):
@@ -64,7 +70,7 @@ def test_decisions_are_sound(state):
     elif isinstance(decision, Evict):
         # only idle models, each at most once, least recently used first, and then it fits
         assert decision.victims and len(set(decision.victims)) == len(decision.victims)
-        assert all(kinds[v] == "idle" for v in decision.victims)
+        assert all(kinds[v] in ("idle", "worker-empty") for v in decision.victims)  # never a busy worker
         assert any(fits(o.need, freed(view, decision.victims)) for o in request.options)
         assert not any(fits(o.need, view.available) for o in request.options)  # no eviction if none is needed
         # every victim holds bytes on a device the model is short of
@@ -73,6 +79,12 @@ def test_decisions_are_sound(state):
         assert all(any(held[v].get(d, 0) > 0 for d in short) for v in decision.victims)
         used = [r.last_used for v in decision.victims for r in view.evictable if r.name == v]
         assert used == sorted(used)
+        # an empty worker goes before any model: no model is evicted while an empty worker
+        # with bytes where the model is short stays
+        if any(kinds[v] == "idle" for v in decision.victims):
+            mine = placement.shortfall(decision.need, view.available)  # where the chosen option is short
+            assert all(n in decision.victims for n, k in kinds.items()
+                       if k == "worker-empty" and any(held[n].get(d, 0) > 0 for d in mine))
     elif isinstance(decision, Never):
         # no option fits even on empty devices
         for o in request.options:
@@ -82,7 +94,7 @@ def test_decisions_are_sound(state):
         assert isinstance(decision, Wait)
         everything = [r.name for r in view.evictable if r.evictable]
         assert not any(fits(o.need, freed(view, everything)) for o in request.options)
-        assert all(kinds[v] != "persistent" for v in decision.drain)
+        assert all(kinds[v] != "persistent" and kinds[v] != "worker-busy" for v in decision.drain)
 
 
 @settings(max_examples=300, deadline=None)

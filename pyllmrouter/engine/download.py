@@ -1,6 +1,6 @@
 """A model pulled into llama.cpp's cache, or removed from it: run as a short-lived process.
 
-    python -m pyllmrouter.engine.download org/repo[:tag]          one JSON line per progress
+    python -m pyllmrouter.engine.download org/repo[:tag] [FILE]   one JSON line per progress
         {"progress": {"url", "done", "total"}} ... then {"path": ...} | {"error": ...}
     python -m pyllmrouter.engine.download --remove org/repo[:tag]  {"removed": true|false}
 
@@ -30,6 +30,7 @@ def main(argv: list[str]) -> int:
         _say({"removed": bool(native().remove_cached(argv[1]))})
         return 0
     name = argv[0]
+    hf_file = argv[1] if len(argv) > 1 else ""  # one file of the repository (llama-server's --hf-file)
     last = [0.0]
 
     def progress(url: str, done: int, total: int) -> None:
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
             _say({"progress": {"url": url, "done": done, "total": total}})
 
     try:
-        path = native().download_model(name, progress)
+        path = native().download_model(name, progress, hf_file)
     except Exception as e:  # noqa: BLE001 - the reason goes to the router
         _say({"error": f"{name}: {e}"})
         return 1

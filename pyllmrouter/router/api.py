@@ -86,10 +86,12 @@ class Router:
         self._reaper.join(5)
 
     def _reap(self) -> None:
-        """Once a second: unload models idle past their ttl, and ping every worker; one that
-        does not answer within ``options.heartbeat`` seconds is killed and treated as dead."""
+        """Once a second: unload models idle past their ttl, stop workers empty past their idle
+        timeout, and ping every worker; one that does not answer within ``options.heartbeat``
+        seconds is killed and treated as dead."""
         while not self._stop.wait(1.0):
             self._sched.reap_idle()
+            self._sched.reap_workers()
             if self.options.heartbeat > 0:
                 self._heartbeat(self.options.heartbeat)
 

@@ -190,15 +190,14 @@ class Jobs:
                 s._event("unloaded", rec.name)
             s._settle(rec)
             s._cond.notify_all()
-        if not s.options.keep_idle_workers and worker is not None:
-            self._stop_if_idle(worker)
+        if s.options.worker_idle_timeout == 0:
+            s.reap_workers()  # its worker may be empty now: it goes at once
 
-    def _stop_if_idle(self, worker: WorkerHandle) -> None:
+    def stop_worker(self, worker: WorkerHandle) -> None:
+        """A retired worker's process ends; then its bytes are no longer held."""
         s = self._s
-        with s._cond:
-            if any(r.worker is worker for r in s._registry.records()):
-                return
-            s.workers.forget(worker)
         worker.stop()
         with s._cond:
+            s.workers.stopped(worker)
+            s.bus.publish("worker-stopped", "", "+".join(sorted(worker.devices)), pid=worker.pid)
             s._cond.notify_all()

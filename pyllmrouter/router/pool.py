@@ -33,9 +33,10 @@ class Pending:
     pipe message (no thread hop per chunk).
     """
 
-    def __init__(self, req_id: int, worker: "WorkerHandle"):
+    def __init__(self, req_id: int, worker: "WorkerHandle", ping: bool = False):
         self.req_id = req_id
         self.worker = worker
+        self.ping = ping  # the heartbeat: it keeps no worker busy
         self._replies: deque = deque()
         self._cond = threading.Condition(threading.Lock())
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
@@ -151,18 +152,24 @@ class WorkerHandle:
     def call(self, make: Callable[[int], Any]) -> Pending:
         """Send ``make(req_id)``; the replies arrive on the returned Pending."""
         req_id = next(self._ids)
-        pending = Pending(req_id, self)
+        msg = make(req_id)
+        pending = Pending(req_id, self, ping=isinstance(msg, Ping))
         with self._lock:
             if not self.alive:
                 raise WorkerDied(f"worker {self.name} is not running")
             self._pending[req_id] = pending
         try:
-            self.send(make(req_id))
+            self.send(msg)
         except (OSError, ValueError) as e:
             with self._lock:
                 self._pending.pop(req_id, None)
             raise WorkerDied(f"worker {self.name} is gone: {e}") from None
         return pending
+
+    def in_flight(self) -> int:
+        """Calls waiting for their final reply (requests, loads, probes, fits), the heartbeat aside."""
+        with self._lock:
+            return sum(1 for p in self._pending.values() if not p.ping)
 
     def ping(self) -> Pending | None:
         """Send the heartbeat; its Pending gets Result(None) if the worker answers (None:

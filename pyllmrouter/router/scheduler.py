@@ -53,7 +53,7 @@ from pyllmrouter.router.pool import WorkerHandle
 from pyllmrouter.router.records import Fate, Lease, Record, Ticket
 from pyllmrouter.router.registry import Registry, Step, diff, step
 from pyllmrouter.router.state import State, check_transition, evictable, holds_memory
-from pyllmrouter.router.workers import WorkerSet
+from pyllmrouter.router.workers import WORKER, WorkerSet
 
 __all__ = ["Scheduler", "Record", "Lease", "KEPT"]
 
@@ -86,11 +86,11 @@ class Scheduler:
         self._seq = itertools.count(1)
         self._closed = False
         self.bus = EventBus()
-        self.counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0}
+        self.counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0,
+                         "workers_stopped_idle": 0, "workers_stopped_for_room": 0}
         self.on_wait: Any = None  # called as on_wait(model, seconds) for every lease (metrics)
         self.workers = WorkerSet(inventory, self._cond, self._on_worker_death, self._worker_started)
-        measure = Measurer(inventory, options.load_timeout, self.workers.running,
-                           self.workers.ensure if options.keep_idle_workers else None)
+        measure = Measurer(inventory, options.load_timeout, self.workers.running_for, self.workers.ensure)
         ram = options.kv_keep_ram
         if ram is None:
             ram = inventory.free().get(HOST, 0) // 8
@@ -163,9 +163,17 @@ class Scheduler:
         gpus = [n for n, d in self._devices.items() if d.kind != "cpu"]
         return [frozenset({g}) for g in gpus] or [frozenset({HOST})]
 
+    def _busy_sets(self) -> set[frozenset[str]]:
+        """Device sets in use (lock held): a model there, or a waiting request that may go there."""
+        busy = {r.device_set for r in self._registry.records() if holds_memory(r.state) and r.device_set}
+        for t in self._queue:
+            busy.update(self._candidates(t.rec))
+        return busy
+
     def _residents(self, ticket: Ticket, ignore_busy: bool = False, leaving: bool = False) -> list[placement.Resident]:
         """Models holding memory; evictable only if idle and no earlier request waits for them
-        (``ignore_busy``: if not persistent; ``leaving``: models already unloading count too)."""
+        (``ignore_busy``: if not persistent; ``leaving``: models already unloading count too).
+        Empty workers too: evictable, before any model; with ``leaving``, the ones stopping."""
         # an earlier request that may take a lease keeps its model (one blocked by a drain does not)
         awaited = {t.rec.name for t in self._queue if t.seq < ticket.seq and self._may_lease(t.rec, t)}
         residents = [
@@ -180,6 +188,9 @@ class Scheduler:
         kept = self._keep.held_ram() if self._keep is not None else 0
         if kept:  # kept prompt states give way first (spilled to disk or dropped), before any model
             residents.append(placement.Resident(KEPT, {HOST: kept}, float("-inf"), not self._spilling))
+        self.workers.note(self._busy_sets(), time.monotonic())
+        residents += [self.workers.resident(w) for w in self.workers.running()]
+        residents += [self.workers.resident(w, leaving) for w in self.workers.stopping()]  # their bytes go soon
         return residents
 
     def check_invariant(self) -> dict[str, int]:
@@ -391,6 +402,8 @@ class Scheduler:
                 if v == KEPT:
                     self._spilling = True
                     self._jobs.spawn(self._jobs.spill)
+                elif v.startswith(WORKER):
+                    self._stop_worker(self.workers.by_name(v), "room", newcomer=rec.name)
                 else:
                     victim = self._registry.get(v)
                     self._event("evicted", v, newcomer=rec.name, bytes=dict(victim.need),
@@ -468,6 +481,26 @@ class Scheduler:
         rec = self._registry.get(name)
         where = "+".join(sorted(rec.device_set)) if rec is not None and rec.device_set else ""
         self.bus.publish(what, name, where, **data)
+
+    def _stop_worker(self, worker: WorkerHandle, reason: str, **data: Any) -> None:
+        """An empty worker goes (lock held): its bytes stay held until its process ends."""
+        self.workers.retire(worker)
+        self.counters["workers_stopped_idle" if reason == "idle" else "workers_stopped_for_room"] += 1
+        self.bus.publish("worker-stopping", "", "+".join(sorted(worker.devices)), reason=reason, pid=worker.pid,
+                         **data)
+        self._jobs.spawn(self._jobs.stop_worker, worker)
+
+    def reap_workers(self) -> list[WorkerHandle]:
+        """Stop the workers empty for longer than the idle timeout (0: at once; -1: never)."""
+        timeout = self.options.worker_idle_timeout
+        with self._cond:
+            self.workers.note(self._busy_sets(), time.monotonic())
+            if timeout < 0 or self._closed:
+                return []
+            gone = [w for w, idle in self.workers.idle(time.monotonic()).items() if idle >= timeout]
+            for w in gone:
+                self._stop_worker(w, "idle")
+            return gone
 
     def _worker_started(self, worker: WorkerHandle) -> None:
         self._jobs.refresh_overhead(worker)  # its GPU context counts from now on
@@ -550,7 +583,10 @@ class Scheduler:
                     "held": held.get(n, 0), "available": available.get(n)}
                 for n, d in self._devices.items()
             }
-            workers = [{"devices": sorted(w.devices), "pid": w.pid, "alive": w.alive, "overhead": w.overhead}
+            idle = self.workers.idle(time.monotonic())
+            workers = [{"devices": sorted(w.devices), "pid": w.pid, "alive": w.alive, "overhead": dict(w.overhead),
+                        "idle_seconds": round(idle[w], 1) if w in idle else None,
+                        "stopping": self.workers.get(w.devices) is not w}
                        for w in self.workers.all()]
             return {"models": models, "devices": devices, "workers": workers, "counters": dict(self.counters),
                     "queue": len(self._queue), "kept": {k: v for k, v in kept.items() if k != "models"}}

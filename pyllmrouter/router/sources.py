@@ -33,9 +33,13 @@ def _with_source(cfg: ModelConfig, source: str) -> ModelConfig:
 
 
 class Sources:
-    def __init__(self, preset: str | None = None, models_dir: str | None = None, cache: bool = False):
-        """``cache``: list llama.cpp's cache of downloads, as llama-server's router does."""
+    def __init__(self, preset: str | None = None, models_dir: str | None = None, cache: bool = False,
+                 base_args: tuple[str, ...] = ()):
+        """``cache``: list llama.cpp's cache of downloads, as llama-server's router does;
+        ``base_args``: llama-server arguments laid over every model (the router's own command
+        line, as llama-server's router lays its own over every child's)."""
         self.preset, self.models_dir, self.cache = preset, models_dir, cache
+        self.base_args = tuple(base_args)
         self._cache_dir: Path | None = None  # where llama.cpp said its cache is, when it was listed
 
     def read(self) -> tuple[list[ModelConfig], dict[str, Any]]:
@@ -49,12 +53,13 @@ class Sources:
             for m in models:
                 if m["path"] and not m["error"]:
                     args = ("--mmproj", m["mmproj"]) if m["mmproj"] else ()
-                    by_name[m["name"]] = ModelConfig(m["name"], ModelSpec(m["path"], args), source=CACHE)
+                    by_name[m["name"]] = ModelConfig(m["name"], ModelSpec(m["path"], (*args, *self.base_args)),
+                                                     source=CACHE)
         if self.models_dir:
-            for cfg in scan_models_dir(self.models_dir):
+            for cfg in scan_models_dir(self.models_dir, self.base_args):
                 by_name[cfg.name] = _with_source(cfg, MODELS_DIR)
         if self.preset:
-            preset = read_preset(self.preset)
+            preset = read_preset(self.preset, self.base_args)
             router.update(preset.router)
             for cfg in preset.models:
                 by_name[cfg.name] = _with_source(cfg, PRESET)

@@ -1,22 +1,36 @@
-"""The worker processes: one per device set, started on demand, found by the loads.
+"""The worker processes: one per device set, started on demand, given back when empty.
 
     ensure(ds) ──▶ the running worker of ds, or a new one (one start at a time per set,
-                   outside the scheduler's lock) registered under it
+                   outside the scheduler's lock) registered under it, its overhead known
+    note(busy, now) ──▶ which workers are empty (no model, nothing in flight, no waiting
+                   request for their device set), and since when
+    retire(w)  ──▶ out of the map, but still holding its bytes until its process has ended
+                   (stopped(w)): a model admitted in its room never meets its context
     get(ds), all(), forget(worker), take_all()   (the scheduler's lock held)
 
-The map is the scheduler's state: it is read and changed under the scheduler's
-lock (``cond``), and a worker's process is started and stopped outside it.
+An empty worker is a resident of admission (``resident``): it holds its overhead on its
+devices (a GPU context per device, and its own host memory), and admission may stop it
+to make room, before any model (restarting it costs a process start, no model load).
+The map is the scheduler's state: read and changed under the scheduler's lock
+(``cond``); processes are started and stopped outside it.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Iterable
 
 from pyllmrouter.devices import Inventory
+from pyllmrouter.router import placement
 from pyllmrouter.router.pool import WorkerHandle
 
-__all__ = ["WorkerSet"]
+__all__ = ["WorkerSet", "worker_name", "WORKER"]
+
+WORKER = "(worker "  # the prefix of an empty worker's name as a resident of admission
+
+
+def worker_name(device_set: frozenset[str]) -> str:
+    return f"{WORKER}{'+'.join(sorted(device_set))})"
 
 
 class WorkerSet:
@@ -30,6 +44,8 @@ class WorkerSet:
         self._on_death = on_death
         self._on_start = on_start
         self._workers: dict[frozenset[str], WorkerHandle] = {}
+        self._stopping: list[WorkerHandle] = []  # retired, their processes not ended yet
+        self._idle_since: dict[WorkerHandle, float] = {}  # empty workers, since when
         self._start_locks: dict[frozenset[str], threading.Lock] = {}
 
     # -- the scheduler's lock held ---------------------------------------------------
@@ -38,22 +54,66 @@ class WorkerSet:
         return self._workers.get(device_set)
 
     def all(self) -> list[WorkerHandle]:
+        """Every worker that holds device memory: running, and retired but not ended yet."""
+        return [*self._workers.values(), *self._stopping]
+
+    def running(self) -> list[WorkerHandle]:
         return list(self._workers.values())
+
+    def stopping(self) -> list[WorkerHandle]:
+        return list(self._stopping)
+
+    def by_name(self, name: str) -> WorkerHandle | None:
+        return next((w for ds, w in self._workers.items() if worker_name(ds) == name), None)
 
     def forget(self, worker: WorkerHandle) -> bool:
         """Out of the map, if it is still its device set's worker."""
+        self._idle_since.pop(worker, None)
+        if worker in self._stopping:
+            self._stopping.remove(worker)
         if self._workers.get(worker.devices) is worker:
             del self._workers[worker.devices]
             return True
         return False
 
     def take_all(self) -> list[WorkerHandle]:
-        workers, self._workers = list(self._workers.values()), {}
+        workers, self._workers = [*self._workers.values(), *self._stopping], {}
+        self._stopping, self._idle_since = [], {}
         return workers
+
+    def note(self, busy: Iterable[frozenset[str]], now: float) -> None:
+        """Which workers are empty now: no model on their device set (loading, loaded or
+        unloading), no call in flight (a probe, a fit), and no waiting request that may
+        use them (``busy``: the device sets in any of these uses)."""
+        busy = set(busy)
+        for ds, w in self._workers.items():
+            if ds in busy or w.in_flight():
+                self._idle_since.pop(w, None)
+            else:
+                self._idle_since.setdefault(w, now)
+
+    def idle(self, now: float) -> dict[WorkerHandle, float]:
+        """Empty workers (as of the last ``note``) and for how many seconds."""
+        return {w: now - t for w, t in self._idle_since.items()}
+
+    def resident(self, worker: WorkerHandle, evictable: bool | None = None) -> placement.Resident:
+        """The worker as a resident of admission: its overhead, evictable if empty (or as
+        given); first among equals (restarting one costs less than reloading a model)."""
+        return placement.Resident(worker_name(worker.devices), dict(worker.overhead), float("-inf"),
+                                  worker in self._idle_since if evictable is None else evictable)
+
+    def retire(self, worker: WorkerHandle) -> None:
+        """Stop using ``worker``: its bytes stay held until ``stopped``."""
+        if self.forget(worker):
+            self._stopping.append(worker)
+
+    def stopped(self, worker: WorkerHandle) -> None:
+        if worker in self._stopping:
+            self._stopping.remove(worker)
 
     # -- no lock held -----------------------------------------------------------------
 
-    def running(self, device_set: frozenset[str]) -> WorkerHandle | None:
+    def running_for(self, device_set: frozenset[str]) -> WorkerHandle | None:
         with self._cond:
             return self._workers.get(device_set)
 
@@ -73,6 +133,7 @@ class WorkerSet:
             w = WorkerHandle("+".join(sorted(device_set)), device_set, self._inventory.mask_env(device_set),
                              self._on_death)
             w.start()
+            w.overhead.update(self._inventory.worker_overhead(device_set))
             with self._cond:
                 self._workers[device_set] = w
                 self._cond.notify_all()

@@ -51,6 +51,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=int(_env("LLAMA_ARG_PORT", 8080)))
     p.add_argument("--api-key", default=_env("LLAMA_API_KEY"), help="required as Bearer token or X-Api-Key")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for its model")
+    p.add_argument("--worker-idle-timeout", type=float, default=300.0, metavar="S",
+                   help="a worker with no model stops after S seconds and gives its devices back "
+                        "(0: at once; -1: kept; admission stops an empty worker sooner when that makes room)")
+    p.add_argument("--emulate-worker-overhead", type=int, default=0, metavar="MiB",
+                   help="with --emulate-devices: what each worker holds on each of its devices before any model, "
+                        "as a GPU context would")
     p.add_argument("--heartbeat", type=float, default=5.0,
                    help="seconds a worker has to answer a ping before it is killed as hung (0: off)")
     p.add_argument("--turn", type=float, default=5.0,
@@ -72,23 +78,26 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
-    """``pyllmrouter serve``'s arguments (without the command's name), parsed."""
+    """``pyllmrouter serve``'s arguments (without the command's name), parsed; the rest are
+    llama-server's arguments for every model (``llama_args``)."""
     parser = argparse.ArgumentParser(prog="pyllmrouter serve")
     add_serve_arguments(parser)
-    return parser.parse_args(list(argv))
+    args, rest = parser.parse_known_args(list(argv))
+    args.llama_args = rest
+    return args
 
 
 def router_from_args(a: argparse.Namespace) -> Router:
     if not (a.models_preset or a.models_dir or a.models_cache):
         raise SystemExit("pyllmrouter serve: no models: give --models-preset and/or --models-dir")
-    sources = Sources(a.models_preset, a.models_dir, a.models_cache)
+    sources = Sources(a.models_preset, a.models_dir, a.models_cache, tuple(getattr(a, "llama_args", ())))
     models, router_kw = sources.read()
     if a.emulate_devices and a.rpc_devices:
         raise SystemExit("pyllmrouter serve: --emulate-devices and --rpc-devices exclude each other")
     if a.rpc_devices:
         inventory = RpcInventory.parse(a.rpc_devices)
     elif a.emulate_devices:
-        inventory = EmulatedInventory.parse(a.emulate_devices)
+        inventory = EmulatedInventory.parse(a.emulate_devices, a.emulate_worker_overhead * MiB)
     else:
         inventory = SystemInventory()
     options = RouterOptions(
@@ -96,7 +105,7 @@ def router_from_args(a: argparse.Namespace) -> Router:
                                                                                                       1024 * MiB),
         budgets=parse_budgets(a.device_budget) if a.device_budget else {},
         max_models=a.models_max, queue_timeout=a.queue_timeout, turn=a.turn, autoload=a.autoload,
-        heartbeat=a.heartbeat, kv_keep_ram=None if a.kv_keep_ram is None else a.kv_keep_ram * MiB,
+        heartbeat=a.heartbeat, worker_idle_timeout=a.worker_idle_timeout, kv_keep_ram=None if a.kv_keep_ram is None else a.kv_keep_ram * MiB,
         kv_keep_dir=a.kv_keep_dir, kv_keep_disk=a.kv_keep_disk * MiB, stream_interval=a.stream_interval_ms / 1e3,
     )
     return Router(models, inventory=inventory, options=options, sources=sources, watch=1.0 if a.watch else 0.0)

