@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
-    "RouterClosed", "NotLoaded", "Withdrawn", "ModelRemoved",
+    "RouterClosed", "NotLoaded", "Withdrawn", "ModelRemoved", "Busy",
 ]
 
 
@@ -66,6 +66,11 @@ class NotLoaded(RouterError):
     def __init__(self, name: str, state: str):
         super().__init__(f"model {name!r} is {state} and autoload is off: load it first (POST /models/load)")
         self.name = name
+
+
+class Busy(RouterError):
+    """The router takes no more of this kind of work now (e.g. downloads at their limit):
+    retry later."""
 
 
 class WorkerDied(RouterError):

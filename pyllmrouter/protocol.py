@@ -32,7 +32,7 @@ class LoadModel:
     req_id: int
     name: str
     spec: ModelSpec
-    keep_dir: str | None = None  # where the engine saves and restores slot states (--slot-save-path)
+    keep_dir: str | None = None  # where the router saves and restores slot states (its own calls only)
     restore: tuple[str, ...] = ()  # slot state files in keep_dir to restore, one per slot
     stream_interval: float = 0.0  # seconds at least between two sends of the model's stream chunks
 

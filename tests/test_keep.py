@@ -120,16 +120,16 @@ LONG = "tell me a long story about the sea and the ships " * 8
 
 def test_llama_cpp_refuses_a_state_that_does_not_fit_the_slot(tiny, tmp_path):
     spec = ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=1024)
-    engine = load(spec, "--slot-save-path", str(tmp_path))
+    engine = load(spec)  # no --slot-save-path: the router's own calls need none
     try:
         request(engine, "/v1/completions", {"prompt": LONG, "max_tokens": 2})
         (kept,) = save_all(engine, str(tmp_path))
     finally:
         engine.close()
     assert kept[0] == "slot0.bin" and kept[1] > 128 and kept[2] == os.path.getsize(tmp_path / "slot0.bin")
-    small = load(spec.replace(n_ctx=128), "--slot-save-path", str(tmp_path))
+    small = load(spec.replace(n_ctx=128))
     try:
-        restored, refused = restore_all(small, ["slot0.bin"])
+        restored, refused = restore_all(small, str(tmp_path), ["slot0.bin"])
     finally:
         small.close()
     assert restored == {} and "slot0.bin" in refused

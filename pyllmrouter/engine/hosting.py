@@ -44,7 +44,7 @@ class EngineHost:
                  keep_dir: str | None = None, restored: int = 0, stream_interval: float = 0.0):
         self.name = name
         self.engine = engine
-        self.keep_dir = keep_dir  # the engine's slot save path (kept prompt states), if any
+        self.keep_dir = keep_dir  # where the router keeps its slot states (not a client-reachable path)
         self._native = native
         self._send = send
         self._lock = threading.Condition()

@@ -1,5 +1,8 @@
-"""A model's slot states, saved and restored with llama-server's own slot actions
-(POST /slots/N?action=save|restore, files in the engine's --slot-save-path)."""
+"""A model's slot states, saved and restored by the router itself: llama-server's slot
+save and restore tasks posted on the engine's own queue (``Engine.slot_file``), into
+the kept-state store's directory.  No client request reaches them: a client's
+``POST /slots/N?action=...`` is llama-server's, refused unless the user gave the model
+a ``--slot-save-path`` of their own, and then confined to it."""
 
 from __future__ import annotations
 
@@ -13,22 +16,24 @@ __all__ = ["save_all", "restore_all"]
 _LOG = logging.getLogger(__name__)
 
 
-def _action(engine: Any, slot: int, action: str, filename: str) -> tuple[int, dict]:
-    reply = engine.handle("POST", f"/slots/{slot}", {"action": action}, {}, json.dumps({"filename": filename}).encode())
-    return reply.status, json.loads(reply.data or b"{}")
+def _action(engine: Any, save: bool, slot: int, path: str) -> dict:
+    try:
+        return json.loads(engine.slot_file(save, slot, path))
+    except (RuntimeError, ValueError) as e:
+        return {"error": {"message": str(e)}}
 
 
 def save_all(engine: Any, directory: str) -> list[tuple[str, int, int]]:
-    """Save every slot that holds tokens as slot<N>.bin in ``directory`` (the engine's
-    slot save path); (file name, tokens, bytes) of each one saved."""
+    """Save every slot that holds tokens as slot<N>.bin in ``directory``; (file name,
+    tokens, bytes) of each one saved."""
     kept = []
     for slot in range(engine.n_parallel):
         name = f"slot{slot}.bin"
-        status, data = _action(engine, slot, "save", name)
         path = os.path.join(directory, name)
-        if status != 200 or not data.get("n_saved"):
-            if status != 200:
-                _LOG.warning("slot %d not saved: %s", slot, data)
+        data = _action(engine, True, slot, path)
+        if not data.get("n_saved"):
+            if "error" in data:
+                _LOG.warning("slot %d not saved: %s", slot, data["error"])
             if os.path.exists(path):
                 os.unlink(path)
             continue
@@ -36,8 +41,9 @@ def save_all(engine: Any, directory: str) -> list[tuple[str, int, int]]:
     return kept
 
 
-def restore_all(engine: Any, names: list[str]) -> tuple[dict[str, int], dict[str, str]]:
-    """Restore slot<N>.bin files into slot N; (file -> tokens restored, file -> why refused)."""
+def restore_all(engine: Any, directory: str, names: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """Restore ``directory``/slot<N>.bin files into slot N; (file -> tokens restored,
+    file -> why refused)."""
     restored, refused = {}, {}
     for name in names:
         try:
@@ -48,9 +54,10 @@ def restore_all(engine: Any, names: list[str]) -> tuple[dict[str, int], dict[str
         if not 0 <= slot < engine.n_parallel:
             refused[name] = f"slot {slot} does not exist"
             continue
-        status, data = _action(engine, slot, "restore", name)
-        if status == 200 and data.get("n_restored"):
+        data = _action(engine, False, slot, os.path.join(directory, name))
+        if data.get("n_restored"):
             restored[name] = int(data["n_restored"])
         else:
-            refused[name] = str(data.get("error", {}).get("message", data)) if isinstance(data, dict) else str(data)
+            err = data.get("error")
+            refused[name] = str(err.get("message", err)) if isinstance(err, dict) else str(data)
     return restored, refused

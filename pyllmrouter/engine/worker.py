@@ -63,10 +63,10 @@ class _Worker:
 
         try:
             t0 = time.perf_counter()
-            keep = ("--slot-save-path", msg.keep_dir) if msg.keep_dir else ()
-            engine = load(msg.spec, *keep, name=msg.name)
+            engine = load(msg.spec, name=msg.name)
             pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
-            restored, refused = restore_all(engine, list(msg.restore)) if msg.restore else ({}, {})
+            restored, refused = (restore_all(engine, msg.keep_dir, list(msg.restore)) if msg.restore and msg.keep_dir
+                                 else ({}, {}))
             with self.models_lock:
                 taken = msg.name in self.models
                 if not taken:

@@ -7,27 +7,32 @@
     cancel(name) ──▶ the process killed (DELETE /models while it downloads)
     remove(name) ──▶ python -m pyllmrouter.engine.download --remove NAME
 
-One download per name at a time.  What a download owns (its process, its progress)
+One download per name at a time, and at most ``max_active`` at once (more: Busy, a
+429); the last ``max_failed`` failures stay listed.  What a download owns (its process, its progress)
 changes under ``_lock`` only; the router process never loads llama.cpp.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import subprocess
 import sys
 import threading
 from typing import Any, Callable
 
+from pyllmrouter.errors import Busy
 from pyllmrouter.router.events import EventBus
 
 __all__ = ["Downloads"]
 
 
 class Downloads:
-    def __init__(self, bus: EventBus, on_done: Callable[[str, str | None, str | None], None]):
+    def __init__(self, bus: EventBus, on_done: Callable[[str, str | None, str | None], None],
+                 max_active: int = 4, max_failed: int = 32):
         """``on_done(name, path, error)``: a download ended (path or error), no lock held."""
         self._bus = bus
+        self._max_active, self._max_failed = max_active, max_failed
         self._on_done = on_done
         self._lock = threading.Lock()
         self._procs: dict[str, subprocess.Popen] = {}
@@ -37,6 +42,9 @@ class Downloads:
         with self._lock:
             if name in self._procs:
                 raise ValueError(f"model {name!r} is already being downloaded")
+            if len(self._procs) >= self._max_active:
+                raise Busy(f"{len(self._procs)} downloads are under way, the most at once: pull {name!r} "
+                           f"once one has ended")
             proc = subprocess.Popen([sys.executable, "-m", "pyllmrouter.engine.download", name],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self._procs[name] = proc
@@ -46,7 +54,7 @@ class Downloads:
 
     def _follow(self, name: str, proc: subprocess.Popen) -> None:
         path, error = None, None
-        said: list[str] = []  # llama.cpp's downloader says why on its log (a 404, a timeout...)
+        said: collections.deque[str] = collections.deque(maxlen=64)  # llama.cpp's log says why (a 404...)
         reader = threading.Thread(target=lambda: said.extend(proc.stderr), daemon=True)
         reader.start()
         for line in proc.stdout:
@@ -57,7 +65,8 @@ class Downloads:
             if "progress" in msg:
                 p = msg["progress"]
                 with self._lock:
-                    progress = self._state[name]["progress"]
+                    st = self._state.get(name)  # none: cancelled meanwhile
+                    progress = st["progress"] if st is not None else {}
                     progress[p["url"]] = {"done": p["done"], "total": p["total"]}
                     snapshot = {u: dict(v) for u, v in progress.items()}
                 self._bus.publish("download_progress", name, progress=snapshot)
@@ -74,10 +83,12 @@ class Downloads:
             error = f"{error} ({'; '.join(why[-2:])})"
         with self._lock:
             self._procs.pop(name, None)
-            if path is not None:
-                self._state.pop(name, None)
-            else:
-                self._state[name] = {"status": "failed", "progress": self._state[name]["progress"], "error": error}
+            listed = self._state.pop(name, None) is not None  # not: cancelled (DELETE /models)
+            if path is None and listed:  # listed again, at the end: the newest failure
+                self._state[name] = {"status": "failed", "progress": {}, "error": error}
+                failed = [n for n, st in self._state.items() if st["status"] == "failed"]
+                for old in failed[:max(0, len(failed) - self._max_failed)]:
+                    del self._state[old]
         self._bus.publish("download_finished" if path else "download_failed", name,
                           **({"error": error} if error else {}))
         self._on_done(name, path, error)

@@ -1,12 +1,12 @@
 """Prompt states kept across eviction: files of llama-server's slot save, per model identity.
 
-    unload (evict, unload, ttl) ──▶ worker saves each busy slot (POST /slots/N?action=save)
+    unload (evict, unload, ttl) ──▶ worker saves each busy slot (llama-server's slot save task)
                                     into dir_for(identity) ──▶ Unloaded(kept files)
         add(identity, files) ──▶ counted in RAM; over the RAM budget the least recently
                                  used files move to the disk directory; over its cap
                                  (or without one) they are deleted
     load ──▶ prepare(identity): its files back in the RAM directory ──▶ LoadModel(restore)
-             worker restores each into its slot (POST /slots/N?action=restore)
+             worker restores each into its slot (llama-server's slot restore task)
         consumed(identity, ...) ──▶ the files are deleted: the state lives in the KV now;
                                     a file llama.cpp refused is counted as discarded
 
@@ -17,7 +17,11 @@ the model's name, its file's identity and the whole spec (every llama-server
 argument: context, slots, cache types, rope settings, overrides...), so it is only
 ever offered to the very configuration that wrote it.  The RAM directory is
 a tmpfs (/dev/shm) where there is one: its bytes are host memory, which admission
-counts as held.  The store does file I/O under its own lock only, never under
+counts as held.  Only the router writes there (its own slot save and restore calls,
+never a client's: see engine/slots.py).  The directory is this router's while it runs:
+its ``.owner`` file is locked (flock) for the router's life, so the lock goes with the
+process however it ends, and a router that starts removes every directory whose lock
+is free (a router that crashed or was killed), never a live one's.  The store does file I/O under its own lock only, never under
 the scheduler's; what the scheduler reads under its lock (``held_ram``) is a
 number the store publishes after each change, read without the store's lock,
 so the scheduler never waits on the store's file work.
@@ -25,6 +29,7 @@ so the scheduler never waits on the store's file work.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -39,9 +44,64 @@ from pathlib import Path
 
 from pyllmrouter.spec import ModelSpec
 
-__all__ = ["KeepStore", "Kept", "identity"]
+__all__ = ["KeepStore", "Kept", "identity", "reclaim"]
 
 _LOG = logging.getLogger(__name__)
+_PREFIX = "pyllmrouter-kv-"  # a RAM directory in use, its .owner locked
+_NEW = ".pyllmrouter-kv-new-"  # one being made (renamed to _PREFIX once locked)
+_OWNER = ".owner"
+
+
+def _ram_base() -> Path | None:
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def _claim(base: Path | None) -> tuple[Path, int]:
+    """A new RAM directory and the fd that holds its lock: made under a temporary name,
+    its ``.owner`` locked, then renamed, so a directory under the final name is never
+    seen unlocked while its router lives."""
+    tmp = Path(tempfile.mkdtemp(prefix=_NEW, dir=base))
+    fd = os.open(tmp / _OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    final = tmp.with_name(_PREFIX + tmp.name.removeprefix(_NEW))
+    os.rename(tmp, final)
+    return final, fd
+
+
+def reclaim(base: Path | None = None, grace: float = 60.0) -> list[Path]:
+    """Remove the RAM directories of routers that no longer run (``base``: /dev/shm, or the
+    temporary directory where it is missing): those whose ``.owner`` lock is free, and
+    half-made ones older than ``grace`` seconds.  A live router's lock is held: its
+    directory is left alone.  The directories removed."""
+    base = Path(base) if base is not None else (_ram_base() or Path(tempfile.gettempdir()))
+    gone = []
+    for d in [*base.glob(_PREFIX + "*"), *base.glob(_NEW + "*")]:
+        try:
+            fd = os.open(d / _OWNER, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # none: a router's from before owner files, or one being made
+            try:
+                young = time.time() - d.stat().st_mtime < grace
+            except OSError:
+                continue
+            if not (young and d.name.startswith(_NEW)):
+                shutil.rmtree(d, ignore_errors=True)
+                gone.append(d)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # its router is running
+        try:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
+        finally:
+            os.close(fd)
+    return gone
 
 
 def identity(name: str, spec: ModelSpec) -> str | None:
@@ -87,10 +147,13 @@ class KeepStore:
         self._ram_bytes = 0  # the RAM files' bytes, published by _settle
         self._snapshot: dict = {"models": {}, "counters": {}}  # what report() returns, published by _settle
         self.counters = {"saved": 0, "restores": 0, "restored_tokens": 0, "hits": 0, "discarded": 0, "dropped": 0}
+        self._owner: int | None = None  # the fd holding our RAM directory's lock
+        self._closed = False
         if ram_dir is None:
-            shm = Path("/dev/shm")
-            base = shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-            ram_dir = tempfile.mkdtemp(prefix="pyllmrouter-kv-", dir=base)
+            base = _ram_base()
+            for d in reclaim(base):
+                _LOG.info("removed %s: the kept states of a router that no longer runs", d)
+            ram_dir, self._owner = _claim(base)
         self.ram_dir = Path(ram_dir)
         self.ram_dir.mkdir(parents=True, exist_ok=True)
         self.disk_dir = Path(disk_dir) if disk_dir else None
@@ -117,9 +180,11 @@ class KeepStore:
         return (self.ram_dir if k.place == "ram" else self.disk_dir) / k.identity / k.name
 
     def dir_for(self, ident: str, model: str | None = None) -> Path:
-        """Where the engine of this identity (of model ``model``) saves and restores its slots."""
+        """Where the engine of this identity (of model ``model``) saves and restores its slots
+        (after close(): a directory that is not made, so nothing is saved)."""
         d = self.ram_dir / ident
-        d.mkdir(parents=True, exist_ok=True)
+        if not self._closed:
+            d.mkdir(parents=True, exist_ok=True)
         if model is not None:
             with self._lock:
                 self._models[ident] = model
@@ -155,6 +220,8 @@ class KeepStore:
                 continue
             checked.append(Kept(ident, name, tokens, size, "ram", now, crc))
         with self._lock:
+            if self._closed:
+                return
             for k in checked:
                 old = self._files.pop((ident, k.name), None)
                 if old is not None and old.place == "disk":
@@ -246,11 +313,15 @@ class KeepStore:
         return self._snapshot
 
     def close(self) -> None:
-        """The RAM directory goes (its states are lost); the disk directory stays."""
+        """The RAM directory goes (its states are lost), and its lock; the disk directory stays."""
         with self._lock:
+            self._closed = True
             shutil.rmtree(self.ram_dir, ignore_errors=True)
             self._files = {key: k for key, k in self._files.items() if k.place == "disk"}
             self._settle()
+            if self._owner is not None:
+                os.close(self._owner)
+                self._owner = None
 
     # -- lock held ---------------------------------------------------------------
 

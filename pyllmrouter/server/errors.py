@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pyllmrouter.errors import (LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueTimeout, RequestFailed,
+from pyllmrouter.errors import (Busy, LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueTimeout, RequestFailed,
                                 RouterClosed, UnknownModel, WorkerDied, Withdrawn)
 
 __all__ = ["ApiError", "error_response", "from_router_error"]
@@ -41,6 +41,8 @@ def from_router_error(e: Exception) -> ApiError:
                         extra={"device": e.device, "needed_bytes": e.need, "capacity_bytes": e.capacity})
     if isinstance(e, QueueTimeout):
         return ApiError(503, str(e), "server_busy", "queue_timeout", headers={"Retry-After": "5"})
+    if isinstance(e, Busy):
+        return ApiError(429, str(e), "rate_limit_error", "busy", headers={"Retry-After": "5"})
     if isinstance(e, (WorkerDied, RouterClosed)):
         return ApiError(503, str(e), "server_error", "unavailable", headers={"Retry-After": "1"})
     if isinstance(e, LoadFailed):
