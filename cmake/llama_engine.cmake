@@ -23,7 +23,7 @@ set(COMMON_SOURCES
 list(TRANSFORM COMMON_SOURCES PREPEND "${LS}/common/")
 set(SERVER_SOURCES
   server-chat.cpp server-task.cpp server-queue.cpp server-common.cpp server-context.cpp
-  server-stream.cpp server-tools.cpp server-mcp.cpp server-schema.cpp)
+  server-stream.cpp server-tools.cpp server-mcp.cpp server-schema.cpp server-models.cpp)
 list(TRANSFORM SERVER_SOURCES PREPEND "${LS}/tools/server/")
 
 add_library(llama_engine STATIC
@@ -38,4 +38,7 @@ set_source_files_properties("${LS}/vendor/cpp-httplib/httplib.cpp" PROPERTIES
   COMPILE_OPTIONS "-w"
   COMPILE_DEFINITIONS "CPPHTTPLIB_FORM_URL_ENCODED_PAYLOAD_MAX_LENGTH=1048576;CPPHTTPLIB_LISTEN_BACKLOG=512;CPPHTTPLIB_REQUEST_URI_MAX_LENGTH=32768;CPPHTTPLIB_TCP_NODELAY=1")
 target_compile_features(llama_engine PUBLIC cxx_std_17)
+# llama.cpp's default everywhere but mobile and WASM (its CMakeLists.txt, LLAMA_SUBPROCESS):
+# the server tools and MCP servers spawn processes
+target_compile_definitions(llama_engine PUBLIC LLAMA_SUBPROCESS)
 target_link_libraries(llama_engine PUBLIC llama ggml::ggml "${MTMD_LIBRARY}" Threads::Threads)

@@ -120,6 +120,16 @@ std::unique_ptr<server_http_res> error_reply(const std::string & message, error_
     return res;
 }
 
+error_type error_type_named(const std::string & name) {
+    static const std::map<std::string, error_type> types = {
+        {"invalid_request", ERROR_TYPE_INVALID_REQUEST}, {"authentication", ERROR_TYPE_AUTHENTICATION},
+        {"server", ERROR_TYPE_SERVER}, {"not_found", ERROR_TYPE_NOT_FOUND}, {"permission", ERROR_TYPE_PERMISSION},
+        {"unavailable", ERROR_TYPE_UNAVAILABLE}, {"not_supported", ERROR_TYPE_NOT_SUPPORTED},
+    };
+    const auto it = types.find(name);
+    return it != types.end() ? it->second : ERROR_TYPE_SERVER;
+}
+
 std::once_flag process_once;
 
 // Once per process: what llama-server's main does before any model.
@@ -301,22 +311,42 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
 
 // -- EngineReply ------------------------------------------------------------
 
-struct EngineCore {
+struct EngineCore : ReplyOwner {
     explicit EngineCore(common_params p) : params(std::move(p)), routes(params, ctx) {}
     common_params params;
     server_context ctx;
     server_routes routes;
-    std::atomic<bool> closing{false};
 };
 
-EngineReply::EngineReply(std::shared_ptr<EngineCore> core, std::map<std::string, std::string> params,
+EngineReply::EngineReply(std::shared_ptr<ReplyOwner> owner, std::map<std::string, std::string> params,
                          std::map<std::string, std::string> headers, std::string path, std::string query,
                          std::string body, std::shared_ptr<StopFlag> stop)
-    : core_(std::move(core)),
+    : owner_(std::move(owner)),
       stop_(stop ? std::move(stop) : std::make_shared<StopFlag>()),
-      should_stop_([this] { return stop_->value.load() || (core_ && core_->closing.load()); }) {
+      should_stop_([this] { return stop_->value.load() || (owner_ && owner_->closing.load()); }) {
     req_.reset(new server_http_req{std::move(params), std::move(headers), std::move(path), std::move(query),
                                    std::move(body), {}, should_stop_});
+}
+
+void EngineReply::respond(const Handler & handler) {
+    if (!handler) {
+        res_ = error_reply("File Not Found", ERROR_TYPE_NOT_FOUND);
+        return;
+    }
+    try {
+        res_ = handler(*req_);
+    } catch (const std::invalid_argument & e) {
+        res_ = error_reply(e.what(), ERROR_TYPE_INVALID_REQUEST);
+    } catch (const std::exception & e) {
+        res_ = error_reply(e.what(), ERROR_TYPE_SERVER);
+    }
+    if (!res_) {
+        res_ = error_reply("empty response from handler", ERROR_TYPE_SERVER);
+    }
+}
+
+void EngineReply::fail(const std::string & message, const std::string & type) {
+    res_ = error_reply(message, error_type_named(type));
 }
 
 EngineReply::~EngineReply() {
@@ -454,21 +484,14 @@ std::shared_ptr<EngineReply> Engine::handle(const std::string & method, const st
     std::shared_ptr<EngineCore> core = current();
     auto reply = std::make_shared<EngineReply>(core, std::move(params), headers, path, query_string, body,
                                                 std::move(stop));
-    if (!routed || !core) {
-        reply->res_ = error_reply(!routed ? "File Not Found" : "Loading model",
-                                  !routed ? ERROR_TYPE_NOT_FOUND : ERROR_TYPE_UNAVAILABLE);
-        return reply;
-    }
-    // as llama-server's ex_wrapper: invalid_argument is a bad request, anything else a server error
-    try {
-        reply->res_ = handler != nullptr ? (core->routes.*handler)(*reply->req_) : stream_route->second(*reply->req_);
-    } catch (const std::invalid_argument & e) {
-        reply->res_ = error_reply(e.what(), ERROR_TYPE_INVALID_REQUEST);
-    } catch (const std::exception & e) {
-        reply->res_ = error_reply(e.what(), ERROR_TYPE_SERVER);
-    }
-    if (!reply->res_) {
-        reply->res_ = error_reply("empty response from handler", ERROR_TYPE_SERVER);
+    if (!routed) {
+        reply->respond(nullptr);
+    } else if (!core) {
+        reply->fail("Loading model", "unavailable");
+    } else if (handler != nullptr) {
+        reply->respond([&core, handler](const server_http_req & req) { return (core->routes.*handler)(req); });
+    } else {
+        reply->respond(stream_route->second);
     }
     return reply;
 }

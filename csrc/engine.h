@@ -42,10 +42,19 @@ struct StopFlag {
     void set() { value.store(true); }
 };
 
-// What an Engine and its replies share: the parsed arguments, the server_context
-// and its routes, and whether the engine is closing.  A reply holds it, so the
-// context a handler or a stream uses lives as long as the reply does.
+// What a reply keeps alive (an Engine's server_context and routes, the router's
+// services), and whether its owner is closing: a reply holds it, so what a handler or
+// a stream uses lives as long as the reply does.
+struct ReplyOwner {
+    std::atomic<bool> closing{false};
+    virtual ~ReplyOwner() = default;
+};
+
+// An Engine's server_context, routes and parsed arguments (engine.cpp).
 struct EngineCore;
+
+// A llama-server route handler (server_http_context::handler_t's signature).
+using Handler = std::function<std::unique_ptr<server_http_res>(const server_http_req &)>;
 
 // One request's reply. next() returns false once the stream has ended (a
 // non-streamed reply is `data` alone); cancel() makes the handler's
@@ -53,10 +62,17 @@ struct EngineCore;
 // the engine's close().
 class EngineReply {
   public:
-    EngineReply(std::shared_ptr<EngineCore> core, std::map<std::string, std::string> params,
+    EngineReply(std::shared_ptr<ReplyOwner> owner, std::map<std::string, std::string> params,
                 std::map<std::string, std::string> headers, std::string path, std::string query, std::string body,
                 std::shared_ptr<StopFlag> stop);
     ~EngineReply();
+
+    // The handler's reply, as llama-server's ex_wrapper makes it (std::invalid_argument:
+    // 400, any other exception: 500); no handler: llama-server's 404 for an unknown path.
+    void respond(const Handler & handler);
+    // llama-server's error reply (format_error_response) of this message and type name
+    // ("invalid_request", "not_found", "unavailable", "server"...).
+    void fail(const std::string & message, const std::string & type);
 
     int status() const;
     const std::string & content_type() const;
@@ -67,8 +83,7 @@ class EngineReply {
     void cancel() { stop_->set(); }
 
   private:
-    friend class Engine;
-    std::shared_ptr<EngineCore> core_;  // first: it goes after the request and reply that use it
+    std::shared_ptr<ReplyOwner> owner_;  // first: it goes after the request and reply that use it
     std::shared_ptr<StopFlag> stop_;
     std::function<bool()> should_stop_;
     std::unique_ptr<server_http_req> req_;

@@ -7,6 +7,7 @@
 #include "llama.h"
 #include "build-info.h"
 #include "engine.h"
+#include "services.h"
 #include "params.h"
 #include "hub.h"
 #include "probe.h"
@@ -198,6 +199,29 @@ void bind_engine(py::module_ & m) {
              "The per-buffer-type breakdown of the engine's llama_context.")
         .def_property_readonly("n_parallel", &Engine::n_parallel)
         .def_property_readonly("n_ctx", &Engine::n_ctx);
+    py::class_<Services>(m, "Services",
+                         "llama-server's services beside its models: /tools (built-in tools, MCP servers) and "
+                         "/cors-proxy, each llama-server's 403 when off.")
+        .def(py::init([](const std::vector<std::string> & args) {
+                 py::gil_scoped_release release;
+                 return std::make_unique<Services>(args);
+             }), py::arg("args"),
+             "Parse llama-server arguments and start the MCP servers they name.")
+        .def("handle", [](Services & s, const std::string & method, const std::string & path,
+                          const std::map<std::string, std::string> & query,
+                          const std::map<std::string, std::string> & headers, const py::bytes & body,
+                          const std::string & query_string, std::shared_ptr<StopFlag> stop) {
+                 std::string b = body;
+                 py::gil_scoped_release release;
+                 return s.handle(method, path, query, headers, b, query_string, std::move(stop));
+             },
+             py::arg("method"), py::arg("path"), py::arg("query"), py::arg("headers"), py::arg("body"),
+             py::arg("query_string") = "", py::arg("stop") = nullptr,
+             "The reply of llama-server's handler for (method, path).")
+        .def("close", &Services::close, py::call_guard<py::gil_scoped_release>(),
+             "End the requests in flight and the MCP servers.");
+    m.def("router_settings", &router_settings, py::arg("args"),
+          "JSON: what llama-server's HTTP layer makes of these arguments (CORS, API keys, tools, MCP, proxy).");
     m.def("probe_server", [](const std::vector<std::string> & args, bool vocab_free) {
               ProbeResult r;
               {

@@ -65,3 +65,7 @@ class RouterOptions:
     # seconds at least between two sends of one model's stream chunks from its worker: tokens
     # that come faster leave together (one pipe message, one write); 0: each as it comes
     stream_interval: float = 0.001
+    # llama-server's test hook (LLAMA_SERVER_DEBUG_FAKE_TIMING, which llama.cpp's server test
+    # suite sets): seconds each request waits busy on its model before it goes to the engine,
+    # and each load waits before it starts, as llama-server's router does; 0: off
+    debug_fake_timing: float = 0.0

@@ -1,6 +1,6 @@
 """Messages between the router and a worker, over a multiprocessing pipe.
 
-    router ──LoadModel / UnloadModel / Call / Cancel / Probe / Fit / Ping / Shutdown──▶ worker
+    router ──LoadModel / UnloadModel / StartServices / Call / Cancel / Probe / Fit / Ping / Shutdown──▶ worker
     router ◀──Ready / Loaded / Unloaded / Chunk / Result / Failed──────── worker
 
 Every request carries a ``req_id``; every reply names the request it answers.
@@ -20,7 +20,7 @@ from typing import Any
 from pyllmrouter.spec import ModelSpec
 
 __all__ = [
-    "LoadModel", "UnloadModel", "Call", "HttpReply", "Cancel", "Probe", "Fit", "Ping", "Shutdown",
+    "LoadModel", "UnloadModel", "StartServices", "SERVICES", "Call", "HttpReply", "Cancel", "Probe", "Fit", "Ping", "Shutdown",
     "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "ErrorKind", "Batch", "FINAL",
 ]
 
@@ -42,6 +42,19 @@ class UnloadModel:
     req_id: int
     name: str
     keep: bool = False  # save each slot's state into the model's keep_dir first
+
+
+# the name a Call gives to reach llama-server's services (no model is named "")
+SERVICES = ""
+
+
+@dataclass(frozen=True)
+class StartServices:
+    """llama-server's services beside its models (/tools, /cors-proxy), from the router's
+    llama-server arguments: answered by Result(None) once started (the MCP servers too)."""
+
+    req_id: int
+    args: tuple[str, ...]
 
 
 @dataclass(frozen=True)

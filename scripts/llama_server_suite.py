@@ -2,7 +2,7 @@
 """llama.cpp's own server test suite (the pinned source's tools/server/tests), run against
 llama-server's router mode and against ours, on local models: one per-file table.
 
-    .venv/bin/python scripts/llama_server_suite.py [--only router|ours] [-k EXPR] [-n WORKERS]
+    .venv/bin/python scripts/llama_server_suite.py [--only router|ours] [-k EXPR] [-n WORKERS] [--show]
 
 The suite starts the binary LLAMA_SERVER_BIN_PATH names with the command line it builds;
 scripts/llama_suite_launcher.py turns that into a router of the same model and arguments
@@ -65,7 +65,8 @@ PULLS = [("ggml-org/test-model-stories260K", ""), ("ggml-org/test-model-stories2
          ("ggml-org/stories15M_MOE", "stories15M_MOE-F16.gguf"), ("ggml-org/tinygemma3-GGUF:Q8_0", "")]
 
 
-def run(mode: str, tests: Path, env: dict[str, str], work: Path, expr: str | None, workers: int) -> dict[str, dict]:
+def run(mode: str, tests: Path, env: dict[str, str], work: Path, expr: str | None, workers: int,
+        show: bool = False) -> dict[str, dict]:
     report = work / f"{mode}.xml"
     cmd = [sys.executable, "-m", "pytest", "unit", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
            "-o", "junit_family=xunit1"]
@@ -74,8 +75,9 @@ def run(mode: str, tests: Path, env: dict[str, str], work: Path, expr: str | Non
     if workers > 1:
         cmd += ["-n", str(workers)]
     print(f"running the suite against {mode} ...", flush=True)
-    subprocess.run(cmd, cwd=tests, env={**env, "PYLLMROUTER_SUITE_MODE": mode}, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    quiet = {} if show else {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    subprocess.run(cmd + (["-rf", "--tb=short"] if show else []), cwd=tests, env={**env, "PYLLMROUTER_SUITE_MODE": mode},
+                   **quiet)
     results: dict[str, dict] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         file = (case.get("file") or case.get("classname", "").replace(".", "/") + ".py").split("/")[-1]
@@ -90,6 +92,7 @@ def main() -> None:
     ap.add_argument("--only", choices=["router", "ours"])
     ap.add_argument("-k", dest="expr", default=None, help="pytest -k expression")
     ap.add_argument("-n", dest="workers", type=int, default=1, help="pytest-xdist workers")
+    ap.add_argument("--show", action="store_true", help="pytest's own output (failures) on the terminal")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "llama_server_suite.json")
     args = ap.parse_args()
     server = llama_tool("llama-server")
@@ -116,7 +119,7 @@ def main() -> None:
                 subprocess.run([sys.executable, "-m", "pyllmrouter.engine.download", name, *([file] if file else [])],
                                env=env, capture_output=True)
             modes = [args.only] if args.only else ["router", "ours"]
-            results = {m: run(m, tests, env, work, args.expr, args.workers) for m in modes}
+            results = {m: run(m, tests, env, work, args.expr, args.workers, args.show) for m in modes}
     files = sorted(set().union(*(r.keys() for r in results.values())))
     rows, worse = [], []
     for f in files:

@@ -167,6 +167,8 @@ def test_a_busy_model_is_never_evicted(cluster):
     """'big' streams on the big node; 'big2' fits only there, and only without 'big': it
     waits for the stream to end, then evicts the idle 'big'."""
     _, client, ids, _, _ = cluster
+    status, node, body = client.complete("big")  # loaded (it may be already: tests share the cluster)
+    assert status == 200 and node == ids["big"], body
     assert _where(client)["big"] == [ids["big"]]
     done: dict = {}
 

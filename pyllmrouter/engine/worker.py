@@ -5,6 +5,8 @@
                                ├─ Call ───────▶ the model's EngineHost (hosting.py): a thread
                                │                 per request ─▶ Chunk* Result | Failed
                                ├─ UnloadModel ▶ unloader thread: EngineHost.close ─▶ Unloaded
+                               ├─ StartServices ▶ llama-server's /tools and /cors-proxy, hosted
+                               │                 as the model named SERVICES ─▶ Result | Failed
                                ├─ Cancel ─────▶ the request's StopFlag
                                ├─ Probe / Fit ▶ probe thread ─▶ Result | Failed
                                ├─ Ping ───────▶ Result(None), at once (the heartbeat)
@@ -28,8 +30,8 @@ from typing import Any
 
 from pyllmrouter.engine.hosting import EngineHost
 from pyllmrouter.engine.slots import restore_all, save_all
-from pyllmrouter.protocol import (Call, Cancel, ErrorKind, Failed, Fit, LoadModel, Loaded, Ping, Probe, Ready,
-                                  Result, Shutdown, Unloaded, UnloadModel)
+from pyllmrouter.protocol import (SERVICES, Call, Cancel, ErrorKind, Failed, Fit, LoadModel, Loaded, Ping, Probe,
+                                  Ready, Result, Shutdown, StartServices, Unloaded, UnloadModel)
 
 __all__ = ["worker_main"]
 
@@ -82,6 +84,24 @@ class _Worker:
             _LOG.exception("loading %s", msg.name)
             self.send(Failed(msg.req_id, ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"))
 
+    def _start_services(self, msg: StartServices) -> None:
+        from pyllmrouter.engine.backend import native  # noqa: PLC0415
+
+        try:
+            services = native().Services(list(msg.args))
+        except (ValueError, RuntimeError) as e:  # llama.cpp's refusal (an MCP server that does not start...)
+            self.send(Failed(msg.req_id, ErrorKind.LOAD_FAILED, f"{type(e).__name__}: {e}"))
+            return
+        with self.models_lock:
+            self.models[SERVICES] = EngineHost("services", services, native(), self.send)
+        self.send(Result(msg.req_id, None))
+
+    def close_services(self) -> None:
+        with self.models_lock:
+            host = self.models.pop(SERVICES, None)
+        if host is not None:
+            host.engine.close()
+
     def _unload(self, msg: UnloadModel, host: EngineHost) -> None:
         kept: list = []
         try:
@@ -128,6 +148,8 @@ class _Worker:
                 any(h.cancel(msg.req_id) for h in hosts)
             elif isinstance(msg, LoadModel):
                 threading.Thread(target=self._load, args=(msg,), daemon=True).start()
+            elif isinstance(msg, StartServices):
+                threading.Thread(target=self._start_services, args=(msg,), daemon=True).start()
             elif isinstance(msg, (Probe, Fit)):
                 threading.Thread(target=self._probe, args=(msg,), daemon=True).start()
             elif isinstance(msg, UnloadModel):
@@ -149,6 +171,9 @@ class _Worker:
 def worker_main(conn, env: dict[str, str]) -> None:
     """Process entry point (multiprocessing, spawn)."""
     os.environ.update(env)  # before anything imports llama_cpp
+    # the pipe came through spawn's pass_fds, inheritable: a process this worker starts (an
+    # MCP server, a tool's shell) would hold it open, and the router would not see us end
+    os.set_inheritable(conn.fileno(), False)
     from pyllmrouter.engine.backend import native  # noqa: PLC0415 - imports llama_cpp under the mask
     from pyllmrouter.devices import RPC_ENV  # noqa: PLC0415
 
@@ -165,6 +190,7 @@ def worker_main(conn, env: dict[str, str]) -> None:
         _LOG.exception("worker %d", os.getpid())
         code = 1
     finally:
+        worker.close_services()  # its MCP servers are processes of ours: they end with us
         # each model's slot loop is a C++ thread still running: leaving through the
         # interpreter's finalisation would run C++ static destructors under them, and
         # std::terminate then aborts the process (a core and a backtrace for every exit)

@@ -27,13 +27,14 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
-from pyllmrouter.errors import RequestFailed, RouterError, UnknownModel, WorkerDied, Withdrawn
+from pyllmrouter.errors import RequestFailed, RouterError, UnknownModel
 from pyllmrouter.router.conversations import Conversations
 from pyllmrouter.router.downloads import Downloads
 from pyllmrouter.router.sources import Sources
 from pyllmrouter.spec import ModelSpec
-from pyllmrouter.protocol import Call, Chunk, ErrorKind, Failed, HttpReply
+from pyllmrouter.protocol import Call, Chunk, HttpReply
 from pyllmrouter.router.scheduler import Lease, Scheduler
+from pyllmrouter.router.streams import Stream, unless_gone, value_of
 
 __all__ = ["Router"]
 
@@ -247,6 +248,8 @@ class Router:
         and for a stream the Stream of its body's chunks (bytes).  The model is loaded first
         if it must be."""
         lease = self._sched.lease(model, timeout, autoload)
+        if self.options.debug_fake_timing > 0:
+            time.sleep(self.options.debug_fake_timing)  # busy on the model meanwhile (the lease is held)
         pending = self._send(lease, method, path, body, query, headers)
         try:
             first = pending.get()
@@ -269,10 +272,16 @@ class Router:
             lease = self._sched.try_lease(model)
             if lease is None:
                 lease = await self._await_lease(model, timeout, autoload, watch)
+            if self.options.debug_fake_timing > 0:
+                try:  # busy on the model meanwhile (the lease is held)
+                    await asyncio.sleep(self.options.debug_fake_timing)
+                except BaseException:
+                    self._sched.release(lease)
+                    raise
             pending = self._send(lease, method, path, body, query, headers)
             try:
                 while (first := pending.get_nowait()) is None:
-                    await _unless_gone(pending.wait_async(), watch, model)
+                    await unless_gone(pending.wait_async(), watch, model)
             except BaseException:
                 self._abandon(lease, pending)
                 raise
@@ -288,7 +297,7 @@ class Router:
         left = threading.Event()
         fut = asyncio.get_running_loop().run_in_executor(None, self._sched.lease, model, timeout, autoload, left)
         try:
-            return await _unless_gone(asyncio.shield(fut), watch, model)
+            return await unless_gone(asyncio.shield(fut), watch, model)
         except BaseException:
             self._sched.withdraw(left)
             fut.add_done_callback(self._release_if_leased)
@@ -312,9 +321,9 @@ class Router:
     def _opened(self, lease: Lease, pending, first: Any) -> "tuple[HttpReply, Stream | None]":
         """The first reply of a Call: a whole reply, or a stream's head."""
         if isinstance(first, Chunk) and isinstance(first.value, HttpReply):
-            return first.value, Stream(lease, pending, self._sched.release, first.value.body)
+            return first.value, Stream(lease.name, pending, lambda: self._sched.release(lease), first.value.body)
         self._sched.release(lease)
-        return _value(lease, first), None
+        return value_of(lease.name, first), None
 
     def _abandon(self, lease: Lease, pending) -> None:
         """The caller left before the first reply: stop the request; the lease ends with
@@ -338,139 +347,6 @@ class Router:
         reply, chunks = await self.acall(model, "POST", path, _body(model, params, stream), None, timeout,
                                          autoload)
         return _aevents(model, chunks) if chunks is not None else _json(model, reply)
-
-
-class Stream:
-    """Chunks of one streaming request; ``cancel()`` may be called from any thread.
-
-    The lease on the model is released exactly once: when the final reply
-    arrives, whether the stream was read to its end, closed or cancelled.
-    """
-
-    def __init__(self, lease: Lease, pending, release, first: bytes = b""):
-        self._lease = lease
-        self._first = [first] if first else []  # the chunk that came with the head
-        self._pending = pending
-        self._release = release
-        self._done = False
-        self._lock = threading.Lock()
-        self._read = threading.Lock()  # one reader at a time (a drain may race a reader)
-        self._failure: RouterError | None = None  # a failure found by anext_batch, raised next
-
-    @property
-    def done(self) -> bool:
-        """Whether the final reply has arrived (nothing more will come)."""
-        return self._done
-
-    def __iter__(self) -> "Stream":
-        return self
-
-    def __next__(self) -> bytes:
-        with self._read:
-            if self._failure is not None:
-                failure, self._failure = self._failure, None
-                raise failure
-            if self._first:
-                return self._first.pop()
-            if self._done:
-                raise StopIteration
-            msg = self._pending.get()
-            if isinstance(msg, Chunk):
-                return msg.value
-            self._finish(msg)
-        if isinstance(msg, Failed):
-            raise _error(self._lease, msg)
-        raise StopIteration
-
-    async def anext_batch(self) -> list[bytes]:
-        """The next chunk and every further one already here ([] at the end), awaited in
-        the event loop (woken by the worker's reader thread), not in a thread."""
-        while (out := self._ready()) is None:
-            await self._pending.wait_async()
-        return out
-
-    def _ready(self) -> list[bytes] | None:
-        """The chunks already here, [] at the end, None if none is here yet; a failure
-        is raised once, after the chunks that came before it."""
-        with self._read:
-            out, self._first = self._first, []
-            while not self._done:
-                msg = self._pending.get_nowait()
-                if msg is None:
-                    break
-                if isinstance(msg, Chunk):
-                    out.append(msg.value)
-                    continue
-                self._finish(msg)
-                if isinstance(msg, Failed):
-                    self._failure = _error(self._lease, msg)
-            if out:
-                return out
-            if self._failure is not None:
-                failure, self._failure = self._failure, None
-                raise failure
-            return [] if self._done else None
-
-    def _finish(self, final: Any) -> None:
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
-        self._release(self._lease)
-
-    def cancel(self) -> None:
-        """Stop generation (thread-safe). Whoever reads the stream then sees its end."""
-        if not self._done:
-            self._pending.cancel()
-
-    def close(self) -> None:
-        """Cancel and wait for the worker's final reply (the lease is then free)."""
-        self.cancel()
-        self._drain()
-
-    def _drain(self) -> None:
-        while not self._done:
-            try:
-                next(self)
-            except (StopIteration, RouterError):
-                return
-
-    def abandon(self) -> None:
-        """Cancel without waiting: the final reply is read (and the lease freed) in the background."""
-        if not self._done:
-            self.cancel()
-            threading.Thread(target=self._drain, daemon=True).start()
-
-    def __del__(self) -> None:
-        self.abandon()
-
-
-async def _unless_gone(work: Awaitable[Any], watch: "asyncio.Future | None", model: str) -> Any:
-    """``work``'s result, or Withdrawn if ``watch`` (the caller left) completes first."""
-    if watch is None:
-        return await work
-    task = asyncio.ensure_future(work)
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    if not task.done():
-        task.cancel()
-        raise Withdrawn(model)
-    return task.result()
-
-
-def _value(lease: Lease, reply: Any) -> Any:
-    if isinstance(reply, Failed):
-        raise _error(lease, reply)
-    return reply.value
-
-
-def _error(lease: Lease, reply: Failed) -> RouterError:
-    if reply.kind in (ErrorKind.WORKER_DIED, ErrorKind.NOT_LOADED):  # gone under the request: 503, retry
-        return WorkerDied(f"model {lease.name!r}: {reply.message}")
-    return RequestFailed(lease.name, reply.kind.value, reply.message)
 
 
 def _body(model: str, params: dict[str, Any], stream: bool) -> bytes:

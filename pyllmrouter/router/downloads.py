@@ -30,7 +30,8 @@ __all__ = ["Downloads"]
 class Downloads:
     def __init__(self, bus: EventBus, on_done: Callable[[str, str | None, str | None], None],
                  max_active: int = 4, max_failed: int = 32):
-        """``on_done(name, path, error)``: a download ended (path or error), no lock held."""
+        """``on_done(name, path, error)``: a download ended (path or error), no lock held; called
+        before the download leaves the list and its end is published."""
         self._bus = bus
         self._max_active, self._max_failed = max_active, max_failed
         self._on_done = on_done
@@ -81,6 +82,7 @@ class Downloads:
         why = [line.strip() for line in said if "error" in line.lower() or "failed" in line.lower()]
         if error is not None and why:
             error = f"{error} ({'; '.join(why[-2:])})"
+        self._on_done(name, path, error)  # a model that came is in the list before it is said to have
         with self._lock:
             self._procs.pop(name, None)
             listed = self._state.pop(name, None) is not None  # not: cancelled (DELETE /models)
@@ -91,7 +93,6 @@ class Downloads:
                     del self._state[old]
         self._bus.publish("download_finished" if path else "download_failed", name,
                           **({"error": error} if error else {}))
-        self._on_done(name, path, error)
 
     def cancel(self, name: str) -> bool:
         with self._lock:

@@ -125,6 +125,8 @@ class Jobs:
     def load(self, rec: Record) -> None:
         s = self._s
         try:
+            if s.options.debug_fake_timing > 0:
+                time.sleep(s.options.debug_fake_timing)
             worker = s.workers.ensure(rec.device_set)
             free = s.inventory.free()
             with s._cond:

@@ -29,7 +29,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -38,11 +38,16 @@ from pyllmrouter.errors import RouterError, UnknownModel
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
+from pyllmrouter.router.services import Services
+from pyllmrouter.router.streams import Stream
+from pyllmrouter.protocol import HttpReply
+from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.metrics import Metrics
 
 __all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET"]
 
-PUBLIC = frozenset({"/health"})
+_DISABLED = json.dumps({"error": {"message": "this feature is disabled", "type": "feature_disabled"}}).encode()
+PUBLIC = frozenset({"/health", "/v1/health"})  # llama-server's: no API key asked
 # request headers that stay here: the connection's own, and the router's secrets
 _NOT_FORWARDED = frozenset({"host", "content-length", "connection", "transfer-encoding", "authorization", "x-api-key",
                             "cookie", "keep-alive", "upgrade", "te", "trailer", "proxy-authorization"})
@@ -61,7 +66,13 @@ ENGINE_GET = ("/slots", "/lora-adapters")
 
 
 def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
-               close_router: bool = True, max_threads: int = 1024) -> "_Guard":
+               close_router: bool = True, max_threads: int = 1024, settings: dict[str, Any] | None = None,
+               services: Services | None = None) -> "_Guard":
+    """``settings``: what llama.cpp's parser made of the router's llama-server arguments
+    (router/services.settings: CORS, more API keys); ``services``: llama-server's /tools
+    and /cors-proxy (None: llama-server's 403, the features are off)."""
+    keys = tuple(k for k in ([api_key] if api_key else []) + list((settings or {}).get("api_keys", ())) if k)
+    cors = Cors(settings) if settings else None
     metrics = Metrics(router.status)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
 
@@ -72,6 +83,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="router-call"))
         yield
+        if services is not None:
+            await asyncio.to_thread(services.close)
         if close_router:  # after uvicorn has drained requests in flight
             await asyncio.to_thread(router.close)
 
@@ -91,8 +104,11 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         v = request.query_params.get("autoload")
         return None if v is None else v.lower() in ("1", "true", "yes", "on")
 
-    async def forward(request: Request, model: str, raw: bytes, autoload: bool | None = None) -> Response:
-        """The request to ``model``'s engine, with its client's headers; its reply unchanged."""
+    async def forward(request: Request, model: str, raw: bytes, autoload: bool | None = None,
+                      gone: Callable[[], Awaitable[Any]] | None = None) -> Response:
+        """The request to ``model``'s engine, with its client's headers; its reply unchanged.
+        ``gone``: what withdraws the request before it reaches the engine (default: the
+        client's disconnect)."""
         t0 = time.perf_counter()
         endpoint = request.scope["path"]
         query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
@@ -100,30 +116,29 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         try:
             reply, stream = await router.acall(model, request.method, endpoint, raw, query,
                                                autoload=autoload_param(request) if autoload is None else autoload,
-                                               gone=lambda: _disconnected(request), headers=headers)
+                                               gone=gone or (lambda: _disconnected(request)), headers=headers)
         except RouterError as e:
             err = from_router_error(e)
             metrics.latency.labels(model, endpoint, str(err.status)).observe(time.perf_counter() - t0)
             raise err from None
-        # llama.cpp's content type as it is (Starlette would add a charset to a media_type)
-        headers = {**{k: v for k, v in reply.headers.items() if k.lower() != "content-type"},
-                   "content-type": reply.content_type}
-        if stream is None:
-            metrics.latency.labels(model, endpoint, str(reply.status)).observe(time.perf_counter() - t0)
-            return Response(reply.body, status_code=reply.status, headers=headers)
+        return _relay(reply, stream, lambda code: metrics.latency.labels(model, endpoint, code).observe(
+            time.perf_counter() - t0))
 
-        async def body_chunks():
-            code = str(reply.status)
-            try:
-                while chunks := await stream.anext_batch():
-                    yield b"".join(chunks)
-            except RouterError as e:
-                code = str(from_router_error(e).status)
-            finally:
-                stream.abandon()  # a client that left stops generation
-                metrics.latency.labels(model, endpoint, code).observe(time.perf_counter() - t0)
+    async def service(request: Request) -> Response:
+        """/tools and /cors-proxy: llama-server's services, or its 403 when they are off."""
+        if services is None:  # server.cpp's res_403, without starting a process to say it
+            return Response(_DISABLED, 403, media_type="application/json")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        try:
+            reply, stream = await services.acall(request.method, request.url.path, await request.body(),
+                                                 dict(request.query_params), headers,
+                                                 gone=lambda: _disconnected(request))
+        except (RouterError, RuntimeError) as e:
+            raise from_router_error(e) from None
+        return _relay(reply, stream, lambda code: None)
 
-        return StreamingResponse(body_chunks(), status_code=reply.status, headers=headers)
+    for path in ("/tools", "/cors-proxy"):
+        app.add_api_route(path, service, methods=["GET", "POST"], include_in_schema=False)
 
     async def engine_post(scope, receive, send) -> None:
         """A POST to one of a model's llama-server endpoints, in plain ASGI: the hot path
@@ -135,13 +150,37 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
                 raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
             conv_id = request.headers.get("x-conversation-id")
             if conv_id:  # its stream survives the connection: GET /v1/stream finds it at this model
-                router.conversations.remember(conv_id, model)
-            response = await forward(request, model, await request.body())
+                response = await session(request, model, conv_id)
+            else:
+                response = await forward(request, model, await request.body())
         except ApiError as e:
             response = error_response(e)
         await response(scope, receive, send)
 
+    async def session(request: Request, model: str, conv_id: str) -> Response:
+        """A request of a resumable stream, as llama-server's router takes it: its model is
+        remembered before the wait for a load, a client that drops meanwhile does not
+        withdraw it (its stream is still wanted: a page reload), a stop does
+        (DELETE /v1/stream), answered with llama-server's error."""
+        loop = asyncio.get_running_loop()
+        stopped = loop.create_future()
+
+        def stop() -> None:
+            loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
+
+        ticket = router.conversations.remember(conv_id, model)
+        off = router.conversations.on_end(conv_id, ticket, stop)
+        try:
+            return await forward(request, model, await request.body(), gone=lambda: asyncio.shield(stopped))
+        except ApiError as e:
+            if e.status == 499 and stopped.done():
+                raise ApiError(400, "request cancelled by a stop while the model was loading") from None
+            raise
+        finally:
+            off()
+
     @app.get("/health")
+    @app.get("/v1/health")
     async def health():
         return {"status": "ok"}
 
@@ -178,7 +217,31 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return await engine_get(request)  # llama-server's own counters (needs --metrics)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    return _Guard(app, api_key, max_body, engine_post)
+    return _Guard(app, keys, max_body, engine_post, cors)
+
+
+def _relay(reply: HttpReply, stream: Stream | None, ended: Callable[[str], None]) -> Response:
+    """llama.cpp's reply as the HTTP response (its content type as it is: Starlette would
+    add a charset to a media_type); a stream chunk by chunk, cancelled if the client
+    leaves.  ``ended(status)`` once the response is done."""
+    headers = {**{k: v for k, v in reply.headers.items() if k.lower() != "content-type"},
+               "content-type": reply.content_type}
+    if stream is None:
+        ended(str(reply.status))
+        return Response(reply.body, status_code=reply.status, headers=headers)
+
+    async def body_chunks():
+        code = str(reply.status)
+        try:
+            while chunks := await stream.anext_batch():
+                yield b"".join(chunks)
+        except RouterError as e:
+            code = str(from_router_error(e).status)
+        finally:
+            stream.abandon()  # a client that left stops generation
+            ended(code)
+
+    return StreamingResponse(body_chunks(), status_code=reply.status, headers=headers)
 
 
 async def _disconnected(request: Request) -> None:
@@ -198,15 +261,17 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def guard_error(path: str, headers: dict[str, str], api_key: str | None, max_body: int) -> ApiError | None:
-    """The API key and body-size checks of a request (headers by lower-case name): the
-    error to answer, or None."""
-    if api_key and path not in PUBLIC:
+def guard_error(path: str, headers: dict[str, str], api_keys: str | tuple[str, ...] | None,
+                max_body: int) -> ApiError | None:
+    """The API key and body-size checks of a request (headers by lower-case name; any of
+    ``api_keys`` opens it, none: no key asked): the error to answer, or None."""
+    keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys or ())
+    if keys and path not in PUBLIC:
         given = headers.get("x-api-key", "")
         auth = headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             given = auth[7:].strip()
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
+        if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
             return ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
     length = headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_body:
@@ -228,16 +293,38 @@ class _Guard:
     ``send`` would run for every streamed chunk; everything else, lifespan included, is
     the FastAPI app's."""
 
-    def __init__(self, app, api_key: str | None, max_body: int, engine_post):
-        self.app, self.api_key, self.max_body, self.engine_post = app, api_key, max_body, engine_post
+    def __init__(self, app, api_keys: tuple[str, ...], max_body: int, engine_post, cors: Cors | None = None):
+        self.app, self.api_keys, self.max_body, self.engine_post = app, api_keys, max_body, engine_post
+        self.cors = cors
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        err = guard_error(scope["path"], headers, self.api_key, self.max_body)
+        if self.cors is not None:
+            origin = headers.get("origin")
+            if scope["method"] == "OPTIONS":  # a preflight: answered before the key is asked
+                await send({"type": "http.response.start", "status": 200,  # raw: header names as spelled
+                            "headers": [(b"content-type", b"text/html"), (b"content-length", b"0"),
+                                        *self.cors.headers_for(origin, True)]})
+                return await send({"type": "http.response.body", "body": b""})
+            if origin is not None:  # a browser's request: the CORS header on its response
+                send = _with_headers(send, self.cors.headers_for(origin, False))
+        err = guard_error(scope["path"], headers, self.api_keys, self.max_body)
         if err is not None:
             return await error_response(err)(scope, receive, send)
         if scope["method"] == "POST" and _engine_post_path(scope["path"]):
             return await self.engine_post(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+def _with_headers(send, extra: list[tuple[bytes, bytes]]):
+    """``send`` that adds ``extra`` headers to the response's start."""
+    if not extra:
+        return send
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), *extra]}
+        await send(message)
+    return sending

@@ -7,14 +7,21 @@ import argparse
 import contextlib
 import os
 import signal
+import threading
 from typing import Any, Sequence
 
 from pyllmrouter.config import MiB, RouterOptions
 from pyllmrouter.devices import EmulatedInventory, RpcInventory, SystemInventory, parse_budgets
+from pyllmrouter.errors import WorkerDied
 from pyllmrouter.router.api import Router
+from pyllmrouter.router.services import Services, settings, wanted
 from pyllmrouter.router.sources import Sources
 
 __all__ = ["add_serve_arguments", "parse_serve_args", "router_from_args", "serve"]
+
+# the seconds llama-server's router sleeps per request and per load under its test hook
+# LLAMA_SERVER_DEBUG_FAKE_TIMING (tools/server/server-models.cpp)
+_FAKE_TIMING = 2.0
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -107,6 +114,7 @@ def router_from_args(a: argparse.Namespace) -> Router:
         max_models=a.models_max, queue_timeout=a.queue_timeout, turn=a.turn, autoload=a.autoload,
         heartbeat=a.heartbeat, worker_idle_timeout=a.worker_idle_timeout, kv_keep_ram=None if a.kv_keep_ram is None else a.kv_keep_ram * MiB,
         kv_keep_dir=a.kv_keep_dir, kv_keep_disk=a.kv_keep_disk * MiB, stream_interval=a.stream_interval_ms / 1e3,
+        debug_fake_timing=_FAKE_TIMING if _env("LLAMA_SERVER_DEBUG_FAKE_TIMING") else 0.0,
     )
     return Router(models, inventory=inventory, options=options, sources=sources, watch=1.0 if a.watch else 0.0)
 
@@ -119,6 +127,11 @@ def serve(a: argparse.Namespace) -> int:
     class Server(uvicorn.Server):
         """SIGTERM/SIGINT: drain, shut down, exit 0 (uvicorn would re-raise the signal)."""
 
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            if services is not None:  # as llama-server: tool calls end now, while generations drain
+                threading.Thread(target=services.close, daemon=True).start()
+
         @contextlib.contextmanager
         def capture_signals(self):
             previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -128,12 +141,26 @@ def serve(a: argparse.Namespace) -> int:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
+    try:
+        cfg = settings(a.llama_args)  # what llama-server's HTTP layer makes of them (CORS, keys, tools...)
+    except ValueError as e:
+        raise SystemExit(f"pyllmrouter serve: {e}") from None
     router = router_from_args(a)
-    app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB))
+    services = None
+    if wanted(cfg):  # as llama-server: its MCP servers start before it serves
+        services = Services(tuple(a.llama_args), router.scheduler.inventory.mask_env(frozenset()))
+        try:
+            services.start()
+        except (RuntimeError, WorkerDied) as e:
+            router.close()
+            raise SystemExit(f"pyllmrouter serve: {e}") from None
+    app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services)
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
                             timeout_graceful_shutdown=a.shutdown_timeout)
     try:
         Server(config).run()
     finally:
+        if services is not None:
+            services.close()
         router.close()  # idempotent: the app's shutdown closed it already
     return 0
