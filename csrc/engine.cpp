@@ -320,12 +320,16 @@ struct EngineCore : ReplyOwner {
 
 EngineReply::EngineReply(std::shared_ptr<ReplyOwner> owner, std::map<std::string, std::string> params,
                          std::map<std::string, std::string> headers, std::string path, std::string query,
-                         std::string body, std::shared_ptr<StopFlag> stop)
+                         std::string body, std::shared_ptr<StopFlag> stop, const Files & files)
     : owner_(std::move(owner)),
       stop_(stop ? std::move(stop) : std::make_shared<StopFlag>()),
       should_stop_([this] { return stop_->value.load() || (owner_ && owner_->closing.load()); }) {
+    std::map<std::string, uploaded_file> uploaded;
+    for (const auto & [key, f] : files) {
+        uploaded[key] = uploaded_file{raw_buffer(f.data.begin(), f.data.end()), f.filename, f.content_type};
+    }
     req_.reset(new server_http_req{std::move(params), std::move(headers), std::move(path), std::move(query),
-                                   std::move(body), {}, should_stop_});
+                                   std::move(body), std::move(uploaded), should_stop_});
 }
 
 void EngineReply::respond(const Handler & handler) {
@@ -469,7 +473,7 @@ std::shared_ptr<EngineReply> Engine::handle(const std::string & method, const st
                                             const std::map<std::string, std::string> & query,
                                             const std::map<std::string, std::string> & headers,
                                             const std::string & body, const std::string & query_string,
-                                            std::shared_ptr<StopFlag> stop) {
+                                            std::shared_ptr<StopFlag> stop, const Files & files) {
     std::map<std::string, std::string> params = query;
     const std::string key = method + " " + path;
     handler_ptr handler = nullptr;
@@ -483,7 +487,7 @@ std::shared_ptr<EngineReply> Engine::handle(const std::string & method, const st
     const bool routed = handler != nullptr || stream_route != stream_routes().end();
     std::shared_ptr<EngineCore> core = current();
     auto reply = std::make_shared<EngineReply>(core, std::move(params), headers, path, query_string, body,
-                                                std::move(stop));
+                                                std::move(stop), files);
     if (!routed) {
         reply->respond(nullptr);
     } else if (!core) {

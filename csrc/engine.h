@@ -53,6 +53,14 @@ struct ReplyOwner {
 // An Engine's server_context, routes and parsed arguments (engine.cpp).
 struct EngineCore;
 
+// A file of a multipart request, as llama-server's HTTP layer hands it to a handler.
+struct UploadedFile {
+    std::string filename;
+    std::string content_type;
+    std::string data;
+};
+using Files = std::map<std::string, UploadedFile>;
+
 // A llama-server route handler (server_http_context::handler_t's signature).
 using Handler = std::function<std::unique_ptr<server_http_res>(const server_http_req &)>;
 
@@ -64,7 +72,7 @@ class EngineReply {
   public:
     EngineReply(std::shared_ptr<ReplyOwner> owner, std::map<std::string, std::string> params,
                 std::map<std::string, std::string> headers, std::string path, std::string query, std::string body,
-                std::shared_ptr<StopFlag> stop);
+                std::shared_ptr<StopFlag> stop, const Files & files = {});
     ~EngineReply();
 
     // The handler's reply, as llama-server's ex_wrapper makes it (std::invalid_argument:
@@ -142,7 +150,7 @@ class Engine {
                                         const std::map<std::string, std::string> & query,
                                         const std::map<std::string, std::string> & headers,
                                         const std::string & body, const std::string & query_string,
-                                        std::shared_ptr<StopFlag> stop);
+                                        std::shared_ptr<StopFlag> stop, const Files & files = {});
     // Ends the requests in flight (their should_stop turns true) and the loop, and
     // frees the model and context, or leaves that to the last reply still held
     // (idempotent).

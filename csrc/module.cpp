@@ -32,6 +32,17 @@ py::dict row_dict(const BufferRow & r) {
     return d;
 }
 
+// {field name: (filename, content type, bytes)}: a multipart request's files
+Files files_of(const py::dict & files) {
+    Files out;
+    for (const auto & [key, value] : files) {
+        const auto t = value.cast<py::tuple>();
+        out[key.cast<std::string>()] = UploadedFile{t[0].cast<std::string>(), t[1].cast<std::string>(),
+                                                    std::string(t[2].cast<py::bytes>())};
+    }
+    return out;
+}
+
 py::list rows_list(const std::vector<BufferRow> & rows) {
     py::list out;
     for (const auto & r : rows) out.append(row_dict(r));
@@ -181,13 +192,14 @@ void bind_engine(py::module_ & m) {
         .def("handle", [](Engine & e, const std::string & method, const std::string & path,
                           const std::map<std::string, std::string> & query,
                           const std::map<std::string, std::string> & headers, const py::bytes & body,
-                          const std::string & query_string, std::shared_ptr<StopFlag> stop) {
+                          const std::string & query_string, std::shared_ptr<StopFlag> stop, const py::dict & files) {
                  std::string b = body;
+                 const Files f = files_of(files);
                  py::gil_scoped_release release;
-                 return e.handle(method, path, query, headers, b, query_string, std::move(stop));
+                 return e.handle(method, path, query, headers, b, query_string, std::move(stop), f);
              },
              py::arg("method"), py::arg("path"), py::arg("query"), py::arg("headers"), py::arg("body"),
-             py::arg("query_string") = "", py::arg("stop") = nullptr,
+             py::arg("query_string") = "", py::arg("stop") = nullptr, py::arg("files") = py::dict(),
              "The reply of llama-server's handler for (method, path).")
         .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>(),
              "End the slot loop and free the model and context.")
@@ -210,13 +222,14 @@ void bind_engine(py::module_ & m) {
         .def("handle", [](Services & s, const std::string & method, const std::string & path,
                           const std::map<std::string, std::string> & query,
                           const std::map<std::string, std::string> & headers, const py::bytes & body,
-                          const std::string & query_string, std::shared_ptr<StopFlag> stop) {
+                          const std::string & query_string, std::shared_ptr<StopFlag> stop, const py::dict & files) {
                  std::string b = body;
+                 const Files f = files_of(files);
                  py::gil_scoped_release release;
-                 return s.handle(method, path, query, headers, b, query_string, std::move(stop));
+                 return s.handle(method, path, query, headers, b, query_string, std::move(stop), f);
              },
              py::arg("method"), py::arg("path"), py::arg("query"), py::arg("headers"), py::arg("body"),
-             py::arg("query_string") = "", py::arg("stop") = nullptr,
+             py::arg("query_string") = "", py::arg("stop") = nullptr, py::arg("files") = py::dict(),
              "The reply of llama-server's handler for (method, path).")
         .def("close", &Services::close, py::call_guard<py::gil_scoped_release>(),
              "End the requests in flight and the MCP servers.");

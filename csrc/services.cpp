@@ -75,13 +75,14 @@ std::shared_ptr<EngineReply> Services::handle(const std::string & method, const 
                                               const std::map<std::string, std::string> & query,
                                               const std::map<std::string, std::string> & headers,
                                               const std::string & body, const std::string & query_string,
-                                              std::shared_ptr<StopFlag> stop) {
+                                              std::shared_ptr<StopFlag> stop, const Files & files) {
     std::shared_ptr<ServicesCore> core;
     {
         std::lock_guard<std::mutex> lock(mutex_);
         core = core_;
     }
-    auto reply = std::make_shared<EngineReply>(core, query, headers, path, query_string, body, std::move(stop));
+    auto reply = std::make_shared<EngineReply>(core, query, headers, path, query_string, body, std::move(stop),
+                                                files);
     if (!core || core->closing.load()) {
         reply->fail("the services are closing", "unavailable");
         return reply;

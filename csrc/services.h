@@ -36,7 +36,7 @@ class Services {
                                         const std::map<std::string, std::string> & query,
                                         const std::map<std::string, std::string> & headers,
                                         const std::string & body, const std::string & query_string,
-                                        std::shared_ptr<StopFlag> stop);
+                                        std::shared_ptr<StopFlag> stop, const Files & files = {});
     // Ends the requests in flight and the MCP servers (idempotent).
     void close();
 

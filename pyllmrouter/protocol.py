@@ -68,6 +68,9 @@ class Call:
     body: bytes = b""
     query: dict[str, str] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    # a multipart request's files, as llama-server's HTTP layer hands them over (its fields
+    # are the body, as JSON): field name -> (filename, content type, bytes)
+    files: dict[str, tuple[str, str, bytes]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ def test_seed_incident_with_a_projector_the_second_model_fits_only_without_it(ti
     assert probe(text).total + probe(vision).total > gpu0
     models = [ModelConfig("text", text, devices=("GPU0",)), ModelConfig("vision", vision, devices=("GPU0",))]
     with Router(models, inventory=EmulatedInventory({"GPU0": gpu0, "GPU1": 1 << 30}), margin=0) as r:
+        r.scheduler.measure("vision")  # measured ahead: the 1 s wait below is for memory, not a probe
         busy = r.complete("text", "hello", max_tokens=8, stream=True, temperature=0.0)
         next(busy)
         with pytest.raises(QueueTimeout, match="'vision'.*busy"):

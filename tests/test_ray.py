@@ -11,11 +11,13 @@ node away; the last redeploys on a port in use.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -220,6 +222,43 @@ def test_a_client_that_leaves_a_stream_stops_its_generation_on_the_node(cluster)
     assert in_flight() == 0 and left < whole_s / 2, (left, whole_s)
 
 
+def test_a_client_that_leaves_a_whole_request_stops_its_generation_on_the_node(cluster):
+    """Not streamed: the ingress waits for the node's whole reply; a client that leaves
+    meanwhile cancels it there, and the model's slot is idle within 2 s."""
+    _, client, ids, _, _ = cluster
+    body = {"model": "d", "prompt": "hi", "max_tokens": 6000, "ignore_eos": True}
+
+    def in_flight() -> int:
+        _, _, view = client.json("GET", "/models")
+        return next(m for m in view["data"] if m["id"] == "d")["nodes"][ids["medium"]]["in_flight"]
+
+    sock = socket.create_connection(("127.0.0.1", int(client.base.rsplit(":", 1)[1])))
+    raw = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    t0 = time.monotonic()
+    while not in_flight() and time.monotonic() - t0 < 30:
+        time.sleep(0.01)
+    assert in_flight() == 1  # generating, the reply not begun
+    sock.close()  # the client leaves
+    t0 = time.monotonic()
+    while in_flight() and time.monotonic() - t0 < 10:
+        time.sleep(0.05)
+    assert in_flight() == 0 and time.monotonic() - t0 < 2
+
+
+def test_a_body_over_the_limit_is_refused_at_the_ingress_chunked_too(cluster):
+    _, client, _, _, _ = cluster
+
+    def chunks():
+        for _ in range(64):  # 64 MiB, no Content-Length
+            yield b"x" * (1 << 20)
+
+    r = httpx.post(client.base + "/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
 def test_a_removed_node_loses_its_models_and_the_next_request_loads_elsewhere(cluster):
     c, client, ids, nodes, _ = cluster
     where = _where(client)
@@ -263,8 +302,6 @@ def test_a_removed_node_loses_its_models_and_the_next_request_loads_elsewhere(cl
 def test_a_port_in_use_is_named_and_the_deploy_fails(cluster, capsys):
     """The ingress listens itself: a port another program holds fails the deploy with the
     reason (Serve's own error names only the deployment)."""
-    import socket
-
     from pyllmrouter import cli
 
     c, _, _, _, preset = cluster

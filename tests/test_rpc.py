@@ -84,6 +84,7 @@ def test_two_device_incident_on_rpc_devices(rpc_servers, tiny):
     models = [ModelConfig("a", a, devices=("RPC0",)), ModelConfig("b", b, devices=("RPC0",)),
               ModelConfig("c", a)]
     with Router(models, inventory=inv, margin=0) as r:
+        r.scheduler.measure("b")  # measured ahead: the 1 s wait below is for memory, not a probe
         busy = r.complete("a", "hello", max_tokens=8, stream=True)
         next(busy)
         from pyllmrouter import QueueTimeout

@@ -174,7 +174,7 @@ def test_auth(server):
 
 @pytest.mark.parametrize("body, status, fragment", [
     (b"{not json", 400, "not valid JSON"),
-    (b"[1, 2]", 400, "JSON object"),
+    (b"[1, 2]", 400, "'model' is required"),  # an array names no model (?model= may)
     (json.dumps({"messages": HI}).encode(), 400, "'model' is required"),
     (json.dumps({"model": "a", "messages": "hi"}).encode(), 400, "'messages'"),  # llama.cpp's checks
     (json.dumps({"model": "a", "messages": HI, "n": 0}).encode(), 400, "'n'"),

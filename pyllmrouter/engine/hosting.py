@@ -87,7 +87,7 @@ class EngineHost:
     def _serve(self, msg: Call, flag: Any) -> None:
         rid, streaming = msg.req_id, False
         try:
-            reply = self.engine.handle(msg.method, msg.path, msg.query, msg.headers, msg.body, "", flag)
+            reply = self.engine.handle(msg.method, msg.path, msg.query, msg.headers, msg.body, "", flag, msg.files)
             body = reply.data
             if reply.is_stream and body:  # llama-server's first chunk, here already: it leaves with the head
                 body = reply.next()[1]

@@ -5,6 +5,8 @@
                                ├─ Call ───────▶ the model's EngineHost (hosting.py): a thread
                                │                 per request ─▶ Chunk* Result | Failed
                                ├─ UnloadModel ▶ unloader thread: EngineHost.close ─▶ Unloaded
+                               │                 (a load under way: cancelled, its engine freed
+                               │                 once it lands, then Unloaded)
                                ├─ StartServices ▶ llama-server's /tools and /cors-proxy, hosted
                                │                 as the model named SERVICES ─▶ Result | Failed
                                ├─ Cancel ─────▶ the request's StopFlag
@@ -51,6 +53,8 @@ class _Worker:
         self.conn = conn
         self.send_lock = threading.Lock()
         self.models: dict[str, EngineHost] = {}  # main thread and loader threads, under models_lock
+        # a load under way: (cancelled, ended), set by an UnloadModel and by the loader thread
+        self.loading: dict[str, tuple[threading.Event, threading.Event]] = {}
         self.models_lock = threading.Lock()
 
     def send(self, msg: Any) -> None:
@@ -71,18 +75,36 @@ class _Worker:
                                  else ({}, {}))
             with self.models_lock:
                 taken = msg.name in self.models
-                if not taken:
+                cancelled = msg.name in self.loading and self.loading[msg.name][0].is_set()
+                if not (taken or cancelled):
                     self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send, msg.keep_dir,
                                                        restored=len(restored), stream_interval=msg.stream_interval)
-            if taken:
+            if taken or cancelled:
                 engine.close()
-                raise RuntimeError(f"model {msg.name!r} is already loaded in this worker")
+                raise RuntimeError(f"the load of {msg.name!r} was cancelled (it did not end in time)" if cancelled
+                                   else f"model {msg.name!r} is already loaded in this worker")
             self.send(Loaded(msg.req_id, msg.name, pools, time.perf_counter() - t0, restored, refused))
         except (ValueError, RuntimeError, OSError) as e:  # llama.cpp's refusal: arguments, file, memory
             self.send(Failed(msg.req_id, ErrorKind.LOAD_FAILED, f"{type(e).__name__}: {e}"))
         except Exception as e:  # noqa: BLE001 - a bug: logged, and the load fails
             _LOG.exception("loading %s", msg.name)
             self.send(Failed(msg.req_id, ErrorKind.INTERNAL, f"{type(e).__name__}: {e}"))
+        finally:
+            with self.models_lock:
+                _, ended = self.loading.pop(msg.name, (None, None))
+            if ended is not None:
+                ended.set()
+
+    def _unload_loading(self, msg: UnloadModel, ended: threading.Event) -> None:
+        """An UnloadModel for a load under way: it is cancelled (its engine freed once it
+        lands); Unloaded once the loader thread is done with it."""
+        ended.wait()
+        with self.models_lock:
+            host = self.models.pop(msg.name, None)  # none: the cancel came in time
+        if host is not None:
+            self._unload(msg, host)
+        else:
+            self.send(Unloaded(msg.req_id, msg.name))
 
     def _start_services(self, msg: StartServices) -> None:
         from pyllmrouter.engine.backend import native  # noqa: PLC0415
@@ -147,6 +169,8 @@ class _Worker:
                     hosts = list(self.models.values())
                 any(h.cancel(msg.req_id) for h in hosts)
             elif isinstance(msg, LoadModel):
+                with self.models_lock:  # before the thread: an UnloadModel read next finds it
+                    self.loading[msg.name] = (threading.Event(), threading.Event())
                 threading.Thread(target=self._load, args=(msg,), daemon=True).start()
             elif isinstance(msg, StartServices):
                 threading.Thread(target=self._start_services, args=(msg,), daemon=True).start()
@@ -154,8 +178,12 @@ class _Worker:
                 threading.Thread(target=self._probe, args=(msg,), daemon=True).start()
             elif isinstance(msg, UnloadModel):
                 with self.models_lock:
-                    host = self.models.pop(msg.name, None)
-                if host is None:
+                    loading = self.loading.get(msg.name)
+                    host = self.models.pop(msg.name, None) if loading is None else None
+                if loading is not None:
+                    loading[0].set()
+                    threading.Thread(target=self._unload_loading, args=(msg, loading[1]), daemon=True).start()
+                elif host is None:
                     self.send(Unloaded(msg.req_id, msg.name))
                 else:
                     threading.Thread(target=self._unload, args=(msg, host), daemon=True).start()

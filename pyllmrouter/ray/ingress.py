@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pyllmrouter.ray import cluster
 from pyllmrouter.ray.messages import Head, NodeRequest
 from pyllmrouter.server.app import guard_error, json_object
+from pyllmrouter.server.body import BODY_METHODS, TooLarge, read_body, replay
 from pyllmrouter.server.errors import ApiError, error_response
 
 __all__ = ["Ingress", "NODE_RESOURCE", "node_ids"]
@@ -52,7 +53,7 @@ class Ingress:
             listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         except OSError as e:
             raise RuntimeError(f"the ingress cannot listen on {host}:{port}: {e.strerror or e}") from None
-        config = uvicorn.Config(self.asgi, lifespan="off", interface="asgi3",
+        config = uvicorn.Config(self.asgi, lifespan="off", interface="asgi3", http="h11",
                                 log_level="info" if access_log else "warning",
                                 access_log=access_log)
         self._server = uvicorn.Server(config)
@@ -64,8 +65,43 @@ class Ingress:
             await asyncio.sleep(0.01)
 
     async def asgi(self, scope, receive, send) -> None:
-        response = await self.respond(Request(scope, receive))
-        await response(scope, receive, send)
+        """One request: its body read whole (counted as it comes, refused at the limit),
+        then answered; a client that leaves before the answer cancels it on its node
+        (whole replies too: the node's generation stops)."""
+        if scope["type"] != "http":
+            return
+        body = b""
+        if scope["method"] in BODY_METHODS:
+            try:
+                body = await read_body(receive, self.max_body)
+            except TooLarge as e:
+                return await error_response(ApiError(413, str(e), code="body_too_large"))(scope, receive, send)
+            if body is None:
+                return  # the client left before its body had come
+        left = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left.set()
+
+        async def after_body() -> dict[str, Any]:
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            answer = asyncio.ensure_future(self.respond(Request(scope, replay(body, after_body))))
+            gone = asyncio.ensure_future(left.wait())
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+            gone.cancel()
+            if not answer.done():  # the client left: the call to its node is cancelled
+                answer.cancel()
+                await asyncio.gather(answer, return_exceptions=True)
+                return
+            await answer.result()(scope, replay(b"", after_body), send)
+        finally:
+            watcher.cancel()
 
     def check_health(self) -> None:
         """Serve's health check: a server that stopped makes Serve replace this replica."""
@@ -123,7 +159,12 @@ class Ingress:
                     replies = self.nodes.options(stream=True).handle.remote(plain)
                     head, rest = await replies.__anext__(), replies
                 else:
-                    head, rest = await self.nodes.handle_whole.remote(plain)
+                    call = self.nodes.handle_whole.remote(plain)
+                    try:
+                        head, rest = await call
+                    except asyncio.CancelledError:  # the client left: the node stops the request
+                        call.cancel()
+                        raise
             except RayActorError as e:
                 raise ApiError(502, f"the node serving '{model or plain.path}' died: {type(e).__name__}",
                                "server_error", "node_died") from None

@@ -22,6 +22,7 @@ from urllib.parse import urlencode
 
 import ray
 
+from pyllmrouter.config import MiB
 from pyllmrouter.errors import RouterError
 from pyllmrouter.ray.messages import Head, NodeRequest
 from pyllmrouter.ray.policy import node_stats
@@ -39,7 +40,7 @@ class NodeRouter:
         args = parse_serve_args(serve_args)
         self.node = ray.get_runtime_context().get_node_id()
         self.router = router_from_args(args)
-        self.app = create_app(self.router, close_router=False)
+        self.app = create_app(self.router, close_router=False, max_body=int(args.max_body_mb * MiB))
         self._lifespan = None
         self._started = asyncio.Lock()
         threading.Thread(target=self._measure_all, name="measure", daemon=True).start()

@@ -261,12 +261,14 @@ class Router:
     async def acall(self, model: str, method: str, path: str, body: bytes = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
                     autoload: bool | None = None, gone: Callable[[], Awaitable[Any]] | None = None,
-                    headers: dict[str, str] | None = None) -> "tuple[HttpReply, Stream | None]":
+                    headers: dict[str, str] | None = None,
+                    files: dict[str, tuple[str, str, bytes]] | None = None) -> "tuple[HttpReply, Stream | None]":
         """``call`` from a coroutine.  A model that can take the request now is leased in
         the event loop (no thread hop before the worker has it); otherwise the lease is
         waited for in a thread.  A caller that leaves (the coroutine is cancelled, or
         ``gone()`` returns: an HTTP client that disconnected) withdraws a wait for the
-        model (Withdrawn: no lease, no load, no eviction) and cancels a request in flight."""
+        model (Withdrawn: no lease, no load, no eviction) and cancels a request in flight.
+        ``files``: a multipart request's files (its fields are ``body``, as JSON)."""
         watch = asyncio.ensure_future(gone()) if gone is not None else None
         try:
             lease = self._sched.try_lease(model)
@@ -278,7 +280,7 @@ class Router:
                 except BaseException:
                     self._sched.release(lease)
                     raise
-            pending = self._send(lease, method, path, body, query, headers)
+            pending = self._send(lease, method, path, body, query, headers, files)
             try:
                 while (first := pending.get_nowait()) is None:
                     await unless_gone(pending.wait_async(), watch, model)
@@ -308,12 +310,12 @@ class Router:
             self._sched.release(fut.result())
 
     def _send(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str] | None,
-              headers: dict[str, str] | None = None):
+              headers: dict[str, str] | None = None, files: dict[str, tuple[str, str, bytes]] | None = None):
         """Send the request to the worker the lease was taken on (the lease is released if
         that fails: a worker that died since raises WorkerDied)."""
         try:
             return lease.worker.call(lambda rid: Call(rid, lease.name, method, path, body, dict(query or {}),
-                                                      dict(headers or {})))
+                                                      dict(headers or {}), dict(files or {})))
         except BaseException:
             self._sched.release(lease)
             raise
@@ -327,13 +329,17 @@ class Router:
 
     def _abandon(self, lease: Lease, pending) -> None:
         """The caller left before the first reply: stop the request; the lease ends with
-        the worker's final reply, read in the background."""
-        pending.cancel()
-        threading.Thread(target=self._release_after, args=(lease, pending), daemon=True).start()
+        the worker's final reply (or the worker's end), read in the background, whatever
+        the cancel met."""
+        try:
+            pending.cancel()
+        finally:
+            threading.Thread(target=self._release_after, args=(lease, pending), daemon=True).start()
 
     def _release_after(self, lease: Lease, pending) -> None:
         try:
-            pending.get()
+            while isinstance(pending.get(), Chunk):  # a stream that began: its end is the final reply
+                pass
         finally:
             self._sched.release(lease)
 

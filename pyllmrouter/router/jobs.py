@@ -124,6 +124,7 @@ class Jobs:
 
     def load(self, rec: Record) -> None:
         s = self._s
+        worker = None
         try:
             if s.options.debug_fake_timing > 0:
                 time.sleep(s.options.debug_fake_timing)
@@ -145,7 +146,11 @@ class Jobs:
                 keep_dir, restore = str(s.keep.dir_for(ident, cfg.name)), s.keep.prepare(ident)
             pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, keep_dir, tuple(restore),
                                                           s.options.stream_interval))
-            reply = pending.get(s.options.load_timeout)
+            try:
+                reply = pending.get(s.options.load_timeout)
+            except TimeoutError:
+                self._load_timed_out(rec, worker)
+                return
             if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused
                 s.keep.consumed(ident, restore, reply.restored, reply.refused)
         except Exception as e:  # noqa: BLE001
@@ -173,6 +178,24 @@ class Jobs:
         if loaded:
             self.refresh_overhead(worker)
 
+    def _load_timed_out(self, rec: Record, worker: WorkerHandle) -> None:
+        """The worker is still loading after the load timeout: the load fails for its
+        waiters, and is cancelled in the worker (UnloadModel: the engine is freed once
+        its load lands); its bytes stay held (UNLOADING) until the worker says so, or
+        ends."""
+        s = self._s
+        with s._cond:
+            if rec.state is not State.LOADING:  # the worker died meanwhile and said so
+                return
+            s._move(rec, State.UNLOADING)
+            rec.worker, rec.identity = worker, None
+            rec.error_epoch += 1
+            rec.reason = f"the load did not end within {s.options.load_timeout:g} s (cancelled in the worker)"
+            s.counters["load_failures"] += 1
+            s._event("load-failed", rec.name, reason=rec.reason)
+            s._cond.notify_all()
+        self.unload(rec)
+
     def unload(self, rec: Record) -> None:
         s = self._s
         with s._cond:
@@ -184,6 +207,9 @@ class Jobs:
                 if keep and isinstance(reply, Unloaded):
                     s.keep.add(ident, list(reply.kept))  # I/O: outside the lock
                     s.keep.hit(reply.hits)
+            except TimeoutError:  # a worker that cannot unload is hung: its end frees the memory
+                worker.kill()
+                worker.wait_dead(s.options.load_timeout)
             except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
                 pass
         with s._cond:

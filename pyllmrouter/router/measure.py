@@ -15,6 +15,12 @@ when the first request comes, whether or not the probe cache had the bytes.
 With several candidates the sets not chosen would keep workers, and their
 devices' contexts, for nothing: those measure in short-lived ones.
 
+A file never measured, probed in a worker that hosts models, is first read in a
+short-lived process with no device (a host-only probe, cached like any): a file
+that trips an assert in llama.cpp aborts that process, not the models beside.
+Not a second process on the devices themselves: on a GPU it would be a second
+context nobody counted, and an rpc-server serves one client at a time.
+
 No state and no lock of its own: the scheduler calls it from background threads
 and records the answers under its lock.  Device names are the inventory's on the
 way in and out; inside, the worker's own (masked) names.
@@ -57,13 +63,16 @@ def worker_spec(spec: ModelSpec, device_set: frozenset[str], local: Mapping[str,
 class Measurer:
     def __init__(self, inventory: Inventory, timeout: float,
                  running_worker: Callable[[frozenset[str]], WorkerHandle | None],
-                 start_worker: Callable[[frozenset[str]], WorkerHandle] | None = None):
+                 start_worker: Callable[[frozenset[str]], WorkerHandle] | None = None,
+                 hosts_models: Callable[[frozenset[str]], bool] = lambda ds: False):
         """``start_worker``: starts (and keeps) the worker of a device set; None: measuring
-        never starts a worker that stays."""
+        never starts a worker that stays.  ``hosts_models``: whether a device set's worker
+        hosts models (a new file is then read in a host-only process first)."""
         self.inventory = inventory
         self.timeout = timeout
         self._running_worker = running_worker
         self._start_worker = start_worker
+        self._hosts_models = hosts_models
 
     def requirement(self, spec: ModelSpec, device_set: frozenset[str],
                     only: bool = False) -> tuple[dict[str, int], dict[str, dict], dict[str, Any]]:
@@ -106,19 +115,33 @@ class Measurer:
         hit = cached_estimate(spec, self.inventory.mask_env(device_set))
         if hit is not None:
             return hit
+        if self._hosts_models(device_set):
+            self._read_apart(spec)
         reply = self._call(device_set, lambda rid: Probe(rid, spec))
         if isinstance(reply, Failed):
             raise ProbeError(spec.path, reply.message.removeprefix(spec.path + ": "))
         return MemoryEstimate.from_dict(reply.value)
+
+    def _read_apart(self, spec: ModelSpec) -> None:
+        """``spec``'s files read by llama.cpp in a short-lived process with no device
+        (skipped when that probe is cached): an abort there raises ProbeError; any
+        other answer is left to the probe on the devices, which gives the real one."""
+        host = spec.replace(n_gpu_layers=0, tensor_split=None, tensor_overrides=(), mmproj_offload=False,
+                            draft_n_gpu_layers=0, draft_devices=None)
+        if cached_estimate(host, self.inventory.mask_env(frozenset())) is not None:
+            return
+        reply = self._call(frozenset(), lambda rid: Probe(rid, host), temporary=True)
+        if isinstance(reply, Failed) and reply.kind is ErrorKind.WORKER_DIED:
+            raise ProbeError(spec.path, f"llama.cpp aborted reading it ({reply.message})")
 
     def _start(self, device_set: frozenset[str]) -> None:
         """The worker of ``device_set``, started and kept, where the scheduler keeps workers."""
         if self._start_worker is not None:
             self._start_worker(device_set)
 
-    def _call(self, device_set: frozenset[str], make) -> Any:
+    def _call(self, device_set: frozenset[str], make, temporary: bool = False) -> Any:
         """One call in the worker of ``device_set``, or in a short-lived one masked the same way."""
-        worker = self._running_worker(device_set)
+        worker = None if temporary else self._running_worker(device_set)
         temporary = worker is None or not worker.alive
         if temporary:
             worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set,

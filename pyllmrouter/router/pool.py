@@ -1,12 +1,15 @@
 """The router's side of a worker process: start, send, route replies, notice death.
 
-    Router ──call(msg)──▶ WorkerHandle ──pipe──▶ worker process (masked)
+    Router ──call(msg)──▶ WorkerHandle ──queue──▶ writer thread ──pipe──▶ worker process (masked)
            ◀─Pending.get()── reader thread ◀─pipe── replies, routed by req_id
     coroutine ◀─wait_async()─┘ (woken by call_soon_threadsafe, once per loop and message)
 
-A dead worker (crash, kill -9) closes the pipe: the reader thread fails every
-pending call with WorkerDied (nobody waits forever) and tells the router, which
-marks the worker's models unloaded.
+Sending never blocks the caller: a message is queued, and the writer thread alone
+writes the pipe, in order.  A worker that stops reading (hung, kill -STOP) blocks
+only its writer: the event loop, the scheduler and the heartbeat's ping() go on, and
+the heartbeat, getting no answer, kills it.  A dead worker (crash, kill -9) closes
+the pipe: the reader thread fails every pending call with WorkerDied (nobody waits
+forever) and tells the router, which marks the worker's models unloaded.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing as mp
+import queue
 import threading
 import time
 from collections import deque
@@ -77,7 +81,12 @@ class Pending:
                     self._waiter = None
 
     def cancel(self) -> None:
-        self.worker.send(Cancel(self.req_id))
+        """Ask the worker to stop the request (queued; a worker that is gone has no request
+        to stop: its Pending gets WorkerDied)."""
+        try:
+            self.worker.send(Cancel(self.req_id))
+        except WorkerDied:
+            pass
 
 
 def _deliver(deliveries: list[tuple[Pending, Any]]) -> None:
@@ -112,10 +121,11 @@ class WorkerHandle:
         self.alive = False
         self._pending: dict[int, Pending] = {}
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # what the writer thread sends, in order
         self._process: mp.process.BaseProcess | None = None
         self._conn = None
         self._reader: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
         self._ids = itertools.count(1)
 
     def start(self, timeout: float = 120.0) -> None:
@@ -138,6 +148,8 @@ class WorkerHandle:
         self.pid, self.overhead, self.alive = ready.pid, dict(ready.overhead), True
         self._reader = threading.Thread(target=self._read, name=f"reader-{self.name}", daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name=f"writer-{self.name}", daemon=True)
+        self._writer.start()
 
     def _exitcode(self) -> int | None:
         if self._process is None:
@@ -146,8 +158,23 @@ class WorkerHandle:
         return self._process.exitcode
 
     def send(self, msg: Any) -> None:
-        with self._send_lock:
-            self._conn.send(msg)
+        """Queue ``msg`` for the writer thread (never blocks); WorkerDied if the worker is
+        not running."""
+        if not self.alive:
+            raise WorkerDied(f"worker {self.name} is not running")
+        self._outbox.put(msg)
+
+    def _write(self) -> None:
+        """The writer thread: the pipe's only writer, until Shutdown is sent or the pipe breaks
+        (the reader then sees the worker end)."""
+        while True:
+            msg = self._outbox.get()
+            try:
+                self._conn.send(msg)
+            except (OSError, ValueError):
+                return
+            if isinstance(msg, Shutdown):
+                return
 
     def call(self, make: Callable[[int], Any]) -> Pending:
         """Send ``make(req_id)``; the replies arrive on the returned Pending."""
@@ -158,12 +185,7 @@ class WorkerHandle:
             if not self.alive:
                 raise WorkerDied(f"worker {self.name} is not running")
             self._pending[req_id] = pending
-        try:
-            self.send(msg)
-        except (OSError, ValueError) as e:
-            with self._lock:
-                self._pending.pop(req_id, None)
-            raise WorkerDied(f"worker {self.name} is gone: {e}") from None
+            self._outbox.put(msg)  # under the lock: never after _died has failed the pending calls
         return pending
 
     def in_flight(self) -> int:
@@ -184,6 +206,14 @@ class WorkerHandle:
         worker is dead as if it had crashed (its requests fail with WorkerDied)."""
         if self._process is not None and self._process.is_alive():
             self._process.kill()
+
+    def wait_dead(self, timeout: float) -> bool:
+        """Wait until the reader has seen the process end (its pending calls failed, the
+        router told); whether it has."""
+        if self._reader is None or self._reader is threading.current_thread():
+            return not self.alive
+        self._reader.join(timeout)
+        return not self._reader.is_alive()
 
     def _read(self) -> None:
         while True:
@@ -206,6 +236,7 @@ class WorkerHandle:
         with self._lock:
             was_alive, self.alive = self.alive, False
             orphans, self._pending = list(self._pending.values()), {}
+        self._outbox.put(Shutdown())  # the writer ends too (its send fails on the closed pipe)
         code = self._exitcode()
         if was_alive:  # the router learns first, so whoever sees the failure sees the new state
             self.on_death(self)
@@ -218,10 +249,7 @@ class WorkerHandle:
             return
         with self._lock:
             self.alive = False
-        try:
-            self.send(Shutdown())
-        except (OSError, ValueError):
-            pass
+        self._outbox.put(Shutdown())  # after whatever was queued; a hung worker is killed below
         deadline = time.monotonic() + timeout
         self._process.join(max(0.0, deadline - time.monotonic()))
         if self._process.is_alive():
@@ -231,3 +259,5 @@ class WorkerHandle:
             self._conn.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(5)
+        if self._writer is not None and self._writer is not threading.current_thread():
+            self._writer.join(5)

@@ -90,7 +90,8 @@ class Scheduler:
                          "workers_stopped_idle": 0, "workers_stopped_for_room": 0}
         self.on_wait: Any = None  # called as on_wait(model, seconds) for every lease (metrics)
         self.workers = WorkerSet(inventory, self._cond, self._on_worker_death, self._worker_started)
-        measure = Measurer(inventory, options.load_timeout, self.workers.running_for, self.workers.ensure)
+        measure = Measurer(inventory, options.load_timeout, self.workers.running_for, self.workers.ensure,
+                           self._hosts_models)
         ram = options.kv_keep_ram
         if ram is None:
             ram = inventory.free().get(HOST, 0) // 8
@@ -103,6 +104,18 @@ class Scheduler:
     def resolve(self, name: str) -> Record:
         with self._cond:
             return self._resolve(name)
+
+    def _hosts_models(self, device_set: frozenset[str]) -> bool:
+        """Whether the worker of ``device_set`` hosts a model (loading, loaded or unloading)."""
+        with self._cond:
+            return any(r.state is not State.UNLOADED and r.device_set == device_set
+                       for r in self._registry.records())
+
+    def canonical(self, name: str) -> str | None:
+        """The listed model ``name`` (or an alias) is (None: none is)."""
+        with self._cond:
+            rec = self._registry.get(name)
+            return rec.name if rec is not None else None
 
     def _resolve(self, name: str) -> Record:
         rec = self._registry.get(name)

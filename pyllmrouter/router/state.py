@@ -10,6 +10,8 @@
          │  └───────────────────────────────────────── │ UNLOADING │ ◀┘
          │                                             └───────────┘
          └──── LOADED ── worker died (reason recorded)
+    LOADING ──▶ UNLOADING: the load timed out; it is cancelled in the worker, whose
+    Unloaded (or death) ends it: its bytes stay held until then.
 
 A failed load or a dead worker leaves the model UNLOADED with a reason.
 Requests are only ever sent to a LOADED model; only an idle LOADED model that
@@ -32,7 +34,7 @@ class State(enum.Enum):
 
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.UNLOADED: frozenset({State.LOADING}),
-    State.LOADING: frozenset({State.LOADED, State.UNLOADED}),
+    State.LOADING: frozenset({State.LOADED, State.UNLOADED, State.UNLOADING}),
     State.LOADED: frozenset({State.UNLOADING, State.UNLOADED}),
     State.UNLOADING: frozenset({State.UNLOADED}),
 }

@@ -41,6 +41,7 @@ from pyllmrouter.server.errors import ApiError, error_response, from_router_erro
 from pyllmrouter.router.services import Services
 from pyllmrouter.router.streams import Stream
 from pyllmrouter.protocol import HttpReply
+from pyllmrouter.server.body import BODY_METHODS, TooLarge, form, read_body, replay
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.metrics import Metrics
 
@@ -73,7 +74,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     and /cors-proxy (None: llama-server's 403, the features are off)."""
     keys = tuple(k for k in ([api_key] if api_key else []) + list((settings or {}).get("api_keys", ())) if k)
     cors = Cors(settings) if settings else None
-    metrics = Metrics(router.status)
+    metrics = Metrics(router.status, frozenset(p for p in ENGINE_POST + ENGINE_GET if "{" not in p) |
+                      {"/metrics", "/props", "/v1/stream", "/v1/streams/lookup"}, router.scheduler.canonical)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
 
     @asynccontextmanager
@@ -95,17 +97,15 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         return error_response(e)
 
     async def body(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > max_body:
-            raise ApiError(413, f"request body exceeds the limit of {max_body} bytes", code="body_too_large")
-        return json_object(raw)
+        return json_object(await request.body())  # the guard has read it, within the limit
 
     def autoload_param(request: Request) -> bool | None:
         v = request.query_params.get("autoload")
         return None if v is None else v.lower() in ("1", "true", "yes", "on")
 
     async def forward(request: Request, model: str, raw: bytes, autoload: bool | None = None,
-                      gone: Callable[[], Awaitable[Any]] | None = None) -> Response:
+                      gone: Callable[[], Awaitable[Any]] | None = None,
+                      files: dict[str, tuple[str, str, bytes]] | None = None) -> Response:
         """The request to ``model``'s engine, with its client's headers; its reply unchanged.
         ``gone``: what withdraws the request before it reaches the engine (default: the
         client's disconnect)."""
@@ -116,13 +116,13 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         try:
             reply, stream = await router.acall(model, request.method, endpoint, raw, query,
                                                autoload=autoload_param(request) if autoload is None else autoload,
-                                               gone=gone or (lambda: _disconnected(request)), headers=headers)
+                                               gone=gone or (lambda: _disconnected(request)), headers=headers,
+                                               files=files)
         except RouterError as e:
             err = from_router_error(e)
-            metrics.latency.labels(model, endpoint, str(err.status)).observe(time.perf_counter() - t0)
+            metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
             raise err from None
-        return _relay(reply, stream, lambda code: metrics.latency.labels(model, endpoint, code).observe(
-            time.perf_counter() - t0))
+        return _relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0))
 
     async def service(request: Request) -> Response:
         """/tools and /cors-proxy: llama-server's services, or its 403 when they are off."""
@@ -145,19 +145,24 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         takes no routing or dependency solving (the guard has checked key and length)."""
         request = Request(scope, receive)
         try:
-            model = (await body(request)).get("model")
-            if not isinstance(model, str) or not model:
-                raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
+            raw, files, data = _engine_body(request.headers.get("content-type", ""), await request.body())
+            model = data.get("model") if isinstance(data, dict) else None
+            if not isinstance(model, str) or not model:  # a body that names none (an array): ?model=
+                model = request.query_params.get("model")
+            if not model:
+                raise ApiError(400, "'model' is required (a model id from GET /v1/models), in the body or as "
+                                    "?model=", param="model")
             conv_id = request.headers.get("x-conversation-id")
             if conv_id:  # its stream survives the connection: GET /v1/stream finds it at this model
-                response = await session(request, model, conv_id)
+                response = await session(request, model, conv_id, raw, files)
             else:
-                response = await forward(request, model, await request.body())
+                response = await forward(request, model, raw, files=files)
         except ApiError as e:
             response = error_response(e)
         await response(scope, receive, send)
 
-    async def session(request: Request, model: str, conv_id: str) -> Response:
+    async def session(request: Request, model: str, conv_id: str, raw: bytes,
+                      files: dict[str, tuple[str, str, bytes]]) -> Response:
         """A request of a resumable stream, as llama-server's router takes it: its model is
         remembered before the wait for a load, a client that drops meanwhile does not
         withdraw it (its stream is still wanted: a page reload), a stop does
@@ -171,7 +176,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         ticket = router.conversations.remember(conv_id, model)
         off = router.conversations.on_end(conv_id, ticket, stop)
         try:
-            return await forward(request, model, await request.body(), gone=lambda: asyncio.shield(stopped))
+            return await forward(request, model, raw, gone=lambda: asyncio.shield(stopped), files=files)
         except ApiError as e:
             if e.status == 499 and stopped.done():
                 raise ApiError(400, "request cancelled by a stop while the model was loading") from None
@@ -250,12 +255,32 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def json_object(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object (empty: {}), or the 400 that says what is wrong."""
+def _engine_body(content_type: str, raw: bytes) -> tuple[bytes, dict[str, tuple[str, str, bytes]], Any]:
+    """What a model's engine gets of a POST body, as llama-server's HTTP layer gives it:
+    (body, files, the body read).  A multipart form becomes its fields as JSON, and its
+    files; anything else goes as it came, read as JSON (any value: an array too)."""
+    if content_type.lower().startswith("multipart/form-data"):
+        try:
+            fields, files = form(content_type, raw)
+        except ValueError as e:
+            raise ApiError(400, f"request body is not a valid multipart form: {e}", code="invalid_form") from None
+        return json.dumps(fields).encode(), files, fields
+    return raw, {}, json_value(raw)
+
+
+def json_value(raw: bytes) -> Any:
+    """A request body as JSON (empty: {}), or the 400 that says what is wrong."""
     try:
-        data = json.loads(raw or b"{}")
+        return json.loads(raw or b"{}")
     except ValueError as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply to read", code="invalid_json") from None
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object (empty: {}), or the 400 that says what is wrong."""
+    data = json_value(raw)
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_json")
     return data
@@ -287,8 +312,8 @@ _ENGINE_POST_PATHS = frozenset(p for p in ENGINE_POST if "{" not in p)
 
 
 class _Guard:
-    """The server's ASGI app: API key and body-size checks in plain ASGI, in front of the
-    FastAPI app (``app``).  A POST to a model's llama-server endpoint then goes straight
+    """The server's ASGI app: CORS, the API key and the body (read whole, counted as it
+    comes, refused at the limit) in plain ASGI, in front of the FastAPI app (``app``).  A POST to a model's llama-server endpoint then goes straight
     to ``engine_post``, past FastAPI's and Starlette's middleware, whose wrappers of
     ``send`` would run for every streamed chunk; everything else, lifespan included, is
     the FastAPI app's."""
@@ -313,6 +338,14 @@ class _Guard:
         err = guard_error(scope["path"], headers, self.api_keys, self.max_body)
         if err is not None:
             return await error_response(err)(scope, receive, send)
+        if scope["method"] in BODY_METHODS:  # counted as it comes (chunked too), refused at the limit
+            try:
+                raw = await read_body(receive, self.max_body)
+            except TooLarge as e:
+                return await error_response(ApiError(413, str(e), code="body_too_large"))(scope, receive, send)
+            if raw is None:
+                return  # the client left before its body had come
+            receive = replay(raw, receive)
         if scope["method"] == "POST" and _engine_post_path(scope["path"]):
             return await self.engine_post(scope, receive, send)
         return await self.app(scope, receive, send)

@@ -56,13 +56,26 @@ class _StatusCollector:
 
 
 class Metrics:
-    def __init__(self, status: Callable[[], dict[str, Any]]):
+    """``routes``: the endpoints labelled by name (anything else is "other", a /slots/N
+    is "/slots/{id_slot}"); ``canonical(model)``: the listed model a name or alias is
+    (None: "unknown"), so a label set grows only with the router's own list, never
+    with what clients send."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]], routes: frozenset[str] = frozenset(),
+                 canonical: Callable[[str], str | None] = lambda name: None):
+        self._routes, self._canonical = routes, canonical
         self.registry = CollectorRegistry()
         self.registry.register(_StatusCollector(status))
         self.latency = Histogram("pyllmrouter_request_seconds", "Request latency (to the last byte)",
                                  ["model", "endpoint", "status"], registry=self.registry)
         self.queue_wait = Histogram("pyllmrouter_queue_wait_seconds", "Time a request waited for its model",
                                     ["model"], registry=self.registry)
+
+    def observe(self, model: str, endpoint: str, status: str, seconds: float) -> None:
+        """A request's latency, labelled by its listed model and route."""
+        route = endpoint if endpoint in self._routes else (
+            "/slots/{id_slot}" if endpoint.startswith("/slots/") else "other")
+        self.latency.labels(self._canonical(model) or "unknown", route, status).observe(seconds)
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format (a model's own decode counters are

@@ -155,8 +155,10 @@ def serve(a: argparse.Namespace) -> int:
             router.close()
             raise SystemExit(f"pyllmrouter serve: {e}") from None
     app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services)
+    # h11 writes header names as given (httptools lower-cases them): clients that read headers
+    # case-sensitively, llama.cpp's own server tests among them, see llama-server's spelling
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
-                            timeout_graceful_shutdown=a.shutdown_timeout)
+                            timeout_graceful_shutdown=a.shutdown_timeout, http="h11")
     try:
         Server(config).run()
     finally:

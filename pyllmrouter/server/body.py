@@ -1,0 +1,86 @@
+"""A request's body, counted as it streams in (Content-Length or chunked alike) and
+refused at the limit, before any of it reaches a handler; then given to the handler
+as one message.
+
+    read_body(receive, limit) ──▶ bytes | None (the client left) | TooLarge (at the limit:
+                                  413, nothing more is read)
+    replay(body, then) ──▶ a receive that gives the body once, then ``then()``'s messages
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable
+
+__all__ = ["BODY_METHODS", "TooLarge", "read_body", "replay"]
+
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class TooLarge(Exception):
+    def __init__(self, limit: int):
+        super().__init__(f"request body exceeds the limit of {limit} bytes")
+        self.limit = limit
+
+
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body; TooLarge as soon as more than ``limit`` bytes have come; None if
+    the client left first."""
+    chunks: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        total += len(chunk)
+        if total > limit:
+            raise TooLarge(limit)
+        if chunk:
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def replay(body: bytes, then: Receive) -> Receive:
+    """A receive for a handler: the body as one message, then what ``then`` gives (the
+    client's disconnect)."""
+    given = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await then()
+    return receive
+
+
+def form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str, tuple[str, str, bytes]]]:
+    """A multipart/form-data body as llama-server's HTTP layer hands it to a handler: its
+    fields (a name given twice: a list of values) and its files (field name -> (filename,
+    content type, bytes)).  ValueError: not a multipart body."""
+    import email.parser  # noqa: PLC0415 - only multipart requests need it
+    import email.policy  # noqa: PLC0415
+
+    head = f"Content-Type: {content_type}\r\nMIME-Version: 1.0\r\n\r\n".encode("latin-1", "replace")
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(head + body)
+    if not message.is_multipart():
+        raise ValueError("the body is not multipart/form-data")
+    fields: dict[str, Any] = {}
+    files: dict[str, tuple[str, str, bytes]] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if not name:
+            continue
+        data = part.get_payload(decode=True) or b""
+        filename = part.get_filename()
+        if filename is not None:
+            files[name] = (filename, part.get_content_type(), data)
+        elif name in fields:
+            fields[name] = [*fields[name], data.decode(errors="replace")] if isinstance(fields[name], list) \
+                else [fields[name], data.decode(errors="replace")]
+        else:
+            fields[name] = data.decode(errors="replace")
+    return fields, files
