@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Sequence
 
 from pyllmrouter.presets import PresetError
+from pyllmrouter.remote import RemoteError, devices_table, get, ps_table
 from pyllmrouter.memory import HOST, MemoryEstimate, ProbeError, cache_dir
 from pyllmrouter.engine.probe import probe
 from pyllmrouter.spec import ModelSpec, SpecError
@@ -95,7 +97,26 @@ def _free_by_pool(devices: list[dict]) -> dict[str, int]:
     return free
 
 
+def _remote(a: argparse.Namespace, path: str):
+    return get(a.url, path, a.api_key)
+
+
+def cmd_ps(a: argparse.Namespace) -> int:
+    """A running server's models, as ``ollama ps`` lists them."""
+    models = _remote(a, "/models")
+    if a.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    headers, rows = ps_table(models, a.all)
+    print(render(headers, rows) if rows else "no model loaded (--all lists every model)")
+    return 0
+
+
 def cmd_devices(a: argparse.Namespace) -> int:
+    if a.url:
+        devices = _remote(a, "/devices")
+        print(json.dumps(devices, indent=2) if a.json else render(*devices_table(devices)))
+        return 0
     _attach_rpc(a)
     devs = _devices()
     if a.json:
@@ -186,7 +207,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if not shape.exists():
         tinymodels.write_shape(shape, tinymodels.SHAPE_7B)
     print("Devices llama.cpp sees here:\n")
-    cmd_devices(argparse.Namespace(json=False, rpc=None))
+    cmd_devices(argparse.Namespace(json=False, rpc=None, url=None, api_key=None))
     specs = [ModelSpec(str(paths["tiny-llama"])), ModelSpec(str(paths["tiny-moe"]), ("-np", "4")),
              ModelSpec(str(paths["tiny-bert"]), ("--embedding", "-c", "512")),
              ModelSpec(str(shape), ("-c", "8192")), ModelSpec(str(shape), ("-c", "32768", "-ctk", "q8_0", "-ctv", "q8_0"))]
@@ -207,7 +228,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print("\nThe router serving the tiny models over HTTP:\n")
     from pyllmrouter.tools.demo import run_demo  # noqa: PLC0415
 
-    return run_demo()
+    return run_demo(keep=a.keep)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -236,13 +257,26 @@ def cmd_ray(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_url_arguments(p: argparse.ArgumentParser, default: str | None) -> None:
+    p.add_argument("--url", default=default, help="a running pyllmrouter serve" +
+                   (f" (default {default})" if default else ""))
+    p.add_argument("--api-key", default=os.environ.get("LLAMA_API_KEY"),
+                   help="the server's API key (default: $LLAMA_API_KEY)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyllmrouter", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("devices", help="list ggml devices with free/total memory")
+    p = sub.add_parser("devices", help="list ggml devices with free/total memory (--url: a running server's)")
     p.add_argument("--json", action="store_true")
     add_rpc_argument(p)
+    add_url_arguments(p, None)
     p.set_defaults(func=cmd_devices)
+    p = sub.add_parser("ps", help="a running server's models: state, devices and bytes, requests, until")
+    add_url_arguments(p, "http://127.0.0.1:8080")
+    p.add_argument("--all", action="store_true", help="every listed model, not only those holding memory")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_ps)
     p = sub.add_parser("probe", help="exact memory a model needs, per device",
                        usage="pyllmrouter probe MODEL [llama-server arguments] [--margin MiB] [--json] "
                              "[--no-cache] [--rpc HOST:PORT,...]", epilog=_LLAMA_HELP)
@@ -262,6 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_fit)
     p = sub.add_parser("demo", help="offline tour on generated models")
+    p.add_argument("--keep", type=float, default=60.0,
+                   help="seconds the demo's server stays up for its page afterwards (default 60; 0: none)")
     p.set_defaults(func=cmd_demo)
     p = sub.add_parser("serve", help="OpenAI and llama-server router compatible HTTP server",
                        epilog="any other argument is llama-server's, laid over every model (as llama-server's "
@@ -294,7 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.llama_args = llama_args
     try:
         return args.func(args)
-    except (ProbeError, SpecError, PresetError) as e:
+    except (ProbeError, SpecError, PresetError, RemoteError) as e:
         print(f"pyllmrouter: error: {e}", file=sys.stderr)
         return 2
 

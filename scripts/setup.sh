@@ -72,5 +72,11 @@ if [[ " ${extras[*]-} " == *" test "* ]]; then
   # llama.cpp's rpc-server (pinned source): real ggml devices for the multi-device tests;
   # llama-server (pinned source): the peer the parity tests compare our engine's replies with
   PYTHON="$py" scripts/build_llama_tools.sh ggml-rpc-server llama-server >/dev/null
+  # the page's tests drive Debian's chromium (no browser download); where apt cannot be
+  # used (not root, not Debian) they skip and say why
+  if ! command -v chromedriver >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+      || echo "chromium could not be installed: the page's browser tests will skip" >&2
+  fi
 fi
 echo "pyllmrouter installed in $venv"

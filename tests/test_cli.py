@@ -69,3 +69,55 @@ def test_errors_exit_2_with_the_reason(tiny, args, message):
     out = _cli(*args)
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_the_demo_replays_the_seed_incident_readably():
+    """The README's first command: readable answers, and the seed incident as it should end:
+    the idle model on the full GPU evicted, the busy one and the other GPU's spared."""
+    out = subprocess.run([sys.executable, "-m", "pyllmrouter.cli", "demo", "--keep", "0"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "Hello there!" in text and "The user says hello" in text  # reasoning and answer
+    assert 'tool call get_weather({"city": "Paris"})' in text
+    assert "Once upon a time, the router knew every byte of its GPUs." in text
+    assert "chat   evicted from GPU0 for coder" in text
+    assert "Evicted: chat; spared: story, embed" in text
+    assert "can never fit" in text and "unknown model 'nope'" in text
+    assert "/ in a browser" in text
+
+
+@pytest.mark.slow
+def test_ps_and_devices_url_show_a_running_server(tiny, tmp_path):
+    from pyllmrouter.remote import get, post
+    from pyllmrouter.tables import mib
+    from pyllmrouter.tools.loopback import start_serve
+
+    preset = tmp_path / "m.ini"
+    preset.write_text(f"version = 1\n[*]\nmemory-margin = 0\nc = 512\n[a]\nmodel = {tiny['tiny-llama']}\n"
+                      f"[b]\nmodel = {tiny['tiny-moe']}\n")
+    proc, base = start_serve(["--models-preset", str(preset), "--api-key", "k", "--emulate-devices", "GPU0=1GiB"])
+    try:
+        post(base, "/models/load", {"model": "a"}, "k")
+        held = next(m for m in get(base, "/models", "k")["data"] if m["id"] == "a")["memory"]["held"]
+
+        def run(*args):
+            return subprocess.run([sys.executable, "-m", "pyllmrouter.cli", *args], capture_output=True, text=True,
+                                  timeout=120)
+
+        out = run("ps", "--url", base, "--api-key", "k")
+        assert out.returncode == 0, out.stderr
+        row = next(line.split() for line in out.stdout.splitlines() if line.startswith("a "))
+        assert row[:4] == ["a", "loaded", "GPU0", mib(held["GPU0"])]
+        assert "\nb " not in out.stdout  # holds nothing: listed with --all only
+        assert "\nb " in run("ps", "--url", base, "--api-key", "k", "--all").stdout
+        dev = run("devices", "--url", base, "--api-key", "k")
+        gpu0 = next(line.split() for line in dev.stdout.splitlines() if line.startswith("GPU0"))
+        devices = get(base, "/devices", "k")["devices"]["GPU0"]
+        assert gpu0[2:4] == [mib(devices["total"]), mib(devices["held"] - devices["overhead"])]
+        bad = run("ps", "--url", base, "--api-key", "nope")
+        assert bad.returncode == 2 and "401 invalid or missing API key" in bad.stderr
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -206,9 +206,9 @@ def test_a_client_that_leaves_a_stream_stops_its_generation_on_the_node(cluster)
     whole_s = time.monotonic() - t0
     assert status == 200 and whole["usage"]["completion_tokens"] == 2000, whole["usage"]
 
-    def in_flight() -> int:
+    def in_flight() -> int:  # on any node (on a loaded machine d may have been moved since)
         _, _, view = client.json("GET", "/models")
-        return next(m for m in view["data"] if m["id"] == "d")["nodes"][ids["medium"]]["in_flight"]
+        return sum(n["in_flight"] for n in next(m for m in view["data"] if m["id"] == "d")["nodes"].values())
 
     req = urllib.request.Request(client.base + "/v1/completions", json.dumps({**body, "stream": True}).encode(),
                                  {"content-type": "application/json"}, method="POST")
@@ -228,9 +228,9 @@ def test_a_client_that_leaves_a_whole_request_stops_its_generation_on_the_node(c
     _, client, ids, _, _ = cluster
     body = {"model": "d", "prompt": "hi", "max_tokens": 6000, "ignore_eos": True}
 
-    def in_flight() -> int:
+    def in_flight() -> int:  # on any node (on a loaded machine d may have been moved since)
         _, _, view = client.json("GET", "/models")
-        return next(m for m in view["data"] if m["id"] == "d")["nodes"][ids["medium"]]["in_flight"]
+        return sum(n["in_flight"] for n in next(m for m in view["data"] if m["id"] == "d")["nodes"].values())
 
     sock = socket.create_connection(("127.0.0.1", int(client.base.rsplit(":", 1)[1])))
     raw = json.dumps(body).encode()
@@ -261,8 +261,9 @@ def test_a_body_over_the_limit_is_refused_at_the_ingress_chunked_too(cluster):
 
 def test_a_removed_node_loses_its_models_and_the_next_request_loads_elsewhere(cluster):
     c, client, ids, nodes, _ = cluster
-    where = _where(client)
-    assert where["c"] == [ids["medium"]]
+    if not _where(client)["c"]:  # placed on medium by the first test, unless unloaded since
+        assert client.complete("c")[0] == 200
+    assert _where(client)["c"] == [ids["medium"]]  # the tightest node it fits on
     ingress = [a["Address"]["NodeID"] for a in ray._private.state.actors().values()
                if a["ActorClassName"].endswith("Ingress") and a["State"] == "ALIVE"]
     assert ingress == [c.head_node.node_id]  # it holds the connections: the node taken away holds none

@@ -141,7 +141,9 @@ def _ready(view: View, request: Request):
     for option in request.options or ():
         worst = placement.never_fits(option.need, view.capacity)
         if worst is not None and (worst.device == placement.COUNT or not option.fitting):
-            never = never or Never(worst.device, worst.need, worst.capacity, str(worst))
+            # the message names the candidate closest to fitting (the biggest device)
+            if never is None or worst.capacity - worst.need > never.capacity - never.need:
+                never = Never(worst.device, worst.need, worst.capacity, str(worst))
             continue
         bytes_ = {d: n for d, n in option.need.items() if d != placement.COUNT}
         grant = placement.grant(option.fit_over, view.available, view.grantable) if option.fitting else {}

@@ -117,6 +117,7 @@ class Ticket:
     epoch: int
     created: float
     short: dict[str, int] = field(default_factory=dict)
+    why: str = ""  # what it waits for, as last told
 
     @property
     def name(self) -> str:

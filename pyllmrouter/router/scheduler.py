@@ -44,7 +44,7 @@ from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import HOST, Inventory
 from pyllmrouter.errors import (LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueTimeout, RouterClosed,
                                 UnknownModel, Withdrawn)
-from pyllmrouter.router import admission, placement
+from pyllmrouter.router import admission, parts, placement
 from pyllmrouter.router.events import EventBus
 from pyllmrouter.router.jobs import Jobs
 from pyllmrouter.router.keep import KeepStore
@@ -254,6 +254,7 @@ class Scheduler:
                         why = "waiting" if rec.fate is None else "waiting for its new configuration"
                         if rec.fate is None and rec.state is State.UNLOADED:
                             why = self._admit(rec, ticket, free)
+                        ticket.why = why
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             raise QueueTimeout(rec.name, timeout, why)
@@ -590,10 +591,28 @@ class Scheduler:
         with self._cond:
             available = self._available(free)
             held = self._held()
-            models = {r.name: r.report(kept["models"].get(r.name)) for r in self._registry.records()}
+            models, now = {}, time.monotonic()
+            for r in self._registry.records():
+                models[r.name] = m = r.report(kept["models"].get(r.name))
+                pools = r.components.get(r.device_set, {}) if m["held"] else {}
+                m["parts"] = parts.split(m["held"], parts.by_device(
+                    pools, lambda p, ds=r.device_set: self.inventory.to_inventory(ds, p)))
+                m["idle_seconds"] = round(now - r.last_used, 1) if r.last_used and not r.leases else None
+                waiting = [t for t in self._queue if t.rec is r]
+                m["waiting"] = {"requests": len(waiting), "why": waiting[0].why if waiting else None,
+                                "short": dict(waiting[0].short) if waiting else {}}
+            overhead: dict[str, int] = {}
+            for w in self.workers.all():
+                for d, n in w.overhead.items():
+                    overhead[d] = overhead.get(d, 0) + n
+            kept_ram = self._keep.held_ram() if self._keep is not None else 0
             devices = {
                 n: {"kind": d.kind, "total": d.total, "free": free.get(n), "capacity": self._capacity(n),
-                    "held": held.get(n, 0), "available": available.get(n)}
+                    "held": held.get(n, 0), "available": available.get(n),
+                    # the parts of held that are no model's, and what is not ours to give
+                    "overhead": overhead.get(n, 0), "kept": kept_ram if n == HOST else 0,
+                    "external": max(0, d.total - free.get(n, d.total) - held.get(n, 0)),
+                    "margin": self.options.margin}
                 for n, d in self._devices.items()
             }
             idle = self.workers.idle(time.monotonic())

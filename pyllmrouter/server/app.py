@@ -9,6 +9,7 @@
 
 | endpoint                          | what                                              |
 | GET  /health                      | liveness (no API key needed)                      |
+| GET  /, /ui/*                     | the page (server/page.py; no key: it asks for it) |
 | GET  /v1/models[/{id}]            | OpenAI model list, one model                      |
 | POST (ENGINE_POST paths)          | llama-server's handler of the model: OpenAI chat, |
 |                                   | completions, responses, embeddings; Anthropic     |
@@ -36,7 +37,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pyllmrouter.errors import RouterError, UnknownModel
 from pyllmrouter.router.api import Router
-from pyllmrouter.server import manage
+from pyllmrouter.server import manage, page
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
 from pyllmrouter.router.services import Services
 from pyllmrouter.router.streams import Stream
@@ -215,6 +216,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         app.add_api_route(path, engine_get, methods=["GET"], include_in_schema=False)
 
     manage.mount(app, router, forward, body)
+    page.mount(app)
 
     @app.get("/metrics")
     async def prometheus(request: Request):
@@ -291,7 +293,7 @@ def guard_error(path: str, headers: dict[str, str], api_keys: str | tuple[str, .
     """The API key and body-size checks of a request (headers by lower-case name; any of
     ``api_keys`` opens it, none: no key asked): the error to answer, or None."""
     keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys or ())
-    if keys and path not in PUBLIC:
+    if keys and path not in PUBLIC and not page.is_public(path):
         given = headers.get("x-api-key", "")
         auth = headers.get("authorization", "")
         if auth.lower().startswith("bearer "):

@@ -46,9 +46,14 @@ def _model_entry(name: str, m: dict[str, Any], cfg, created: int) -> dict[str, A
         "source": m["source"], "can_remove": m["source"] == "cache",
         "path": cfg.spec.path,
         "memory": {"requirement": m["requirement"], "components": m["components"], "devices": m["devices"],
+                   "held": m["held"], "parts": m["parts"],
                    "live": m["live"], "fit": m["fit"], "kept": m["kept"]},
         "context": m["context"],
         "in_flight": m["leases"], "loads": m["loads"], "persistent": m["persistent"], "ttl": m["ttl"],
+        "idle_seconds": m["idle_seconds"], "waiting": m["waiting"],
+        # seconds before the ttl unloads it (idle and loaded only)
+        "ttl_left": max(0.0, round(m["ttl"] - m["idle_seconds"], 1))
+        if m["ttl"] and m["idle_seconds"] is not None and m["state"] == "loaded" else None,
     }
 
 

@@ -1,17 +1,23 @@
-"""``pyllmrouter demo``: the whole mission offline, in well under a minute.
+"""``pyllmrouter demo``: the mission offline, in well under a minute.
 
-Generates tiny real GGUF models, measures them exactly, starts ``pyllmrouter
-serve`` (a separate process, as in production) on two emulated GPUs sized so
-that they cannot hold everything, drives a scripted workload over HTTP and
-prints what happened: where each model went, what was evicted and why, and
-the bytes per device.
+Writes models whose answers read well (scripted.py: a thinking chat model, a tool
+caller, a storyteller whose story goes on) and a tiny embedding model, measures
+them exactly, starts ``pyllmrouter serve`` (a process of its own, as in production)
+on two emulated GPUs, and replays the seed incident over HTTP:
+
+    GPU0 holds chat (idle) and story (busy, streaming); GPU1 holds embed and has room.
+    coder, pinned to GPU0, arrives.  Summed over the GPUs, free memory says "fits":
+    a router that counts so loads it on GPU0 and the load dies (cudaMalloc failed).
+    Ours measures GPU0 alone, evicts the least recently used idle model there (chat),
+    spares the busy one (story) and the other GPU's (embed), and loads coder.
+
+Then it prints what the router did, the models as ``pyllmrouter ps`` lists them,
+the devices, and the page's address, kept up for ``keep`` seconds.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 import tempfile
 import threading
 import time
@@ -19,146 +25,199 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pyllmrouter.tools import tinymodels
-from pyllmrouter.tools.loopback import start_serve
-from pyllmrouter.memory import cache_dir
 from pyllmrouter.engine.probe import probe
+from pyllmrouter.memory import cache_dir
+from pyllmrouter.remote import RemoteError, devices_table, get, ps_table
 from pyllmrouter.spec import ModelSpec
 from pyllmrouter.tables import mib, render
+from pyllmrouter.tools import scripted, tinymodels
+from pyllmrouter.tools.loopback import start_serve
 
 __all__ = ["run_demo"]
 
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object",
+                                                           "properties": {"city": {"type": "string"}}}}}
+CTX, STORY_CTX = 2048, 8192
 
-class _Client:
-    def __init__(self, base: str):
-        self.base = base
 
-    def call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=120) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+def _models(directory: Path) -> dict[str, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    out = {"chat": directory / "demo-think.gguf", "coder": directory / "demo-tools.gguf",
+           "story": directory / "demo-story.gguf"}
+    if not out["chat"].exists():
+        scripted.write_scripted(out["chat"], scripted.THINK_TEMPLATE, scripted.THINK_SCRIPT)
+    if not out["coder"].exists():
+        scripted.write_scripted(out["coder"], scripted.TOOL_TEMPLATE, scripted.TOOL_SCRIPT)
+    if not out["story"].exists():
+        scripted.write_scripted(out["story"], scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
+    out["embed"] = tinymodels.write_tiny_set(directory)["tiny-bert"]
+    return out
 
 
 def _preset(directory: Path, paths: dict[str, Path]) -> Path:
-    text = f"""version = 1
+    path = directory / "demo.ini"
+    path.write_text(f"""version = 1
 [*]
-c = 2048
+c = {CTX}
 memory-margin = 0
 
 [chat]
-model = {paths['tiny-llama']}
+model = {paths['chat']}
 alias = assistant
+device = GPU0
+
+[story]
+model = {paths['story']}
+c = {STORY_CTX}
+device = GPU0
 
 [coder]
-model = {paths['tiny-moe']}
+model = {paths['coder']}
 device = GPU0
 
 [embed]
-model = {paths['tiny-bert']}
+model = {paths['embed']}
 embedding = true
 c = 512
 
 [huge]
-model = {paths['tiny-llama']}
-c = 262144
-"""
-    path = directory / "demo.ini"
-    path.write_text(text)
+model = {paths['chat']}
+c = 4194304
+""")
     return path
 
 
-def run_demo() -> int:
-    paths = tinymodels.write_tiny_set(cache_dir() / "models")
-    sizes = {name: probe(ModelSpec(paths[f], args)).total
-             for name, f, args in [("chat", "tiny-llama", ("-c", "2048")), ("coder", "tiny-moe", ("-c", "2048")),
-                                   ("embed", "tiny-bert", ("--embedding", "-c", "512"))]}
-    # GPU0 holds the coder or the chat model, not both; GPU1 holds chat + embed
-    gpu0 = max(sizes["chat"], sizes["coder"]) + min(sizes["chat"], sizes["coder"]) // 2
-    gpu1 = sizes["chat"] + sizes["embed"] + sizes["embed"] // 2
+def _sizes(paths: dict[str, Path]) -> dict[str, int]:
+    args = {"chat": ("-c", str(CTX)), "coder": ("-c", str(CTX)), "story": ("-c", str(STORY_CTX)),
+            "embed": ("--embedding", "-c", "512")}
+    return {name: probe(ModelSpec(str(paths[name]), a)).total for name, a in args.items()}
+
+
+def run_demo(keep: float = 60.0) -> int:
+    paths = _models(cache_dir() / "models")
+    need = _sizes(paths)
+    gpu0 = need["chat"] + need["story"] + need["coder"] // 2  # chat and story; coder only in their place
+    gpu1 = 16 * (need["embed"] + need["coder"])  # room to spare
     with tempfile.TemporaryDirectory() as tmp:
         preset = _preset(Path(tmp), paths)
-        proc, base = start_serve(["--models-preset", str(preset), "--emulate-devices", f"GPU0={gpu0},GPU1={gpu1}",
-                                  "--turn", "0.5"])
+        proc, base = start_serve(["--models-preset", str(preset), "--emulate-devices", f"GPU0={gpu0},GPU1={gpu1}"])
         try:
-            client = _Client(base)
-            print(f"pyllmrouter serve on {base}, emulated GPU0 {mib(gpu0)} MiB, GPU1 {mib(gpu1)} MiB\n")
-            steps = _workload(client)
-            status = client.call("GET", "/models")[1]
-            devices = client.call("GET", "/devices")[1]
-            events = client.call("GET", "/events")[1]["data"]
-            metrics = urllib.request.urlopen(f"{client.base}/metrics", timeout=30).read().decode()
+            print(f"pyllmrouter serve on {base}: emulated GPU0 {mib(gpu0)} MiB, GPU1 {mib(gpu1)} MiB\n")
+            steps = _workload(base, need, gpu0, gpu1)
+            print(render(["step", "request", "HTTP", "ms", "answer"], steps))
+            _report(base)
+            print(f"\nThe page: open {base}/ in a browser (devices, models, events, chat).")
+            if keep:
+                print(f"Serving for {keep:.0f} s more (pyllmrouter demo --keep SECONDS; Ctrl-C ends it).")
+                try:
+                    time.sleep(keep)
+                except KeyboardInterrupt:
+                    pass
         finally:
             proc.terminate()
             proc.wait(30)
-    print(render(["step", "request", "HTTP", "ms", "result"], steps))
-    print("\nWhat the router did:\n")
-    print(render(["t s", "event", "model", "devices"], [[e["t"], e["event"], e["model"], e["devices"]] for e in events]))
-    print("\nModels (requirement probed per device before loading):\n")
-    print(render(["model", "state", "on", "needs MiB", "loads"],
-                 [[m["id"], m["status"]["value"], ",".join(m["memory"]["devices"]) or "-",
-                   " ".join(f"{ds}:{mib(sum(v.values()))}" for ds, v in m["memory"]["requirement"].items()),
-                   m["loads"]] for m in status["data"]]))
-    print("\nDevices:\n")
-    print(render(["device", "capacity MiB", "held MiB", "available MiB"],
-                 [[n, mib(d["capacity"]), mib(d["held"]), mib(d["available"])]
-                  for n, d in devices["devices"].items() if n != "CPU"]))
-    ev = [line for line in metrics.splitlines() if line.startswith(("pyllmrouter_loads_total",
-                                                                    "pyllmrouter_evictions_total"))]
-    print("\n" + "\n".join(ev))
     return 0
 
 
-def _workload(client: _Client) -> list[list]:
+def _say(code: int, data: dict) -> str:
+    if code != 200:
+        return (data.get("error") or {}).get("message", str(data))[:110]
+    if "data" in data:
+        return f"{len(data['data'][0]['embedding'])}-dim embedding"
+    msg = data["choices"][0]["message"]
+    if msg.get("tool_calls"):
+        f = msg["tool_calls"][0]["function"]
+        return f"tool call {f['name']}({f['arguments']})"
+    thought = (msg.get("reasoning_content") or "").strip()
+    return (f"[thinks: {thought}] " if thought else "") + (msg.get("content") or "")
+
+
+def _post(base: str, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _workload(base: str, need: dict[str, int], gpu0: int, gpu1: int) -> list[list]:
     steps: list[list] = []
 
-    def step(label: str, method: str, path: str, body: dict | None = None) -> None:
+    def step(label: str, path: str, body: dict) -> None:
         t0 = time.perf_counter()
-        code, data = client.call(method, path, body)
-        ms = (time.perf_counter() - t0) * 1000
-        if code == 200 and "choices" in data:
-            result = "ok: " + repr((data["choices"][0].get("message") or {}).get("content",
-                                                                                   data["choices"][0].get("text")))[:30]
-        elif code == 200 and "data" in data:
-            result = f"ok: {len(data['data'][0]['embedding'])}-dim embedding"
-        elif code == 200:
-            result = "ok"
-        else:
-            result = data["error"]["message"][:120]
-        steps.append([len(steps) + 1, label, code, f"{ms:.0f}", result])
+        code, data = _post(base, path, body)
+        steps.append([len(steps) + 1, label, code, f"{(time.perf_counter() - t0) * 1000:.0f}", _say(code, data)])
 
     hi = [{"role": "user", "content": "hello"}]
-    step("chat (unpinned)", "POST", "/v1/chat/completions", {"model": "chat", "messages": hi, "max_tokens": 8})
-    step("embed (unpinned)", "POST", "/v1/embeddings", {"model": "embed", "input": "hello world"})
-    step("coder (pinned GPU0)", "POST", "/v1/completions", {"model": "coder", "prompt": "def", "max_tokens": 8})
-    step("alias 'assistant'", "POST", "/v1/chat/completions", {"model": "assistant", "messages": hi,
-                                                               "max_tokens": 8})
-    errors: list[str] = []
+    step("chat 'hello' (alias assistant, GPU0)", "/v1/chat/completions", {"model": "assistant", "messages": hi})
+    step("embed 'hello world' (unpinned)", "/v1/embeddings", {"model": "embed", "input": "hello world"})
 
-    def client_loop(model: str) -> None:
-        for _ in range(3):
-            code, data = client.call("POST", "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 4})
-            if code != 200:
-                errors.append(f"{model}: {code}")
+    # story streams on GPU0 (busy) while coder, pinned to GPU0 too, arrives
+    first, told = threading.Event(), []
 
+    def tell() -> None:
+        body = {"model": "story", "messages": [{"role": "user", "content": "a story"}], "stream": True,
+                "max_tokens": 2000}
+        req = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            for line in r:
+                if line.startswith(b"data: {"):
+                    told.append(json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+                    first.set()
+        first.set()
+
+    teller = threading.Thread(target=tell)
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=client_loop, args=(m,)) for m in ("chat", "coder") for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    steps.append([len(steps) + 1, "6 clients x 3 requests, chat+coder", 200 if not errors else 500,
-                  f"{(time.perf_counter() - t0) * 1000:.0f}", "ok: 18/18" if not errors else ", ".join(errors)])
-    step("huge (262144 ctx)", "POST", "/v1/completions", {"model": "huge", "prompt": "x"})
-    step("unknown model", "POST", "/v1/completions", {"model": "nope", "prompt": "x"})
-    step("unload coder", "POST", "/models/unload", {"model": "coder"})
+    teller.start()
+    first.wait(120)
+    dev = get(base, "/devices")["devices"]
+    free0, free1 = dev["GPU0"]["available"], dev["GPU1"]["available"]
+    print("The seed incident: GPU0 holds chat (idle) and story (busy, streaming); coder, pinned to GPU0, "
+          f"needs {mib(need['coder'])} MiB.\n  GPUs summed: {mib(free0)} + {mib(free1)} = {mib(free0 + free1)} MiB "
+          f"free >= {mib(need['coder'])}: a router that sums would load it on GPU0, where {mib(free0)} MiB are free,"
+          f"\n  and the load would die (cudaMalloc failed). Ours counts GPU0 alone:\n")
+    step("coder with a tool (pinned GPU0)", "/v1/chat/completions",
+         {"model": "coder", "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": [WEATHER]})
+    teller.join()
+    steps.append([len(steps) + 1, "story, streamed meanwhile (GPU0)", 200,
+                  f"{(time.perf_counter() - t0) * 1000:.0f}", f"{len(told)} chunks: " + "".join(told)[:60] + "..."])
+    step("huge (context 4194304)", "/v1/chat/completions", {"model": "huge", "messages": hi})
+    step("unknown model", "/v1/chat/completions", {"model": "nope", "messages": hi})
     return steps
 
 
+def _report(base: str) -> None:
+    events = get(base, "/events")["data"]
+    shown = {"load", "evicted", "unloaded", "load-failed"}
+    print("\nWhat the router did:\n")
+    rows = []
+    for e in events:
+        if e["event"] not in shown:
+            continue
+        d = e.get("data") or {}
+        what = {"load": f"loaded on {e['devices']}",
+                "evicted": f"evicted from {', '.join(d.get('short') or d.get('bytes') or {})} for {d.get('newcomer')}"
+                           f" ({', '.join(f'{k} {mib(v)} MiB' for k, v in (d.get('bytes') or {}).items())})",
+                "unloaded": "unloaded", "load-failed": f"refused: {d.get('reason', '')[:70]}"}[e["event"]]
+        rows.append([f"{e['t']:.2f}", e["model"], what])
+    print(render(["t s", "model", "what"], rows))
+    models = get(base, "/models")
+    busy_spared = [m["id"] for m in models["data"] if m["id"] == "story" and m["status"]["value"] == "loaded"]
+    evicted = [e["model"] for e in events if e["event"] == "evicted"]
+    print(f"\nEvicted: {', '.join(evicted) or 'none'}; spared: {', '.join(busy_spared + ['embed'])} "
+          "(busy, or on the other GPU).")
+    print("\nModels (pyllmrouter ps --all):\n")
+    print(render(*ps_table(models, everything=True)))
+    print("\nDevices (pyllmrouter devices --url):\n")
+    print(render(*devices_table(get(base, "/devices"))))
+
+
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    sys.exit(run_demo())
+    try:
+        raise SystemExit(run_demo())
+    except RemoteError as e:
+        raise SystemExit(f"pyllmrouter demo: {e}")

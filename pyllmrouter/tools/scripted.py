@@ -26,7 +26,7 @@ import numpy as np
 
 from pyllmrouter.tools.tinymodels import finish
 
-__all__ = ["write_scripted", "TOOL_TEMPLATE", "THINK_TEMPLATE", "TOOL_SCRIPT", "THINK_SCRIPT"]
+__all__ = ["write_scripted", "TOOL_TEMPLATE", "THINK_TEMPLATE", "TOOL_SCRIPT", "THINK_SCRIPT", "STORY_SCRIPT"]
 
 # Qwen 2.5's tool-calling template (Hermes style: one JSON object per <tool_call>)
 TOOL_TEMPLATE = """{%- if tools %}
@@ -78,6 +78,8 @@ THINK_TEMPLATE = """{%- for message in messages %}
 
 TOOL_SCRIPT = ["<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n', "</tool_call>"]
 THINK_SCRIPT = ["<think>", "\nThe user says hello; a short greeting answers it.\n", "</think>", "\n\nHello there!"]
+# a plain-text template's words, each one token: the looping model's endless answer
+STORY_SCRIPT = [" Once", " upon", " a", " time,", " the", " router", " knew", " every", " byte", " of", " its", " GPUs."]
 
 _CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _MARKERS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
@@ -97,9 +99,10 @@ def _byte_alphabet() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def write_scripted(path: os.PathLike | str, template: str, script: list[str]) -> Path:
+def write_scripted(path: os.PathLike | str, template: str, script: list[str], loop: bool = False) -> Path:
     """A model whose greedy continuation of a chat's generation prompt is ``script``
-    (each piece one token), then ``<|im_end|>``."""
+    (each piece one token), then ``<|im_end|>``; with ``loop``, the script again and
+    again until the context or ``max_tokens`` ends it (a long stream to stop)."""
     import gguf
 
     path = Path(path)
@@ -118,6 +121,8 @@ def write_scripted(path: os.PathLike | str, template: str, script: list[str]) ->
     if len(set(chain)) != len(chain):
         raise ValueError("every piece of a script must be a distinct token (and not a newline alone)")
     successor = {a: b for a, b in zip(chain, chain[1:])}
+    if loop:
+        successor[chain[-2]] = chain[1]  # the last piece is followed by the first
 
     n_vocab = len(tokens)
     n_embd = -(-n_vocab // 64) * 64  # one dimension per token, whole heads
