@@ -265,3 +265,29 @@ def test_a_wrong_api_key_shows_a_clear_message(server, browser):
     _until(lambda: browser.execute_script("return document.body.dataset.ready === '1'"), what="the page with the key")
     assert browser.execute_script("return localStorage.getItem('pyllmrouter-api-key')") == KEY
     assert not browser.find_element("id", "auth").is_displayed()
+
+
+def test_twenty_models_on_eight_devices_stay_readable(tiny, tmp_path, browser):
+    """Every bar and every model is there, nothing spills sideways, and the models table
+    scrolls in its own box instead of pushing events and chat off the page."""
+    lines = ["version = 1", "[*]", "memory-margin = 0", "c = 512"]
+    for i in range(20):
+        lines += [f"[model-{i:02d}]", f"model = {tiny['tiny-llama']}"] + ([f"device = GPU{i % 8}"] if i % 3 else [])
+    preset = tmp_path / "twenty.ini"
+    preset.write_text("\n".join(lines) + "\n")
+    devices = ",".join(f"GPU{i}={(i + 1) * 8_000_000}" for i in range(8))
+    proc, base = start_serve(["--models-preset", str(preset), "--api-key", KEY, "--emulate-devices", devices])
+    try:
+        for i in range(0, 20, 2):
+            _api(base, "POST", "/models/load", {"model": f"model-{i:02d}"})
+        _ready(browser, base)
+        _until(lambda: _state(browser, "model-18") == "loaded", what="the loaded models")
+        assert set(_bars(browser)) == {f"GPU{i}" for i in range(8)} | {"CPU"}
+        assert len(browser.find_elements("css selector", "#models tbody tr")) == 20
+        assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")
+        box = browser.find_element("css selector", "#models-section .scroll")
+        assert box.size["height"] < 600 and browser.execute_script(
+            "return arguments[0].scrollHeight > arguments[0].clientHeight", box)
+    finally:
+        proc.terminate()
+        proc.wait(30)

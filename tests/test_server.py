@@ -313,16 +313,22 @@ def test_serve_cli_drains_on_sigterm_and_leaves_no_process(tiny, tmp_path):
         h = {"X-Api-Key": "k"}
         assert httpx.get(base + "/props", headers=h).json()["max_models"] == 1  # from LLAMA_ARG_MODELS_MAX
         lines = []
+        watcher = httpx.stream("GET", base + "/models/sse", headers=h, timeout=60)  # as the page listens
+        events = watcher.__enter__()
         with httpx.stream("POST", base + "/v1/completions", headers=h, timeout=60,
                           json={"model": "m", "prompt": "hello", "max_tokens": 200, "stream": True}) as r:
             it = r.iter_lines()
             lines.append(next(it))
             pids = [w["pid"] for w in httpx.get(base + "/devices", headers=h).json()["workers"]]
+            t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             lines += list(it)
         lines = [line for line in lines if line]
         assert len(lines) > 2 and lines[-1] == "data: [DONE]"  # the request in flight finished
+        list(events.iter_lines())  # the event stream ends too: it does not hold the shutdown
+        watcher.__exit__(None, None, None)
         assert proc.wait(60) == 0
+        assert time.monotonic() - t0 < 15  # not the 30 s drain limit
         time.sleep(0.5)
         for pid in pids:
             with pytest.raises(ProcessLookupError):

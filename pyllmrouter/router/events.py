@@ -69,6 +69,15 @@ class EventBus:
 
         return stop
 
+    def end_listeners(self) -> None:
+        """Every listener told that its stream ends (``push(None)``: the server is stopping,
+        so a client's /models/sse does not hold the shutdown), then dropped."""
+        with self._lock:
+            listeners = list(self._listeners.values())
+            self._listeners.clear()
+        for push in listeners:
+            _pushed(push, None)
+
     def listeners(self) -> int:
         with self._lock:
             return len(self._listeners)

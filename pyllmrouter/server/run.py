@@ -129,6 +129,7 @@ def serve(a: argparse.Namespace) -> int:
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
+            router.scheduler.bus.end_listeners()  # /models/sse clients would hold the drain
             if services is not None:  # as llama-server: tool calls end now, while generations drain
                 threading.Thread(target=services.close, daemon=True).start()
 

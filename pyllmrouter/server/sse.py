@@ -53,15 +53,15 @@ async def event_stream(bus: EventBus, backlog: int = 1024, ping: float = 15.0) -
     lock = threading.Lock()
     pending = [0]  # events pushed, not yet taken
 
-    def push(ev: Event) -> bool:
+    def push(ev: Event | None) -> bool:  # None: the server is stopping
         with lock:
             behind = pending[0] >= backlog
             pending[0] += 1
         try:
             loop.call_soon_threadsafe(queue.put_nowait, None if behind else ev)  # None: it ends there
+            return not behind and ev is not None
         except RuntimeError:  # the client's loop is closed
             return False
-        return not behind
 
     stop = bus.listen(push)
     try:
@@ -74,7 +74,7 @@ async def event_stream(bus: EventBus, backlog: int = 1024, ping: float = 15.0) -
             with lock:
                 pending[0] -= 1
             if ev is None:
-                return  # too far behind: dropped (it may come back and read /models)
+                return  # too far behind, or the server stops: dropped (it may come back and read /models)
             yield b"data: " + json.dumps(payload(ev)).encode() + b"\n\n"
     finally:
         stop()

@@ -148,7 +148,8 @@
       span.append(sw, text);
       legend.appendChild(span);
     };
-    for (const m of [...seen].sort()) item(modelColor(m, "weights"), m + " (darker: weights, lighter: KV, compute…)");
+    for (const m of [...seen].sort()) item(modelColor(m, "weights"), m);
+    if (seen.size) legend.append("(a model's shades, darkest first: " + COMPONENTS.slice(0, 3).join(", ") + "…; hover for bytes)");
     const css = getComputedStyle(document.documentElement);
     for (const [k, text] of Object.entries(KINDS)) item(css.getPropertyValue("--" + k).trim(), text);
   }
