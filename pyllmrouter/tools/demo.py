@@ -206,9 +206,9 @@ def _report(base: str) -> None:
         rows.append([f"{e['t']:.2f}", e["model"], what])
     print(render(["t s", "model", "what"], rows))
     models = get(base, "/models")
-    busy_spared = [m["id"] for m in models["data"] if m["id"] == "story" and m["status"]["value"] == "loaded"]
     evicted = [e["model"] for e in events if e["event"] == "evicted"]
-    print(f"\nEvicted: {', '.join(evicted) or 'none'}; spared: {', '.join(busy_spared + ['embed'])} "
+    spared = [m["id"] for m in models["data"] if m["status"]["value"] == "loaded" and m["id"] != "coder"]
+    print(f"\nEvicted: {', '.join(evicted) or 'none'}; spared: {', '.join(spared) or 'none'} "
           "(busy, or on the other GPU).")
     print("\nModels (pyllmrouter ps --all):\n")
     print(render(*ps_table(models, everything=True)))
