@@ -18,6 +18,7 @@ from pyllmrouter import ModelSpec
 from pyllmrouter.engine.probe import probe
 from pyllmrouter.tools import scripted
 from pyllmrouter.tools.loopback import start_serve
+from test_live import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -41,16 +42,6 @@ def _api(base: str, method: str, path: str, body: dict | None = None) -> dict:
                                  headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
-
-
-def _until(predicate, timeout: float = 30.0, what: str = "the page"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +115,8 @@ def _open(driver, base: str, key: str | None) -> None:
 
 def _ready(driver, base: str) -> None:
     _open(driver, base, KEY)
-    _until(lambda: driver.execute_script("return document.body.dataset.ready === '1'"), what="the first render")
-    _until(lambda: driver.find_element("id", "live").text == "live", what="the live event stream")
+    wait_for(lambda: driver.execute_script("return document.body.dataset.ready === '1'"), what="the first render")
+    wait_for(lambda: driver.find_element("id", "live").text == "live", what="the live event stream")
 
 
 def _bars(driver) -> dict[str, list[dict]]:
@@ -170,7 +161,7 @@ def test_the_page_loads_with_no_console_error(server, browser):
 def test_the_bars_bytes_equal_devices_and_models(server, browser):
     _api(server, "POST", "/models/load", {"model": "chat"})
     _ready(browser, server)
-    _until(lambda: _state(browser, "chat") == "loaded", what="chat loaded")
+    wait_for(lambda: _state(browser, "chat") == "loaded", what="chat loaded")
     bars, models = _bars(browser), _api(server, "GET", "/models")
     devices = _api(server, "GET", "/devices")["devices"]
     for m in models["data"]:
@@ -194,19 +185,19 @@ def test_a_load_click_loads_the_model_and_its_bar_grows(server, browser):
     before = sum(s["bytes"] for s in _bars(browser)["GPU1"] if s["kind"] == "model")
     assert _state(browser, "story") == "unloaded"
     _click(browser, "story", "load")
-    _until(lambda: _state(browser, "story") == "loaded", what="story loaded")
+    wait_for(lambda: _state(browser, "story") == "loaded", what="story loaded")
     held = next(m for m in _api(server, "GET", "/models")["data"] if m["id"] == "story")["memory"]["held"]["GPU1"]
-    _until(lambda: sum(s["bytes"] for s in _bars(browser)["GPU1"] if s["kind"] == "model") == before + held,
+    wait_for(lambda: sum(s["bytes"] for s in _bars(browser)["GPU1"] if s["kind"] == "model") == before + held,
            what="the GPU1 bar to grow by story's bytes")
 
 
 def test_an_eviction_shows_in_events(server, browser):
     _ready(browser, server)
     _click(browser, "coder", "load")
-    _until(lambda: _state(browser, "coder") == "loaded", what="coder loaded")
+    wait_for(lambda: _state(browser, "coder") == "loaded", what="coder loaded")
     _click(browser, "other", "load")  # GPU0 holds one of them: coder, idle, is evicted
-    _until(lambda: _state(browser, "other") == "loaded", what="other loaded")
-    evicted = _until(lambda: browser.find_elements("css selector", "#events li[data-event='evicted'][data-model='coder']"),
+    wait_for(lambda: _state(browser, "other") == "loaded", what="other loaded")
+    evicted = wait_for(lambda: browser.find_elements("css selector", "#events li[data-event='evicted'][data-model='coder']"),
                      what="the eviction in Events")
     assert "GPU0" in evicted[0].text and "other" in evicted[0].text
     assert _state(browser, "coder") == "unloaded"
@@ -221,7 +212,7 @@ def test_a_chat_streams_with_reasoning_apart_and_stop_frees_the_model(server, br
     browser.find_element("id", "chat-text").send_keys("hello")
     browser.find_element("id", "chat-send").click()
     status = browser.find_element("id", "chat-status")
-    _until(lambda: status.get_attribute("data-state") == "done", what="the thinking model's answer")
+    wait_for(lambda: status.get_attribute("data-state") == "done", what="the thinking model's answer")
     last = browser.find_elements("css selector", "#chat-log .msg.assistant")[-1]
     assert "The user says hello" in last.find_element("css selector", ".reasoning").text
     assert last.find_element("css selector", ".answer").text == "Hello there!"
@@ -230,13 +221,13 @@ def test_a_chat_streams_with_reasoning_apart_and_stop_frees_the_model(server, br
     browser.find_element("id", "chat-text").send_keys("tell me a story")
     browser.find_element("id", "chat-send").click()
     answer = lambda: browser.find_elements("css selector", "#chat-log .msg.assistant .answer")[-1]  # noqa: E731
-    _until(lambda: answer().text.count("Once upon a time") >= 2, what="tokens streaming in")
+    wait_for(lambda: answer().text.count("Once upon a time") >= 2, what="tokens streaming in")
     assert browser.find_element("id", "chat-stop").is_enabled()
     story = lambda: next(m for m in _api(server, "GET", "/models")["data"] if m["id"] == "story")  # noqa: E731
     assert story()["in_flight"] == 1  # still generating: up to its 32768-token context
     browser.find_element("id", "chat-stop").click()
-    _until(lambda: status.get_attribute("data-state") == "stopped", what=f"the stop ({status.text!r})")
-    _until(lambda: story()["in_flight"] == 0, timeout=5, what="the lease freed by the stop")
+    wait_for(lambda: status.get_attribute("data-state") == "stopped", what=f"the stop ({status.text!r})")
+    wait_for(lambda: story()["in_flight"] == 0, timeout=5, what="the lease freed by the stop")
     shown = answer().text
     time.sleep(0.5)
     assert answer().text == shown  # nothing more comes
@@ -252,17 +243,17 @@ def test_a_chat_streams_with_reasoning_apart_and_stop_frees_the_model(server, br
 
 def test_a_wrong_api_key_shows_a_clear_message(server, browser):
     _open(browser, server, "not-the-key")
-    msg = _until(lambda: browser.find_element("id", "auth-msg").text, what="the key message")
+    msg = wait_for(lambda: browser.find_element("id", "auth-msg").text, what="the key message")
     assert browser.find_element("id", "auth").is_displayed()
     assert "refused this browser's API key" in msg and "invalid or missing API key" in msg
     assert browser.find_element("id", "live").text == "API key needed"
     _open(browser, server, None)
-    msg = _until(lambda: "asks for an API key" in browser.find_element("id", "auth-msg").text and
+    msg = wait_for(lambda: "asks for an API key" in browser.find_element("id", "auth-msg").text and
                  browser.find_element("id", "auth-msg").text, what="the no-key message")
     # the right key, typed into the page, opens it
     browser.find_element("id", "auth-key").send_keys(KEY)
     browser.find_element("css selector", "#auth-form button").click()
-    _until(lambda: browser.execute_script("return document.body.dataset.ready === '1'"), what="the page with the key")
+    wait_for(lambda: browser.execute_script("return document.body.dataset.ready === '1'"), what="the page with the key")
     assert browser.execute_script("return localStorage.getItem('pyllmrouter-api-key')") == KEY
     assert not browser.find_element("id", "auth").is_displayed()
 
@@ -281,7 +272,7 @@ def test_twenty_models_on_eight_devices_stay_readable(tiny, tmp_path, browser):
         for i in range(0, 20, 2):
             _api(base, "POST", "/models/load", {"model": f"model-{i:02d}"})
         _ready(browser, base)
-        _until(lambda: _state(browser, "model-18") == "loaded", what="the loaded models")
+        wait_for(lambda: _state(browser, "model-18") == "loaded", what="the loaded models")
         assert set(_bars(browser)) == {f"GPU{i}" for i in range(8)} | {"CPU"}
         assert len(browser.find_elements("css selector", "#models tbody tr")) == 20
         assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth")

@@ -31,7 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pyllmrouter.ray import cluster
 from pyllmrouter.ray.messages import Head, NodeRequest
 from pyllmrouter.server.app import guard_error, json_object
-from pyllmrouter.server.body import BODY_METHODS, TooLarge, read_body, replay
+from pyllmrouter.server.body import read_or_refuse, replay
 from pyllmrouter.server.errors import ApiError, error_response
 
 __all__ = ["Ingress", "NODE_RESOURCE", "node_ids"]
@@ -70,14 +70,9 @@ class Ingress:
         (whole replies too: the node's generation stops)."""
         if scope["type"] != "http":
             return
-        body = b""
-        if scope["method"] in BODY_METHODS:
-            try:
-                body = await read_body(receive, self.max_body)
-            except TooLarge as e:
-                return await error_response(ApiError(413, str(e), code="body_too_large"))(scope, receive, send)
-            if body is None:
-                return  # the client left before its body had come
+        body = await read_or_refuse(scope, receive, send, self.max_body)
+        if body is None:
+            return  # answered (413), or the client left before its body had come
         left = asyncio.Event()
 
         async def watch() -> None:

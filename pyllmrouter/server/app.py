@@ -42,7 +42,7 @@ from pyllmrouter.server.errors import ApiError, error_response, from_router_erro
 from pyllmrouter.router.services import Services
 from pyllmrouter.router.streams import Stream
 from pyllmrouter.protocol import HttpReply
-from pyllmrouter.server.body import BODY_METHODS, TooLarge, form, read_body, replay
+from pyllmrouter.server.body import BODY_METHODS, form, read_or_refuse, replay
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.metrics import Metrics
 
@@ -341,12 +341,9 @@ class _Guard:
         if err is not None:
             return await error_response(err)(scope, receive, send)
         if scope["method"] in BODY_METHODS:  # counted as it comes (chunked too), refused at the limit
-            try:
-                raw = await read_body(receive, self.max_body)
-            except TooLarge as e:
-                return await error_response(ApiError(413, str(e), code="body_too_large"))(scope, receive, send)
+            raw = await read_or_refuse(scope, receive, send, self.max_body)
             if raw is None:
-                return  # the client left before its body had come
+                return  # answered (413), or the client left before its body had come
             receive = replay(raw, receive)
         if scope["method"] == "POST" and _engine_post_path(scope["path"]):
             return await self.engine_post(scope, receive, send)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-__all__ = ["BODY_METHODS", "TooLarge", "read_body", "replay"]
+from pyllmrouter.server.errors import ApiError, error_response
+
+__all__ = ["BODY_METHODS", "TooLarge", "read_body", "read_or_refuse", "replay"]
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
@@ -41,6 +43,18 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
             chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def read_or_refuse(scope: dict, receive: Receive, send, limit: int) -> bytes | None:
+    """A request's body within ``limit`` (b"" for a method without one); None when it is
+    answered already: 413 sent (past the limit, read no further) or the client gone."""
+    if scope["method"] not in BODY_METHODS:
+        return b""
+    try:
+        return await read_body(receive, limit)
+    except TooLarge as e:
+        await error_response(ApiError(413, str(e), code="body_too_large"))(scope, receive, send)
+        return None
 
 
 def replay(body: bytes, then: Receive) -> Receive:
