@@ -43,6 +43,23 @@ Files files_of(const py::dict & files) {
     return out;
 }
 
+// Engine::handle and Services::handle from Python: the body and files copied while the GIL
+// is held, the handler run without it.
+template <typename T>
+std::shared_ptr<EngineReply> call_handler(T & target, const std::string & method, const std::string & path,
+                                          const std::map<std::string, std::string> & query,
+                                          const std::map<std::string, std::string> & headers, const py::bytes & body,
+                                          const std::string & query_string, std::shared_ptr<StopFlag> stop,
+                                          const py::dict & files) {
+    std::string b = body;
+    const Files f = files_of(files);
+    py::gil_scoped_release release;
+    return target.handle(method, path, query, headers, b, query_string, std::move(stop), f);
+}
+
+#define HANDLE_ARGS py::arg("method"), py::arg("path"), py::arg("query"), py::arg("headers"), py::arg("body"), \
+    py::arg("query_string") = "", py::arg("stop") = nullptr, py::arg("files") = py::dict()
+
 py::list rows_list(const std::vector<BufferRow> & rows) {
     py::list out;
     for (const auto & r : rows) out.append(row_dict(r));
@@ -189,18 +206,7 @@ void bind_engine(py::module_ & m) {
              "Parse llama-server arguments (ValueError names a bad one).")
         .def("load", &Engine::load, py::call_guard<py::gil_scoped_release>(),
              "Load the model and start the slot loop (RuntimeError on failure).")
-        .def("handle", [](Engine & e, const std::string & method, const std::string & path,
-                          const std::map<std::string, std::string> & query,
-                          const std::map<std::string, std::string> & headers, const py::bytes & body,
-                          const std::string & query_string, std::shared_ptr<StopFlag> stop, const py::dict & files) {
-                 std::string b = body;
-                 const Files f = files_of(files);
-                 py::gil_scoped_release release;
-                 return e.handle(method, path, query, headers, b, query_string, std::move(stop), f);
-             },
-             py::arg("method"), py::arg("path"), py::arg("query"), py::arg("headers"), py::arg("body"),
-             py::arg("query_string") = "", py::arg("stop") = nullptr, py::arg("files") = py::dict(),
-             "The reply of llama-server's handler for (method, path).")
+        .def("handle", &call_handler<Engine>, HANDLE_ARGS, "The reply of llama-server's handler for (method, path).")
         .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>(),
              "End the slot loop and free the model and context.")
         .def("slot_file", &Engine::slot_file, py::arg("save"), py::arg("slot"), py::arg("path"),
@@ -219,18 +225,7 @@ void bind_engine(py::module_ & m) {
                  return std::make_unique<Services>(args);
              }), py::arg("args"),
              "Parse llama-server arguments and start the MCP servers they name.")
-        .def("handle", [](Services & s, const std::string & method, const std::string & path,
-                          const std::map<std::string, std::string> & query,
-                          const std::map<std::string, std::string> & headers, const py::bytes & body,
-                          const std::string & query_string, std::shared_ptr<StopFlag> stop, const py::dict & files) {
-                 std::string b = body;
-                 const Files f = files_of(files);
-                 py::gil_scoped_release release;
-                 return s.handle(method, path, query, headers, b, query_string, std::move(stop), f);
-             },
-             py::arg("method"), py::arg("path"), py::arg("query"), py::arg("headers"), py::arg("body"),
-             py::arg("query_string") = "", py::arg("stop") = nullptr, py::arg("files") = py::dict(),
-             "The reply of llama-server's handler for (method, path).")
+        .def("handle", &call_handler<Services>, HANDLE_ARGS, "The reply of llama-server's handler for (method, path).")
         .def("close", &Services::close, py::call_guard<py::gil_scoped_release>(),
              "End the requests in flight and the MCP servers.");
     m.def("router_settings", &router_settings, py::arg("args"),
