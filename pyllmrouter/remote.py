@@ -11,7 +11,7 @@ from typing import Any
 
 from pyllmrouter.tables import mib
 
-__all__ = ["RemoteError", "get", "post", "ps_table", "devices_table"]
+__all__ = ["RemoteError", "request", "get", "post", "ps_table", "devices_table"]
 
 PS_HEADERS = ["model", "state", "on (MiB per device)", "requests", "waiting", "until"]
 DEVICE_HEADERS = ["device", "kind", "total MiB", "models MiB", "workers MiB", "other programs MiB",
@@ -22,32 +22,41 @@ class RemoteError(RuntimeError):
     """The server could not be asked, or answered with an error (its message)."""
 
 
-def _call(url: str, path: str, key: str | None, body: dict | None = None) -> Any:
+def request(url: str, method: str, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, Any]:
+    """``method path`` on the server at ``url``: its status and JSON body, error statuses
+    included; RemoteError only when it cannot be reached."""
     headers = {"Content-Type": "application/json"}
     if key:
         headers["Authorization"] = f"Bearer {key}"
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers,
-                                 method="GET" if body is None else "POST")
+    req = urllib.request.Request(url.rstrip("/") + path, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
-            return json.loads(r.read())
+            return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         try:
-            message = json.loads(e.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = e.reason
-        raise RemoteError(f"{url}{path}: {e.code} {message}") from None
+            return e.code, json.loads(e.read())
+        except ValueError:
+            return e.code, {"error": {"message": e.reason}}
     except (urllib.error.URLError, OSError) as e:
         raise RemoteError(f"{url}: cannot connect ({getattr(e, 'reason', e)})") from None
 
 
+def _ok(url: str, path: str, status: int, data: Any) -> Any:
+    if status >= 400:
+        message = (data.get("error") or {}).get("message") if isinstance(data, dict) else None
+        raise RemoteError(f"{url}{path}: {status} {message or data}")
+    return data
+
+
 def get(url: str, path: str, key: str | None = None) -> Any:
-    return _call(url, path, key)
+    """The JSON body of ``GET path``; an error status raises RemoteError with its message."""
+    return _ok(url, path, *request(url, "GET", path, None, key))
 
 
 def post(url: str, path: str, body: dict, key: str | None = None) -> Any:
-    return _call(url, path, key, body)
+    """The JSON body of ``POST path``; an error status raises RemoteError with its message."""
+    return _ok(url, path, *request(url, "POST", path, body, key))
 
 
 def _until(m: dict) -> str:

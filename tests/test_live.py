@@ -23,7 +23,7 @@ from pyllmrouter.errors import ModelRemoved, UnknownModel
 from pyllmrouter.router.registry import API, Step, diff, step
 from pyllmrouter.router.sources import Sources
 from pyllmrouter.router.state import State
-from pyllmrouter.server import create_app
+from pyllmrouter.server.app import HTTP_PROTOCOL, create_app
 from pyllmrouter.tools.hub import LocalHub
 from pyllmrouter.tools.loopback import free_port, start_serve
 
@@ -32,10 +32,11 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @contextmanager
-def serving(router: Router):
-    app = create_app(router)
+def serving(router: Router, **app_options):
+    """``router``'s HTTP app (``create_app(router, **app_options)``) on a free port, as serve runs it."""
+    app = create_app(router, **app_options)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=HTTP_PROTOCOL))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     while not srv.started:

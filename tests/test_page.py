@@ -5,17 +5,16 @@ installed (scripts/setup.sh --test installs it where apt can be used)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from pyllmrouter import ModelSpec
 from pyllmrouter.engine.probe import probe
+from pyllmrouter.remote import request
 from pyllmrouter.tools import scripted
 from pyllmrouter.tools.loopback import start_serve
 from test_live import wait_for
@@ -38,10 +37,9 @@ def _why_no_browser() -> str | None:
 
 
 def _api(base: str, method: str, path: str, body: dict | None = None) -> dict:
-    req = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(), method=method,
-                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+    status, data = request(base, method, path, body, KEY)
+    assert status == 200, data
+    return data
 
 
 @pytest.fixture(scope="module")

@@ -12,15 +12,12 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from pyllmrouter import ModelSpec
 from pyllmrouter.config import ModelConfig
@@ -30,7 +27,7 @@ from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_
 from pyllmrouter.router.api import Router
 from pyllmrouter.tools.scripted import (THINK_SCRIPT, THINK_TEMPLATE, TOOL_SCRIPT, TOOL_TEMPLATE,
                                         write_scripted)
-from pyllmrouter.server import create_app
+from test_live import serving
 
 pytestmark = pytest.mark.slow  # llama-server and our server side by side
 
@@ -71,20 +68,12 @@ def _pair(spec: ModelSpec):
     theirs = subprocess.Popen([str(LLAMA_SERVER), *engine_args(spec, "m"), "--host", "127.0.0.1",
                                "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     router = Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 4 << 30}), margin=0)
-    ours_port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=ours_port,
-                                        log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
     try:
-        wait_healthy(f"http://127.0.0.1:{port}", theirs)
-        while not srv.started:
-            time.sleep(0.02)
-        router.load("m")
-        yield f"http://127.0.0.1:{ours_port}", f"http://127.0.0.1:{port}"
+        with serving(router) as ours:
+            wait_healthy(f"http://127.0.0.1:{port}", theirs)
+            router.load("m")
+            yield ours, f"http://127.0.0.1:{port}"
     finally:
-        srv.should_exit = True
-        t.join(30)
         theirs.terminate()
         theirs.wait(10)
         router.close()

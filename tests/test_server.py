@@ -15,14 +15,13 @@ import time
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from pyllmrouter import ModelSpec, probe
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.tools.loopback import free_port, wait_healthy
 from pyllmrouter.router.api import Router
-from pyllmrouter.server import create_app
+from test_live import serving
 
 pytestmark = pytest.mark.slow  # a real server and worker processes
 
@@ -50,16 +49,8 @@ def server(tiny, tmp_path_factory, module_cache):
     ]
     router = Router(models, inventory=EmulatedInventory({"GPU0": gpu0, "GPU1": 1 << 30}), margin=0,
                     queue_timeout=4.0, turn=0.2)
-    app = create_app(router, api_key=KEY, max_body=64 * 1024)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    while not srv.started:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", router
-    srv.should_exit = True
-    t.join(30)
+    with serving(router, api_key=KEY, max_body=64 * 1024) as base:
+        yield base, router
 
 
 @pytest.fixture()

@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pyllmrouter.ray import cluster
 from pyllmrouter.ray.messages import Head, NodeRequest
-from pyllmrouter.server.app import guard_error, json_object
+from pyllmrouter.server.app import HTTP_PROTOCOL, guard_error, json_object
 from pyllmrouter.server.body import read_or_refuse, replay
 from pyllmrouter.server.errors import ApiError, error_response
 
@@ -53,7 +53,7 @@ class Ingress:
             listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         except OSError as e:
             raise RuntimeError(f"the ingress cannot listen on {host}:{port}: {e.strerror or e}") from None
-        config = uvicorn.Config(self.asgi, lifespan="off", interface="asgi3", http="h11",
+        config = uvicorn.Config(self.asgi, lifespan="off", interface="asgi3", http=HTTP_PROTOCOL,
                                 log_level="info" if access_log else "warning",
                                 access_log=access_log)
         self._server = uvicorn.Server(config)

@@ -46,7 +46,12 @@ from pyllmrouter.server.body import BODY_METHODS, form, read_or_refuse, replay
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.metrics import Metrics
 
-__all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET"]
+__all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL"]
+
+# uvicorn's protocol for every server of this app: h11 writes header names as given (httptools
+# lower-cases them), so clients that read headers case-sensitively, llama.cpp's own server tests
+# among them, see llama-server's spelling
+HTTP_PROTOCOL = "h11"
 
 _DISABLED = json.dumps({"error": {"message": "this feature is disabled", "type": "feature_disabled"}}).encode()
 PUBLIC = frozenset({"/health", "/v1/health"})  # llama-server's: no API key asked

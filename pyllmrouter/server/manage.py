@@ -105,25 +105,24 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
         data += [_download_entry(n, d, created) for n, d in st["downloads"].items() if n not in configs]
         return {"object": "list", "data": data, "devices": st["devices"]}
 
-    @app.post("/models")
-    async def pull(request: Request):
-        name = await model_arg(request)
+    async def in_cache(fn, name: str) -> dict:
+        """A pull into (or a removal from) llama.cpp's cache; a name it cannot take is a 400."""
         try:
-            await call(router.pull, name)
+            await call(fn, name)
         except ValueError as e:
             raise ApiError(400, str(e), param="model") from None
         return {"success": True}
+
+    @app.post("/models")
+    async def pull(request: Request):
+        return await in_cache(router.pull, await model_arg(request))
 
     @app.delete("/models")
     async def delete(request: Request):
         name = request.query_params.get("model")
         if not name:
             raise ApiError(400, "model must be a non-empty string (?model=)", param="model")
-        try:
-            await call(router.delete, name)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="model") from None
-        return {"success": True}
+        return await in_cache(router.delete, name)
 
     @app.post("/models/load")
     async def load(request: Request):

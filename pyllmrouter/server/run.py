@@ -122,7 +122,7 @@ def router_from_args(a: argparse.Namespace) -> Router:
 def serve(a: argparse.Namespace) -> int:
     import uvicorn  # noqa: PLC0415
 
-    from pyllmrouter.server.app import create_app  # noqa: PLC0415
+    from pyllmrouter.server.app import HTTP_PROTOCOL, create_app  # noqa: PLC0415
 
     class Server(uvicorn.Server):
         """SIGTERM/SIGINT: drain, shut down, exit 0 (uvicorn would re-raise the signal)."""
@@ -156,10 +156,8 @@ def serve(a: argparse.Namespace) -> int:
             router.close()
             raise SystemExit(f"pyllmrouter serve: {e}") from None
     app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services)
-    # h11 writes header names as given (httptools lower-cases them): clients that read headers
-    # case-sensitively, llama.cpp's own server tests among them, see llama-server's spelling
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
-                            timeout_graceful_shutdown=a.shutdown_timeout, http="h11")
+                            timeout_graceful_shutdown=a.shutdown_timeout, http=HTTP_PROTOCOL)
     try:
         Server(config).run()
     finally:

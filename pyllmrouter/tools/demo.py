@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pyllmrouter.engine.probe import probe
 from pyllmrouter.memory import cache_dir
-from pyllmrouter.remote import RemoteError, devices_table, get, ps_table
+from pyllmrouter.remote import RemoteError, devices_table, get, ps_table, request
 from pyllmrouter.spec import ModelSpec
 from pyllmrouter.tables import mib, render
 from pyllmrouter.tools import scripted, tinymodels
@@ -133,22 +133,12 @@ def _say(code: int, data: dict) -> str:
     return (f"[thinks: {thought}] " if thought else "") + (msg.get("content") or "")
 
 
-def _post(base: str, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 def _workload(base: str, need: dict[str, int], gpu0: int, gpu1: int) -> list[list]:
     steps: list[list] = []
 
     def step(label: str, path: str, body: dict) -> None:
         t0 = time.perf_counter()
-        code, data = _post(base, path, body)
+        code, data = request(base, "POST", path, body)
         steps.append([len(steps) + 1, label, code, f"{(time.perf_counter() - t0) * 1000:.0f}", _say(code, data)])
 
     hi = [{"role": "user", "content": "hello"}]
