@@ -6,6 +6,8 @@
 #   scripts/setup.sh --cuda 90     CUDA build for one GPU architecture (90: H100/H200),
 #                                  from the trimmed sdist (4 MB instead of 76 MB), plus
 #                                  nvidia-ml-py; combine with --test for the GPU suite
+#   scripts/setup.sh --extra NAME  also the package's extra NAME (gpu-check: what
+#                                  scripts/gpu_check.sh runs, without the whole test set)
 #
 # llama-cpp-python is built once from its pinned sdist (downloaded through pip,
 # checked by sha256 against vendor/pin.json) and the wheel is cached under
@@ -21,7 +23,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --test) extras+=(test) ;;
     --cuda) cuda="${2:?--cuda needs an architecture, e.g. 90}"; shift ;;
-    *) echo "usage: scripts/setup.sh [--test] [--cuda ARCH]" >&2; exit 2 ;;
+    --extra) extras+=("${2:?--extra needs the name of an extra}"); shift ;;
+    *) echo "usage: scripts/setup.sh [--test] [--cuda ARCH] [--extra NAME]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -37,7 +40,9 @@ py="$venv/bin/python"
 pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
 pip install --upgrade pip
-pip install "scikit-build-core>=0.10" "pybind11>=2.12"
+# --no-build-isolation builds sdist-only dependencies (wget) with the venv's own setuptools:
+# the one a venv starts with may predate bdist_wheel in setuptools (70.1)
+pip install "setuptools>=70.1" "scikit-build-core>=0.10" "pybind11>=2.12"
 command -v cmake >/dev/null || pip install "cmake>=3.21"
 command -v ninja >/dev/null || pip install ninja
 
@@ -49,10 +54,10 @@ installed=$("$py" -c 'import importlib.metadata as m; print(m.version("llama-cpp
 if [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/null)" != "$key" ]; then
   wheels="$cache/wheels/$key"
   if ! ls "$wheels"/llama_cpp_python-"$version"-*.whl >/dev/null 2>&1; then
-    sdist=$("$py" vendor/fetch.py sdist)
     if [ -n "$cuda" ]; then
-      sdist="$cache/trimmed/$(basename "$sdist")"
-      "$py" vendor/fetch.py trimmed --out "$sdist"
+      sdist=$("$py" vendor/fetch.py trimmed)  # what the build reads: 4 MB instead of 76
+    else
+      sdist=$("$py" vendor/fetch.py sdist)
     fi
     echo "building llama-cpp-python $version ($args); this takes a few minutes"
     CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
@@ -63,8 +68,9 @@ if [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/nu
   echo "$key" > "$venv/.llama-cpp-build"
 fi
 
-# the staging header needs the sdist even when the wheel came from the cache
-"$py" vendor/fetch.py sdist >/dev/null
+# the extension's build reads the pinned source (headers, llama.cpp's common and server)
+# even when the wheel came from the cache: the trimmed sdist holds them
+if [ -n "$cuda" ]; then "$py" vendor/fetch.py trimmed >/dev/null; else "$py" vendor/fetch.py sdist >/dev/null; fi
 spec="."
 [ ${#extras[@]} -gt 0 ] && spec=".[$(IFS=,; echo "${extras[*]}")]"
 pip install --no-build-isolation -e "$spec"

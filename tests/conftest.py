@@ -9,9 +9,41 @@ import sys
 import textwrap
 
 import pytest
+from hypothesis import settings
 
 from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import RpcServers, rpc_server_binary
+
+# Property tests: the README's test command (and CI) runs a fixed, derandomized search, so a
+# run that passed passes again; HYPOTHESIS_PROFILE=wide searches far more examples from a
+# random seed (README: "Property tests"), and what it finds becomes an @example.
+settings.register_profile("ci", max_examples=300, derandomize=True, deadline=None, database=None,
+                          print_blob=True)
+settings.register_profile("wide", max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", "20000")),
+                          deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def worker_pids() -> list[int]:
+    """The worker processes this process started (live ones: a reaped or zombie one holds
+    nothing), oldest first."""
+    from pyllmrouter.router.pool import WORKER_ENTRY
+
+    me, out = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        state, ppid = stat.rpartition(")")[2].split()[:2]
+        if int(ppid) == me and state != "Z" and WORKER_ENTRY.encode() in argv:
+            out.append(int(entry))
+    return sorted(out)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,6 +1,6 @@
 """Admission (pure): properties of decide(view, request) over random router states."""
 
-from hypothesis import given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pyllmrouter import ModelSpec
@@ -44,6 +44,26 @@ def states(draw):
     return view, Request("new", tuple(options), Fits()), kinds
 
 
+def _seen_state():
+    """The counterexample a fresh run found (the newcomer needs nothing where d0 and d1 are
+    already over-committed; an empty worker holds one byte on d1 only, where the workers
+    evicted before it made room): the model m3 is evicted and that worker rightly stays."""
+    available = {"d0": -360, "d1": -45, "d2": 0}
+    capacity = {"d0": 1000, "d1": 1000, "d2": 1000}
+    residents = [("m0", {"d2": 1}, 1.0, "idle"), ("m1", {"d2": 1}, 2.0, "idle"), ("m2", {"d2": 1}, 3.0, "idle"),
+                 ("m3", {"d0": 284}, 4.0, "idle"), ("m4", {"d0": 10}, 0.0, "persistent"),
+                 ("(worker w0)", {"d0": 76, "d1": 1, "d2": 1}, float("-inf"), "worker-empty"),
+                 ("(worker w1)", {"d1": 44, "d2": 1}, float("-inf"), "worker-empty"),
+                 ("(worker w2)", {"d1": 1}, float("-inf"), "worker-empty")]
+    stoppable = ("idle", "worker-empty")
+    view = View(available, capacity,
+                evictable=tuple(Resident(n, need, t, k in stoppable) for n, need, t, k in residents),
+                drainable=tuple(Resident(n, need, t, k in stoppable) for n, need, t, k in residents),
+                grantable=tuple(Resident(n, need, t, k in stoppable) for n, need, t, k in residents))
+    request = Request("new", (Option(frozenset({"d0", "d1"}), {"d0": 0, "d1": 0}, SPEC),), Fits())
+    return view, request, {n: k for n, _, _, k in residents}
+
+
 def fits(need, available):
     return not placement.shortfall(need, available)
 
@@ -57,8 +77,8 @@ def freed(view, victims):
     return out
 
 
-@settings(max_examples=400, deadline=None)
 @given(states())
+@example(_seen_state())
 def test_decisions_are_sound(state):
     view, request, kinds = state
     decision = decide(view, request)
@@ -80,11 +100,14 @@ def test_decisions_are_sound(state):
         used = [r.last_used for v in decision.victims for r in view.evictable if r.name == v]
         assert used == sorted(used)
         # an empty worker goes before any model: no model is evicted while an empty worker
-        # with bytes where the model is short stays
+        # stays that holds bytes where the model is still short once the empty workers
+        # chosen are gone (one whose bytes are only where those made room is no help)
         if any(kinds[v] == "idle" for v in decision.victims):
-            mine = placement.shortfall(decision.need, view.available)  # where the chosen option is short
+            workers = [v for v in decision.victims if kinds[v] == "worker-empty"]
+            assert decision.victims[:len(workers)] == tuple(workers)  # the workers first
+            still = placement.shortfall(decision.need, freed(view, workers))
             assert all(n in decision.victims for n, k in kinds.items()
-                       if k == "worker-empty" and any(held[n].get(d, 0) > 0 for d in mine))
+                       if k == "worker-empty" and any(held[n].get(d, 0) > 0 for d in still))
     elif isinstance(decision, Never):
         # no option fits even on empty devices
         for o in request.options:
@@ -97,7 +120,6 @@ def test_decisions_are_sound(state):
         assert all(kinds[v] != "persistent" and kinds[v] != "worker-busy" for v in decision.drain)
 
 
-@settings(max_examples=300, deadline=None)
 @given(states())
 def test_a_model_that_fits_on_empty_devices_is_never_refused(state):
     view, request, _ = state
@@ -105,7 +127,6 @@ def test_a_model_that_fits_on_empty_devices_is_never_refused(state):
         assert not isinstance(decide(view, request), Never)
 
 
-@settings(max_examples=300, deadline=None)
 @given(states(), st.integers(0, 2000))
 def test_more_free_memory_never_turns_an_admission_away(state, extra):
     view, request, _ = state
@@ -115,7 +136,6 @@ def test_more_free_memory_never_turns_an_admission_away(state, extra):
         assert isinstance(decide(richer, request), Admit)
 
 
-@settings(max_examples=200, deadline=None)
 @given(states())
 def test_decide_is_pure(state):
     view, request, _ = state

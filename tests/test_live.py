@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from pyllmrouter import ModelConfig, ModelSpec, Router, probe
 from pyllmrouter.devices import EmulatedInventory
@@ -79,7 +79,6 @@ def test_a_retiring_model_is_never_unloaded_busy_and_goes_only_once_unloaded(sta
 NAMES = st.sampled_from(["a", "b", "c", "d", "e"])
 
 
-@settings(max_examples=200)
 @given(st.dictionaries(NAMES, st.tuples(st.integers(0, 2), st.sampled_from(["preset", "cache", API]))),
        st.dictionaries(NAMES, st.integers(0, 2)))
 def test_reconciling_gives_the_sources_list_and_keeps_what_the_api_added(current, new):

@@ -1,6 +1,6 @@
 """Placement policy (pure): property tests and the incidents in miniature."""
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pyllmrouter import ModelSpec
@@ -90,7 +90,6 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
 @given(capacity=st.fixed_dictionaries({d: st.integers(10, 100) for d in DEVICES}), ops=ops)
 def test_admitted_requirements_never_exceed_any_budget(capacity, ops):
     resident: dict[int, dict] = {}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import time
 from dataclasses import replace
 
 import pytest
+from conftest import worker_pids
 
 from pyllmrouter import ModelSpec, probe
 from pyllmrouter.config import ModelConfig
@@ -309,14 +309,14 @@ def test_the_worker_that_measured_a_model_serves_it(tiny, tmp_path, monkeypatch,
     if cached:
         with Router([ModelConfig("a", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
             r.scheduler.measure("a")
-        assert multiprocessing.active_children() == []
+        assert worker_pids() == []
     with Router([ModelConfig("a", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
         r.scheduler.measure("a")
-        measured_by = [p.pid for p in multiprocessing.active_children()]
+        measured_by = worker_pids()
         assert len(measured_by) == 1 and [w["pid"] for w in r.status()["workers"]] == measured_by
         r.complete("a", "x", max_tokens=2)
         assert [w["pid"] for w in r.status()["workers"]] == measured_by
-        assert [p.pid for p in multiprocessing.active_children()] == measured_by
+        assert worker_pids() == measured_by
 
 
 def test_a_model_measured_for_several_device_sets_starts_no_worker(tiny, tmp_path, monkeypatch):
@@ -327,32 +327,38 @@ def test_a_model_measured_for_several_device_sets_starts_no_worker(tiny, tmp_pat
     with Router([ModelConfig("a", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30, "GPU1": 1 << 30}),
                 margin=0) as r:
         r.scheduler.measure("a")
-        assert multiprocessing.active_children() == [] and r.status()["workers"] == []
+        assert worker_pids() == [] and r.status()["workers"] == []
 
 
 def test_close_leaves_no_process_and_router_never_loads_a_backend(tiny):
     code = textwrap.dedent(f"""
-        import multiprocessing, os, sys
+        import os, sys
         from pyllmrouter import ModelSpec
         from pyllmrouter.config import ModelConfig
         from pyllmrouter.devices import EmulatedInventory
         from pyllmrouter.router.api import Router
-        if __name__ == "__main__":
-            r = Router([ModelConfig("a", ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=256))],
-                       inventory=EmulatedInventory({{"GPU0": 1 << 30}}), margin=0)
-            r.complete("a", "x", max_tokens=2)
-            pids = [w["pid"] for w in r.status()["workers"]]
-            maps = open("/proc/self/maps").read()
-            print("libllama" in maps, "llama_cpp" in sys.modules, "libggml" in maps)
-            r.close()
-            alive = []
-            for p in pids:
-                try:
-                    os.kill(p, 0)
-                    alive.append(p)
-                except ProcessLookupError:
-                    pass
-            print(len(pids), alive, multiprocessing.active_children())
+        r = Router([ModelConfig("a", ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=256))],
+                   inventory=EmulatedInventory({{"GPU0": 1 << 30}}), margin=0)
+        r.complete("a", "x", max_tokens=2)
+        pids = [w["pid"] for w in r.status()["workers"]]
+        maps = open("/proc/self/maps").read()
+        print("libllama" in maps, "llama_cpp" in sys.modules, "libggml" in maps)
+        r.close()
+        alive = []
+        for p in pids:
+            try:
+                os.kill(p, 0)
+                alive.append(p)
+            except ProcessLookupError:
+                pass
+        children = []
+        for p in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if open(f"/proc/{{p}}/stat").read().rpartition(")")[2].split()[1] == str(os.getpid()):
+                    children.append(p)
+            except OSError:
+                pass  # gone meanwhile
+        print(len(pids), alive, children)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

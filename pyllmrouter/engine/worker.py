@@ -35,7 +35,7 @@ from pyllmrouter.engine.slots import restore_all, save_all
 from pyllmrouter.protocol import (SERVICES, Call, Cancel, ErrorKind, Failed, Fit, LoadModel, Loaded, Ping, Probe,
                                   Ready, Result, Shutdown, StartServices, Unloaded, UnloadModel)
 
-__all__ = ["worker_main"]
+__all__ = ["main", "worker_main"]
 
 _LOG = logging.getLogger(__name__)
 
@@ -196,11 +196,18 @@ class _Worker:
                     host.call(msg)
 
 
-def worker_main(conn, env: dict[str, str]) -> None:
-    """Process entry point (multiprocessing, spawn)."""
-    os.environ.update(env)  # before anything imports llama_cpp
-    # the pipe came through spawn's pass_fds, inheritable: a process this worker starts (an
-    # MCP server, a tool's shell) would hold it open, and the router would not see us end
+def main() -> None:
+    """The process's entry point (router/pool.py starts it: the device mask is already in
+    its environment, and the pipe's descriptor is its last argument)."""
+    from multiprocessing.connection import Connection  # noqa: PLC0415
+
+    worker_main(Connection(int(sys.argv[-1])))
+
+
+def worker_main(conn) -> None:
+    """Serve the router on ``conn`` until it says Shutdown or goes."""
+    # the pipe came through pass_fds, inheritable: a process this worker starts (an MCP
+    # server, a tool's shell) would hold it open, and the router would not see us end
     os.set_inheritable(conn.fileno(), False)
     from pyllmrouter.engine.backend import native  # noqa: PLC0415 - imports llama_cpp under the mask
     from pyllmrouter.devices import RPC_ENV  # noqa: PLC0415

@@ -16,18 +16,36 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import multiprocessing as mp
+import json
+import os
 import queue
+import re
+import subprocess
+import sys
 import threading
-import time
 from collections import deque
+from multiprocessing.connection import Connection, Pipe
 from typing import Any, Callable
 
 from pyllmrouter.errors import WorkerDied
 from pyllmrouter.protocol import FINAL, Batch, Cancel, ErrorKind, Failed, Ping, Ready, Shutdown
-from pyllmrouter.engine.worker import worker_main
 
-__all__ = ["WorkerHandle", "Pending"]
+__all__ = ["WorkerHandle", "Pending", "WORKER_ENTRY"]
+
+# A worker is a fresh interpreter (spawned, never forked: no lock or thread of the router
+# is copied into it) that starts from pyllmrouter's own entry point.  multiprocessing's
+# spawn would first run the application's main module again in the child (a script without
+# an ``if __name__ == "__main__"`` guard would then start its own router there); this
+# imports nothing of the application: the parent's sys.path, then the worker.
+WORKER_ENTRY = "pyllmrouter.engine.worker"
+_BOOT = ("import json, os, sys; sys.path[:] = json.loads(os.environ.pop('PYLLMROUTER_SYS_PATH')); "
+         f"from {WORKER_ENTRY} import main; main()")
+_TAIL = 20  # lines of a worker's stderr kept to explain its death
+# a line that says why a process ended: ggml's abort or assert ("file.cpp:547: Failed to
+# connect..."), Python's exception line, or a line that says error or failed; not a frame
+# of the backtrace ggml prints after its message
+_REASON = re.compile(r"^(\S+\.(c|cc|cpp|cu|h|hpp):\d+: .+|[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*"
+                     r"|[^#\s\[].*\b(error|failed)\b.*)$", re.I)
 
 class Pending:
     """Replies to one call, in order; the last one is final (Result, Failed, ...).
@@ -122,28 +140,39 @@ class WorkerHandle:
         self._pending: dict[int, Pending] = {}
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # what the writer thread sends, in order
-        self._process: mp.process.BaseProcess | None = None
-        self._conn = None
+        self._process: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._stderr: deque[str] = deque(maxlen=_TAIL)  # the last lines the worker wrote there
+        self._reason: str | None = None  # the last of them that said why (_REASON)
+        self._relay: threading.Thread | None = None
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
         self._ids = itertools.count(1)
 
     def start(self, timeout: float = 120.0) -> None:
         """Spawn the process and wait until it has initialised its backends."""
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._process = ctx.Process(target=worker_main, args=(child, self.env), name=f"pyllmrouter-{self.name}",
-                                    daemon=True)
-        self._process.start()
-        child.close()
+        parent, child = Pipe()
+        env = {**os.environ, **self.env, "PYLLMROUTER_SYS_PATH": json.dumps(sys.path)}
+        try:
+            self._process = subprocess.Popen([sys.executable, "-c", _BOOT, WORKER_ENTRY, str(child.fileno())],
+                                             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
+                                             stderr=subprocess.PIPE)
+        except OSError as e:  # no process at all (out of memory, no executable)
+            raise WorkerDied(f"worker {self.name} could not start: {e}") from None
+        finally:
+            child.close()
         self._conn = parent
+        self._relay = threading.Thread(target=self._relay_stderr, name=f"stderr-{self.name}", daemon=True)
+        self._relay.start()
         if not parent.poll(timeout):
             self._process.kill()
-            raise WorkerDied(f"worker {self.name} did not start within {timeout} s")
+            raise WorkerDied(f"worker {self.name} did not start within {timeout} s{self._last_words()}")
         try:
             ready = parent.recv()
         except (EOFError, OSError):
-            raise WorkerDied(f"worker {self.name} exited while starting (exit code {self._exitcode()})") from None
+            code = self._exitcode()
+            raise WorkerDied(f"worker {self.name} exited while starting (exit code {code}){self._last_words()}") \
+                from None
         assert isinstance(ready, Ready), ready
         self.pid, self.overhead, self.alive = ready.pid, dict(ready.overhead), True
         self._reader = threading.Thread(target=self._read, name=f"reader-{self.name}", daemon=True)
@@ -152,10 +181,39 @@ class WorkerHandle:
         self._writer.start()
 
     def _exitcode(self) -> int | None:
+        """The process's exit status (-N: killed by signal N), waiting a second at most."""
         if self._process is None:
             return None
-        self._process.join(1)
-        return self._process.exitcode
+        try:
+            return self._process.wait(1)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def _relay_stderr(self) -> None:
+        """Pass the worker's stderr on to ours, keeping its last lines (why it died)."""
+        for raw in self._process.stderr:
+            line = raw.decode(errors="replace")
+            if line.strip():
+                self._stderr.append(line.rstrip())
+                if _REASON.match(line.strip()):
+                    self._reason = line.strip()
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (OSError, ValueError, AttributeError):
+                pass  # no stderr here (closed, or a pythonw): the tail is still kept
+        self._process.stderr.close()
+
+    def _last_words(self) -> str:
+        """': <why, from the worker's stderr>' (the last line that says why, else its last
+        line), once its stderr is read to the end (a backtrace takes a few seconds)."""
+        if self._relay is not None and self._relay is not threading.current_thread():
+            self._relay.join(10)
+        why = self._reason or (self._stderr[-1] if self._stderr else None)
+        return f": {why}" if why else ""
+
+    def _alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
 
     def send(self, msg: Any) -> None:
         """Queue ``msg`` for the writer thread (never blocks); WorkerDied if the worker is
@@ -204,7 +262,7 @@ class WorkerHandle:
     def kill(self) -> None:
         """End a worker that stopped answering: its reader then sees the pipe close, and the
         worker is dead as if it had crashed (its requests fail with WorkerDied)."""
-        if self._process is not None and self._process.is_alive():
+        if self._alive():
             self._process.kill()
 
     def wait_dead(self, timeout: float) -> bool:
@@ -238,9 +296,10 @@ class WorkerHandle:
             orphans, self._pending = list(self._pending.values()), {}
         self._outbox.put(Shutdown())  # the writer ends too (its send fails on the closed pipe)
         code = self._exitcode()
+        why = self._last_words() if code else ""
         if was_alive:  # the router learns first, so whoever sees the failure sees the new state
             self.on_death(self)
-        _deliver([(p, Failed(p.req_id, ErrorKind.WORKER_DIED, f"worker {self.name} (pid {self.pid}) exited with code {code}"))
+        _deliver([(p, Failed(p.req_id, ErrorKind.WORKER_DIED, f"worker {self.name} (pid {self.pid}) exited with code {code}{why}"))
                   for p in orphans])
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -250,14 +309,16 @@ class WorkerHandle:
         with self._lock:
             self.alive = False
         self._outbox.put(Shutdown())  # after whatever was queued; a hung worker is killed below
-        deadline = time.monotonic() + timeout
-        self._process.join(max(0.0, deadline - time.monotonic()))
-        if self._process.is_alive():
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
             self._process.kill()
-            self._process.join(5)
+            self._process.wait(5)
         if self._conn is not None:
             self._conn.close()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(5)
         if self._writer is not None and self._writer is not threading.current_thread():
             self._writer.join(5)
+        if self._relay is not None and self._relay is not threading.current_thread():
+            self._relay.join(5)
