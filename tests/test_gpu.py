@@ -72,6 +72,103 @@ def test_router_holds_no_context_and_one_worker_holds_one(tiny):
     assert len(out["workers"]) == 1
 
 
+def probed_cuda0(path, n_ctx: int) -> int:
+    """The probe's CUDA0 bytes for a fully offloaded model, measured in a process of its own
+    (a probe opens a context: not in the process whose figures a test reads)."""
+    return run_py(f"""
+        import json
+        from pyllmrouter import ModelSpec, probe
+        print(json.dumps(probe(ModelSpec({str(path)!r}, n_ctx={n_ctx}, n_gpu_layers=-1)).per_device()["CUDA0"]))
+    """)
+
+
+def test_workers_open_a_context_only_on_their_own_devices(tiny):
+    """Seed 000: a worker sees only its device set.  Beside a model on each GPU, a model
+    pinned to the host: its worker appears on no GPU, each GPU worker on its own GPU only,
+    and the router on none (NVML's per-device process lists)."""
+    out = run_py(f"""
+        import json, os
+        import pynvml
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.config import ModelConfig
+        from pyllmrouter.router.api import Router
+        pynvml.nvmlInit()
+        gpus = pynvml.nvmlDeviceGetCount()
+        def seen():
+            return {{f"CUDA{{i}}": sorted(p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(
+                pynvml.nvmlDeviceGetHandleByIndex(i))) for i in range(gpus)}}
+        models = [ModelConfig(f"g{{i}}", ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512), devices=(f"CUDA{{i}}",))
+                  for i in range(gpus)]
+        models.append(ModelConfig("host", ModelSpec({str(tiny["tiny-llama"])!r}, n_ctx=512), devices=("CPU",)))
+        with Router(models, margin=0) as r:
+            for m in models:
+                r.complete(m.name, "hello", max_tokens=4)
+            workers = {{"+".join(w["devices"]): w["pid"] for w in r.status()["workers"]}}
+            print(json.dumps({{"me": os.getpid(), "seen": seen(), "workers": workers}}))
+    """)
+    print(f"\nprocesses per GPU: {out['seen']}; workers: {out['workers']}")
+    host_worker = out["workers"]["CPU"]
+    for gpu, pids in out["seen"].items():
+        assert out["me"] not in pids  # the router process never opens a context
+        assert host_worker not in pids  # the host's worker sees no GPU
+        assert [p for p in pids if p in out["workers"].values()] == [out["workers"][gpu]]  # its own worker only
+
+
+def test_seed_001_two_pinned_models_that_do_not_fit_together_are_served_in_turns(shape7b):
+    """Seed 001 on a real GPU: two models pinned to CUDA0 whose sum does not fit what the
+    margin leaves, requested at once by clients of both: every request is answered, the
+    models take turns (evictions), no load fails (no cudaMalloc error), and the free memory
+    NVML reports never goes under the margin."""
+    out = run_py(f"""
+        import json, threading, time
+        from pyllmrouter import ModelSpec
+        from pyllmrouter.config import ModelConfig
+        from pyllmrouter.devices import SystemInventory
+        from pyllmrouter.router.api import Router
+        inv = SystemInventory()
+        need = {probed_cuda0(shape7b, 4352)}
+        margin = max(0, inv.free()["CUDA0"] - int(need * 1.6))  # room for one, not two
+        models = [ModelConfig(n, ModelSpec({str(shape7b)!r}, n_ctx=c, n_gpu_layers=-1), devices=("CUDA0",))
+                  for n, c in (("x", 4096), ("y", 4352))]
+        lows, stop, errors, answered = [], threading.Event(), [], []
+        def sample():
+            while not stop.is_set():
+                lows.append(inv.free()["CUDA0"])
+                time.sleep(0.02)
+        def client(name):
+            for _ in range(3):
+                try:
+                    r.complete(name, "hi", max_tokens=2)
+                    answered.append(name)
+                except Exception as e:  # noqa: BLE001 - counted, and the test fails on it
+                    errors.append(f"{{name}}: {{type(e).__name__}}: {{e}}")
+        with Router(models, inventory=inv, margin=margin) as r:
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            threads = [threading.Thread(target=client, args=(n,)) for n in ("x", "y", "x", "y")]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            seconds = time.perf_counter() - t0
+            stop.set()
+            sampler.join()
+            events = [(e[1], e[2]) for e in r.scheduler.events]
+        print(json.dumps({{"need": need, "margin": margin, "low": min(lows), "errors": errors,
+                          "answered": len(answered), "events": events, "seconds": seconds}}))
+    """, timeout=600)
+    kinds = [e[0] for e in out["events"]]
+    print(f"\nseed 001: {out['answered']} requests answered in {out['seconds']:.1f} s, "
+          f"{kinds.count('load')} loads, {kinds.count('evict')} evictions, "
+          f"{kinds.count('load-failed')} failed loads; need {out['need'] >> 20} MiB, "
+          f"margin {out['margin'] >> 20} MiB, lowest free {out['low'] >> 20} MiB")
+    assert out["errors"] == [] and out["answered"] == 12
+    assert "load-failed" not in kinds
+    assert kinds.count("evict") >= 1 and {("load", "x"), ("load", "y")} <= {tuple(e) for e in out["events"]}
+    assert out["low"] >= out["margin"], out
+
+
 def test_three_models_cost_one_context_not_three(tiny):
     one = run_py(f"""
         import json
@@ -148,13 +245,13 @@ def test_residual_is_measured_and_admission_counts_it(tiny):
 def test_margin_stays_free_after_loads(shape7b):
     out = run_py(f"""
         import json
-        from pyllmrouter import ModelSpec, probe
+        from pyllmrouter import ModelSpec
         from pyllmrouter.config import ModelConfig
         from pyllmrouter.devices import SystemInventory
         from pyllmrouter.router.api import Router
         if __name__ == "__main__":
             inv = SystemInventory()
-            need = probe(ModelSpec({str(shape7b)!r}, n_ctx=4096)).total
+            need = {probed_cuda0(shape7b, 4097)}
             free = inv.free()["CUDA0"]
             margin = max(0, free - int(need * 1.6))  # room for one 7B, not two
             models = [ModelConfig(n, ModelSpec({str(shape7b)!r}, n_ctx=c), devices=("CUDA0",))

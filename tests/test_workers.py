@@ -113,3 +113,15 @@ def test_on_rpc_servers_the_idle_worker_lets_go_of_its_servers(rpc_servers, tiny
         wait_for(lambda: not workers(r), 10, "the worker to stop")
         assert not alive(pid)
         assert r.complete("a", "hi", max_tokens=2)["choices"]  # the server takes a new worker
+
+
+def test_a_gpu_workers_mask_numbers_devices_as_nvml_does():
+    """Inventory names come from NVML's order (PCI bus); CUDA's own order is fastest first
+    unless CUDA_DEVICE_ORDER says otherwise: without it, on a box of unlike GPUs, a model
+    pinned to CUDA1 would run on another card than the one admission counted."""
+    from pyllmrouter.devices import EmulatedInventory, SystemInventory
+
+    env = SystemInventory().mask_env(frozenset({"CUDA1", "CUDA3"}))
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    hidden = EmulatedInventory({"GPU0": 1 << 30}).mask_env(frozenset({"GPU0"}))
+    assert hidden["CUDA_VISIBLE_DEVICES"] == "-1" and hidden["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"

