@@ -23,13 +23,18 @@ common_params hf_params(const std::string & name, bool offline) {
     return p;
 }
 
+// Progress to the caller, and the caller's cancel to llama.cpp's downloader (is_cancelled:
+// it stops the transfer and removes its .downloadInProgress file).
 struct ProgressRelay : common_download_callback {
-    const std::function<void(const std::string &, std::uint64_t, std::uint64_t)> & report;
-    explicit ProgressRelay(const std::function<void(const std::string &, std::uint64_t, std::uint64_t)> & r)
+    const std::function<bool(const std::string &, std::uint64_t, std::uint64_t)> & report;
+    bool cancelled = false;
+    explicit ProgressRelay(const std::function<bool(const std::string &, std::uint64_t, std::uint64_t)> & r)
         : report(r) {}
-    void on_start(const common_download_progress & p) override { report(p.url, p.downloaded, p.total); }
-    void on_update(const common_download_progress & p) override { report(p.url, p.downloaded, p.total); }
-    void on_done(const common_download_progress & p, bool) override { report(p.url, p.downloaded, p.total); }
+    void relay(const common_download_progress & p) { cancelled = !report(p.url, p.downloaded, p.total) || cancelled; }
+    void on_start(const common_download_progress & p) override { relay(p); }
+    void on_update(const common_download_progress & p) override { relay(p); }
+    void on_done(const common_download_progress & p, bool) override { relay(p); }
+    bool is_cancelled() const override { return cancelled; }
 };
 
 }  // namespace
@@ -54,13 +59,16 @@ std::vector<CachedModel> cached_models() {
 }
 
 std::string download_model(const std::string & name,
-                           const std::function<void(const std::string &, std::uint64_t, std::uint64_t)> & progress,
+                           const std::function<bool(const std::string &, std::uint64_t, std::uint64_t)> & progress,
                            const std::string & hf_file) {
     common_params p = hf_params(name, /*offline =*/false);
     p.model.hf_file = hf_file;
     common_models_handler handler = common_models_handler_init(p, LLAMA_EXAMPLE_SERVER);
     ProgressRelay relay(progress);
     common_models_handler_apply(handler, p, &relay);
+    if (relay.cancelled) {
+        throw std::runtime_error("the download of " + name + " was cancelled");
+    }
     if (p.model.path.empty()) {
         throw std::runtime_error("no GGUF model in " + name);
     }

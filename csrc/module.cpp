@@ -302,11 +302,13 @@ void bind_engine(py::module_ & m) {
               py::gil_scoped_release release;
               return download_model(name, [&progress](const std::string & url, std::uint64_t done, std::uint64_t total) {
                   py::gil_scoped_acquire acquire;
-                  progress(url, done, total);
+                  py::object go_on = progress(url, done, total);
+                  return go_on.is_none() || go_on.cast<bool>();
               }, hf_file);
           }, py::arg("name"), py::arg("progress"), py::arg("hf_file") = "",
           "Download org/repo[:tag] into llama.cpp's cache with llama.cpp's downloader; progress(url, done, total) "
-          "as it goes; returns the model's path (RuntimeError names the reason).");
+          "as it goes (False: cancel; the partial file is removed); returns the model's path (RuntimeError names "
+          "the reason).");
     m.def("remove_cached", &remove_cached, py::arg("name"), "Remove org/repo[:tag] from llama.cpp's cache.");
     m.def("resolve_cached", [](const std::string & repo, const std::string & file) {
               CachedModel c;
@@ -322,6 +324,9 @@ void bind_engine(py::module_ & m) {
           "A model of llama.cpp's cache resolved offline, as llama-server resolves -hf [--hf-file]: {path, mmproj}.");
     m.def("args_to_preset", &args_to_preset, py::arg("args"),
           "A llama-server command line as preset (key, value) pairs, as llama.cpp's preset machinery reads it.");
+    m.def("model_base_args", &model_base_args, py::arg("args"),
+          "The router's llama-server arguments as llama-server's router lays them over every model: "
+          "without the router's own options (TLS, API keys, model sources, a model's file and alias).");
     m.def("cache_dir", &cache_dir, "Where llama.cpp's cache of downloads is.");
     m.def("build_info", [] { return std::string(llama_build_info()); }, "llama.cpp's build (llama-server's build_info).");
     m.def("server_params", [](const std::vector<std::string> & args) {

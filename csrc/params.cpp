@@ -275,4 +275,28 @@ std::vector<std::pair<std::string, std::string>> args_to_preset(const std::vecto
     return out;
 }
 
+std::vector<std::string> model_base_args(const std::vector<std::string> & args) {
+    if (args.empty()) {
+        return {};
+    }
+    static const common_preset_context ctx(LLAMA_EXAMPLE_SERVER);
+    std::vector<std::string> full = {"llama-server"};
+    full.insert(full.end(), args.begin(), args.end());
+    std::vector<char *> argv;
+    for (auto & a : full) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    try {
+        common_preset preset = ctx.load_from_args(static_cast<int>(full.size()), argv.data());
+        for (const char * env : {"LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE", "LLAMA_API_KEY",
+                                 "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_MODELS_DIR", "LLAMA_ARG_MODELS_MAX",
+                                 "LLAMA_ARG_MODELS_PRESET", "LLAMA_ARG_MODELS_AUTOLOAD", "LLAMA_ARG_MODEL",
+                                 "LLAMA_ARG_MMPROJ", "LLAMA_ARG_ALIAS", "LLAMA_ARG_HF_REPO", "LLAMA_ARG_LOG_FILE"}) {
+            preset.unset_option(env);
+        }
+        return preset.to_args();
+    } catch (const std::exception & e) {
+        throw engine_args_error(e.what());
+    }
+}
+
 }  // namespace pyllmrouter

@@ -90,6 +90,12 @@ struct PresetModel {
 // it (common_preset_context::load_from_args): [(key, value)].
 std::vector<std::pair<std::string, std::string>> args_to_preset(const std::vector<std::string> & args);
 
+// The router's command line as llama-server's router lays it over every model: without
+// the options that are the router's own (server-models.cpp's unset_reserved_args, model
+// arguments included, and the log file): TLS files, API keys and key files, the model
+// sources, the model limit, autoload, and a model's file, projector, alias and repository.
+std::vector<std::string> model_base_args(const std::vector<std::string> & args);
+
 PresetModel preset_model(const std::vector<std::pair<std::string, std::string>> & keys);
 
 // llama.cpp's own fit of these arguments on devices with exactly the room given (by

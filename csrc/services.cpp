@@ -19,6 +19,7 @@ std::string router_settings(const std::vector<std::string> & args) {
     const bool mcp_on = !p.mcp_servers_config.empty() || !p.mcp_servers_json.empty();
     return safe_json_to_str({
         {"cors_origins", p.cors_origins},
+        {"cors_origins_explicit", p.cors_origins_explicit},
         {"cors_methods", p.cors_methods},
         {"cors_headers", p.cors_headers},
         {"cors_credentials", p.cors_credentials},

@@ -24,7 +24,7 @@ from typing import Any
 
 from pyllmrouter.spec import ROUTER_DEFAULTS
 
-__all__ = ["ArgsError", "resolve", "cached_models"]
+__all__ = ["ArgsError", "resolve", "cached_models", "model_base_args"]
 
 # a checking process must not open a GPU context
 _NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1", "HIP_VISIBLE_DEVICES": "-1", "ROCR_VISIBLE_DEVICES": "-1",
@@ -61,6 +61,16 @@ def resolve(models: list[tuple[str, list[tuple[str, str, int]]]],
     if not models:
         return {}
     return _run({"models": models, "base_args": list(base_args)})["models"]
+
+
+def model_base_args(args: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The router's own llama-server arguments as llama-server's router lays them over every
+    model: without the options that are the router's (its API keys and key files, TLS
+    files, model sources and limit, a model's file and alias), read by llama.cpp's preset
+    machinery; ArgsError for an argument llama.cpp does not know."""
+    if not args:
+        return ()
+    return tuple(_run({"model_base_args": list(args)})["base_args"])
 
 
 def cached_models() -> tuple[str, list[dict[str, str]]]:
@@ -108,6 +118,11 @@ def _main() -> None:
         base = request.get("base_args", [])
         out: dict[str, Any] = {"models": {name: _check(native(), name, keys, base)
                                           for name, keys in request.get("models", [])}}
+        if "model_base_args" in request:
+            try:
+                out["base_args"] = native().model_base_args(request["model_base_args"])
+            except ValueError as e:
+                raise ArgsError("router", None, 0, str(e)) from None
         if request.get("cache"):
             out["cache"], out["cache_dir"] = native().cached_models(), native().cache_dir()
     except ArgsError as e:

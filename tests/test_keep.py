@@ -43,6 +43,56 @@ def test_ram_over_budget_goes_to_disk_least_recently_saved_first_and_disk_keeps_
     assert not (tmp_path / "disk" / "m1" / "slot0.bin").exists()
 
 
+def test_kept_states_are_the_users_alone(tmp_path):
+    """A kept state holds a conversation's tokens: its directories are 0700 and its files
+    0600, in RAM and on disk, whatever the engine's umask made them."""
+    os.umask(old := os.umask(0o022))
+    try:
+        store = KeepStore(ram_budget=100, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram")
+        store.add("m1", [saved(store, "m1", "slot0.bin", 100)])
+        store.add("m2", [saved(store, "m2", "slot0.bin", 100)])  # m1 goes to disk
+    finally:
+        os.umask(old)
+    mode = lambda p: p.stat().st_mode & 0o777  # noqa: E731
+    for place, ident in ((tmp_path / "disk", "m1"), (tmp_path / "ram", "m2")):
+        assert mode(place / ident) == 0o700, place
+        assert {mode(f) for f in (place / ident).iterdir()} == {0o600}, place
+    assert mode(tmp_path / "disk") == 0o700
+
+
+def test_a_planted_owner_file_neither_hangs_a_starting_router_nor_is_trusted(tmp_path):
+    """reclaim (a router starting) meets what another local user may have planted in the
+    shared RAM folder: a FIFO as a directory's owner file (an open would wait for a
+    writer forever), a link, another user's directory.  It returns at once and removes
+    none of them."""
+    import stat
+    import threading
+
+    from pyllmrouter.router.keep import reclaim
+
+    fifo = tmp_path / "pyllmrouter-kv-fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / ".owner")
+    link = tmp_path / "pyllmrouter-kv-link"
+    link.mkdir()
+    (tmp_path / "elsewhere").write_text("not an owner file")
+    os.symlink(tmp_path / "elsewhere", link / ".owner")
+    linked_dir = tmp_path / "pyllmrouter-kv-linked"
+    os.symlink(tmp_path / "elsewhere-dir", linked_dir)
+    (tmp_path / "elsewhere-dir").mkdir()
+    theirs = tmp_path / "pyllmrouter-kv-theirs"
+    theirs.mkdir()
+    if os.getuid() == 0:
+        os.chown(theirs, 12345, 12345)
+    gone: list = []
+    t = threading.Thread(target=lambda: gone.extend(reclaim(tmp_path)), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "reclaim waited on a FIFO"
+    assert gone == [] and stat.S_ISFIFO(os.lstat(fifo / ".owner").st_mode)
+    assert (link / ".owner").is_symlink() and (tmp_path / "elsewhere-dir").is_dir() and theirs.is_dir()
+
+
 def test_without_a_disk_directory_what_overflows_is_dropped(tmp_path):
     store = KeepStore(ram_budget=150, ram_dir=tmp_path / "ram")
     store.add("a", [saved(store, "a", "slot0.bin", 100)])

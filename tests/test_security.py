@@ -16,7 +16,8 @@ import pytest
 
 from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.router.downloads import Downloads
+from pyllmrouter.router.downloads import CANCEL_GRACE, Downloads
+from pyllmrouter.router.sources import Sources
 from pyllmrouter.router.events import EventBus
 from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
 
@@ -163,7 +164,8 @@ def test_pulls_at_once_are_bounded(tiny, monkeypatch):
     stuck.listen(64)
     monkeypatch.setenv("MODEL_ENDPOINT", f"http://127.0.0.1:{stuck.getsockname()[1]}/")
     try:
-        with _two(tiny) as r, serving(r) as base, httpx.Client(base_url=base, timeout=60) as http:
+        with _two(tiny, sources=Sources(cache=True)) as r, serving(r) as base, \
+                httpx.Client(base_url=base, timeout=60) as http:
             answers = [http.post("/models", json={"model": f"test/m{i}:Q8_0"}) for i in range(12)]
             codes = [a.status_code for a in answers]
             assert codes[:4] == [200] * 4 and set(codes[4:]) == {429}
@@ -172,7 +174,10 @@ def test_pulls_at_once_are_bounded(tiny, monkeypatch):
             for i in range(4):  # cancelled: gone from the list, not listed as failed
                 assert http.delete("/models", params={"model": f"test/m{i}:Q8_0"}).status_code == 200
             assert wait_for(lambda: not r.status()["downloads"], what="the cancelled downloads gone")
-            assert http.post("/models", json={"model": "test/again:Q8_0"}).status_code == 200
+            # a transfer that never moves never asks whether it is cancelled: killed after the grace,
+            # its slot then free
+            assert wait_for(lambda: http.post("/models", json={"model": "test/again:Q8_0"}).status_code == 200,
+                            timeout=3 * CANCEL_GRACE, what="a slot free again")
     finally:
         stuck.close()
 
@@ -190,3 +195,44 @@ def test_the_failed_pulls_listed_are_bounded(monkeypatch):
         wait_for(lambda: len(ended) == i + 1, what=f"download {i} to fail")
     assert list(downloads.status()) == ["test/f1:Q8_0", "test/f2:Q8_0"]  # the newest failures
     assert all(d["status"] == "failed" and d["error"] for d in downloads.status().values())
+
+
+def test_a_pull_whose_listing_fails_still_frees_its_slot(monkeypatch):
+    """The call that lists a pulled model (a reload: a bad preset, a failed cache listing)
+    may raise: the download's slot is free all the same, so later pulls are not 429."""
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))
+    port = refused.getsockname()[1]
+    refused.close()
+    monkeypatch.setenv("MODEL_ENDPOINT", f"http://127.0.0.1:{port}/")
+    ended: list[str] = []
+
+    def listing_fails(name, path, error):
+        ended.append(name)
+        raise ValueError("the preset is bad now")
+
+    downloads = Downloads(EventBus(), listing_fails, max_active=1)
+    for i in range(3):
+        downloads.start(f"test/f{i}:Q8_0")  # Busy if an earlier one still held the only slot
+        wait_for(lambda: downloads.status().get(f"test/f{i}:Q8_0", {}).get("status") == "failed",
+                 what=f"download {i} ended")
+    assert len(ended) == 3
+
+
+def test_a_cancelled_pull_leaves_no_partial_file(tiny, tmp_path, monkeypatch):
+    """DELETE /models while a pull runs cancels it as llama.cpp cancels: its downloader stops
+    and deletes the .downloadInProgress file, which nothing would list or delete later."""
+    from pyllmrouter.tools.hub import LocalHub
+
+    big = tmp_path / "big.gguf"
+    big.write_bytes(Path(tiny["tiny-llama"]).read_bytes() + bytes(24 << 20))
+    cache = Path(os.environ["LLAMA_CACHE"])
+    with LocalHub({"test/big": {"big-Q8_0.gguf": big}}, rate=4 << 20) as endpoint:  # about 6 s
+        monkeypatch.setenv("MODEL_ENDPOINT", endpoint)
+        with _two(tiny, sources=Sources(cache=True)) as r, serving(r) as base, \
+                httpx.Client(base_url=base, timeout=60) as http:
+            assert http.post("/models", json={"model": "test/big:Q8_0"}).status_code == 200
+            partial = wait_for(lambda: list(cache.rglob("*.downloadInProgress")), what="the transfer under way")
+            assert http.delete("/models", params={"model": "test/big:Q8_0"}).json() == {"success": True}
+            wait_for(lambda: not any(p.exists() for p in partial), timeout=CANCEL_GRACE, what="the partial file gone")
+            assert "test/big:Q8_0" not in r.status()["downloads"]  # cancelled, not failed

@@ -30,8 +30,9 @@ def _source_tests() -> Path:
 
 
 @contextmanager
-def both(models_dir: Path, *args: str):
-    """llama-server's router mode and ours, on one models directory and these arguments."""
+def both(models_dir: Path, *args: str, ours_args: tuple[str, ...] | None = None):
+    """llama-server's router mode and ours, on one models directory and these arguments
+    (``ours_args``: ours on others)."""
     binary = llama_tool("llama-server")
     if not binary.exists():
         pytest.skip(f"{binary} is missing: scripts/setup.sh --test builds it")
@@ -41,7 +42,8 @@ def both(models_dir: Path, *args: str):
     ours = None
     try:
         wait_healthy(f"http://127.0.0.1:{port}", peer)
-        ours, base = start_serve(["--models-dir", str(models_dir), "--no-models-cache", *args])
+        ours, base = start_serve(["--models-dir", str(models_dir), "--no-models-cache",
+                                  *(args if ours_args is None else ours_args)])
         yield f"http://127.0.0.1:{port}", base
     finally:
         for proc in (peer, ours):
@@ -62,14 +64,26 @@ def _cors(response: httpx.Response) -> dict[str, str]:
 
 
 ORIGINS = [None, "http://localhost:8080", "http://127.0.0.1:3000", "http://[::1]", "http://evil.com",
-           "http://localhost.evil.com", "web.mydomain.fr"]
+           "http://localhost.evil.com", "web.mydomain.fr", "https://app.example"]
 
 
-@pytest.mark.parametrize("args", [(), ("--cors-origins", "localhost"), ("--tools", "all"),
-                                  ("--cors-origins", "https://app.example", "--no-cors-credentials"),
-                                  ("--api-key", "k1")], ids=["default", "localhost", "tools", "fixed", "key"])
-def test_cors_answers_as_llama_servers_router(models_dir, args):
-    with both(models_dir, *args) as (theirs, ours):
+LOCAL = {"http://localhost:8080", "http://127.0.0.1:3000", "http://[::1]"}
+
+
+@pytest.mark.parametrize("theirs_args, ours_args", [
+    (("--cors-origins", "localhost"), ()),  # ours by default: the local origins only
+    ((), ("--cors-origins", "*")),  # llama-server's default, given back by one option
+    (("--cors-origins", "localhost"), ("--cors-origins", "localhost")),
+    (("--tools", "all"), ("--tools", "all")),
+    (("--cors-origins", "https://app.example", "--no-cors-credentials"),) * 2,
+    (("--api-key", "k1", "--cors-origins", "localhost"), ("--api-key", "k1"))],
+    ids=["default", "star", "localhost", "tools", "fixed", "key"])
+def test_cors_answers_as_llama_servers_router(models_dir, theirs_args, ours_args):
+    """The preflight's and the answers' CORS headers are llama-server's for the same origins
+    setting; a request from an origin that setting does not allow is refused by ours (403)."""
+    allowed = {"*": set(ORIGINS), "https://app.example": {"https://app.example"}}.get(
+        dict(zip(ours_args[::2], ours_args[1::2])).get("--cors-origins", "localhost"), LOCAL)
+    with both(models_dir, *theirs_args, ours_args=ours_args) as (theirs, ours):
         for origin in ORIGINS:
             hdr = {"Origin": origin, "Access-Control-Request-Method": "POST"} if origin else {}
             a = httpx.options(theirs + "/v1/chat/completions", headers=hdr, timeout=30)
@@ -77,7 +91,10 @@ def test_cors_answers_as_llama_servers_router(models_dir, args):
             assert (b.status_code, _cors(b)) == (a.status_code, _cors(a)), origin  # the preflight: no key asked
             if origin:
                 a, b = (httpx.get(base + "/v1/models", headers={"Origin": origin}, timeout=30) for base in (theirs, ours))
-                assert (b.status_code, _cors(b)) == (a.status_code, _cors(a)), origin
+                if origin in allowed:
+                    assert (b.status_code, _cors(b)) == (a.status_code, _cors(a)), origin
+                else:
+                    assert b.status_code == 403 and "--cors-origins" in b.json()["error"]["message"], origin
 
 
 def test_api_keys_from_a_key_file_open_the_router(models_dir, tmp_path):
@@ -90,6 +107,17 @@ def test_api_keys_from_a_key_file_open_the_router(models_dir, tmp_path):
                 r = httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
                 assert r.status_code == 200, base
             assert httpx.get(base + "/v1/health", timeout=30).status_code == 200  # public
+            # the router's own options are not a model's: no model is given (or lists) the key file
+            listed = httpx.get(base + "/models", headers={"Authorization": "Bearer first-key"}, timeout=30).json()
+            args = [a for m in listed["data"] for a in m["status"]["args"]]
+            assert args and str(keys) not in args and "--api-key-file" not in args, base
+
+
+def test_router_props_say_whether_the_cors_proxy_is_on(models_dir):
+    for args in ((), ("--ui-mcp-proxy",)):
+        with both(models_dir, *args) as (theirs, ours):
+            a, b = (httpx.get(base + "/props", timeout=30).json() for base in (theirs, ours))
+            assert b["cors_proxy_enabled"] == a["cors_proxy_enabled"] == bool(args)
 
 
 def test_tools_are_llama_servers_own_or_its_403(models_dir, tmp_path):

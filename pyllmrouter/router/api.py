@@ -172,17 +172,16 @@ class Router:
     def pull(self, name: str) -> None:
         """Download ``org/repo[:tag]`` into llama.cpp's cache, in a short-lived process; it
         is listed (and servable) once it is there (ValueError: the name is taken)."""
+        if not self._sources.cache:
+            raise ValueError(f"pulls are off: this router does not serve llama.cpp's cache of downloads "
+                             f"(serve --models-cache, or Sources(cache=True)), so {name!r} would not be listed")
         if name in self._sched.configs():
             raise ValueError(f"model {name!r} already exists")
         self._downloads.start(name)
 
     def _downloaded(self, name: str, path: str | None, error: str | None) -> None:
-        if path is None or self._stop.is_set():
-            return
-        if self._sources.cache:
-            self.reload()
-        elif name not in self._sched.configs():
-            self.add_model(ModelConfig(name, ModelSpec(path), source="cache"))
+        if path is not None and not self._stop.is_set():
+            self.reload()  # the cache is a source: the pulled model is listed as llama.cpp lists it
 
     def delete(self, name: str) -> None:
         """Remove a model of llama.cpp's cache: its download stopped, or the model removed

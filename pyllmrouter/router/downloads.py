@@ -4,7 +4,8 @@
                     ◀── JSON lines: progress ... path | error
         progress ──▶ the bus: download_progress {progress: {url: {done, total}}}
         the end  ──▶ the bus: download_finished | download_failed {error}; on_done(name, path, error)
-    cancel(name) ──▶ the process killed (DELETE /models while it downloads)
+    cancel(name) ──▶ SIGTERM: llama.cpp's downloader cancels, its partial file removed
+                     (DELETE /models while it downloads); killed if it does not end
     remove(name) ──▶ python -m pyllmrouter.engine.download --remove NAME
 
 One download per name at a time, and at most ``max_active`` at once (more: Busy, a
@@ -16,15 +17,19 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import subprocess
 import sys
 import threading
+import time
 from typing import Any, Callable
 
 from pyllmrouter.errors import Busy
 from pyllmrouter.router.events import EventBus
 
 __all__ = ["Downloads"]
+
+_LOG = logging.getLogger(__name__)
 
 
 class Downloads:
@@ -82,24 +87,32 @@ class Downloads:
         why = [line.strip() for line in said if "error" in line.lower() or "failed" in line.lower()]
         if error is not None and why:
             error = f"{error} ({'; '.join(why[-2:])})"
-        self._on_done(name, path, error)  # a model that came is in the list before it is said to have
-        with self._lock:
-            self._procs.pop(name, None)
-            listed = self._state.pop(name, None) is not None  # not: cancelled (DELETE /models)
-            if path is None and listed:  # listed again, at the end: the newest failure
-                self._state[name] = {"status": "failed", "progress": {}, "error": error}
-                failed = [n for n, st in self._state.items() if st["status"] == "failed"]
-                for old in failed[:max(0, len(failed) - self._max_failed)]:
-                    del self._state[old]
+        try:
+            self._on_done(name, path, error)  # a model that came is in the list before it is said to have
+        except Exception:  # noqa: BLE001 - its file is in the cache all the same: listed at the next reading
+            _LOG.exception("after the download of %s", name)
+        finally:  # the slot is free whatever on_done did
+            with self._lock:
+                self._procs.pop(name, None)
+                listed = self._state.pop(name, None) is not None  # not: cancelled (DELETE /models)
+                if path is None and listed:  # listed again, at the end: the newest failure
+                    self._state[name] = {"status": "failed", "progress": {}, "error": error}
+                    failed = [n for n, st in self._state.items() if st["status"] == "failed"]
+                    for old in failed[:max(0, len(failed) - self._max_failed)]:
+                        del self._state[old]
         self._bus.publish("download_finished" if path else "download_failed", name,
                           **({"error": error} if error else {}))
 
     def cancel(self, name: str) -> bool:
+        """Stop a download as llama.cpp cancels one (SIGTERM: its downloader stops at the next
+        block and deletes the partial file); killed if it has not ended in ``CANCEL_GRACE``
+        seconds (a transfer that never moves).  Whether one was under way."""
         with self._lock:
             proc = self._procs.get(name)
             self._state.pop(name, None)
         if proc is not None:
-            proc.kill()
+            proc.terminate()
+            threading.Thread(target=_kill_late, args=(proc,), name=f"cancel-{name}", daemon=True).start()
         return proc is not None
 
     def status(self) -> dict[str, dict[str, Any]]:
@@ -123,8 +136,25 @@ class Downloads:
         except (ValueError, IndexError, KeyError):
             raise RuntimeError(f"removing {name} failed: {proc.stderr.strip()[-500:]}") from None
 
-    def close(self) -> None:
+    def close(self, grace: float = 2.0) -> None:
+        """Cancel every download (llama.cpp removes their partial files), killing within ``grace``."""
         with self._lock:
             procs = list(self._procs.values())
         for p in procs:
-            p.kill()
+            p.terminate()
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+CANCEL_GRACE = 5.0  # seconds a cancelled download has to end before it is killed
+
+
+def _kill_late(proc: subprocess.Popen) -> None:
+    try:
+        proc.wait(CANCEL_GRACE)
+    except subprocess.TimeoutExpired:
+        proc.kill()

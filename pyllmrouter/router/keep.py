@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -50,6 +51,8 @@ _LOG = logging.getLogger(__name__)
 _PREFIX = "pyllmrouter-kv-"  # a RAM directory in use, its .owner locked
 _NEW = ".pyllmrouter-kv-new-"  # one being made (renamed to _PREFIX once locked)
 _OWNER = ".owner"
+# kept states are conversations' tokens: readable by the user who runs the router only
+_DIR_MODE, _FILE_MODE = 0o700, 0o600
 
 
 def _ram_base() -> Path | None:
@@ -62,7 +65,7 @@ def _claim(base: Path | None) -> tuple[Path, int]:
     its ``.owner`` locked, then renamed, so a directory under the final name is never
     seen unlocked while its router lives."""
     tmp = Path(tempfile.mkdtemp(prefix=_NEW, dir=base))
-    fd = os.open(tmp / _OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(tmp / _OWNER, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, f"{os.getpid()}\n".encode())
     final = tmp.with_name(_PREFIX + tmp.name.removeprefix(_NEW))
@@ -70,33 +73,50 @@ def _claim(base: Path | None) -> tuple[Path, int]:
     return final, fd
 
 
+def _ours(path: Path, kind: int) -> bool:
+    """``path`` itself (not a link to it) is of ``kind`` (stat.S_IFDIR, S_IFREG) and ours."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid()
+
+
 def reclaim(base: Path | None = None, grace: float = 60.0) -> list[Path]:
     """Remove the RAM directories of routers that no longer run (``base``: /dev/shm, or the
     temporary directory where it is missing): those whose ``.owner`` lock is free, and
     half-made ones older than ``grace`` seconds.  A live router's lock is held: its
-    directory is left alone.  The directories removed."""
+    directory is left alone.  Only our own directories are looked at, and an ``.owner``
+    that is not a plain file of ours (a FIFO, a link, another user's) is never opened for
+    long or trusted: another local user cannot make a starting router wait or remove
+    what it should not.  The directories removed."""
     base = Path(base) if base is not None else (_ram_base() or Path(tempfile.gettempdir()))
     gone = []
     for d in [*base.glob(_PREFIX + "*"), *base.glob(_NEW + "*")]:
-        try:
-            fd = os.open(d / _OWNER, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:  # none: a router's from before owner files, or one being made
+        if not _ours(d, stat.S_IFDIR):
+            continue
+        if d.name.startswith(_NEW):  # one being made: its owner locks, then renames it
             try:
-                young = time.time() - d.stat().st_mtime < grace
+                if time.time() - os.lstat(d).st_mtime < grace:
+                    continue
             except OSError:
                 continue
-            if not (young and d.name.startswith(_NEW)):
-                shutil.rmtree(d, ignore_errors=True)
-                gone.append(d)
+        try:  # O_NONBLOCK: a FIFO would block an open; O_NOFOLLOW: not a link's target
+            fd = os.open(d / _OWNER, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:  # none: a router's from before owner files, or a half-made one
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(d)
             continue
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue  # its router is running
-        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue  # not an owner file of ours: left alone
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its router is running
             shutil.rmtree(d, ignore_errors=True)
             gone.append(d)
         finally:
@@ -155,10 +175,10 @@ class KeepStore:
                 _LOG.info("removed %s: the kept states of a router that no longer runs", d)
             ram_dir, self._owner = _claim(base)
         self.ram_dir = Path(ram_dir)
-        self.ram_dir.mkdir(parents=True, exist_ok=True)
+        self.ram_dir.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
         self.disk_dir = Path(disk_dir) if disk_dir else None
         if self.disk_dir is not None:
-            self.disk_dir.mkdir(parents=True, exist_ok=True)
+            self.disk_dir.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
             self._index_disk()
         with self._lock:
             self._settle()
@@ -184,7 +204,7 @@ class KeepStore:
         (after close(): a directory that is not made, so nothing is saved)."""
         d = self.ram_dir / ident
         if not self._closed:
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
         if model is not None:
             with self._lock:
                 self._models[ident] = model
@@ -213,8 +233,12 @@ class KeepStore:
         for name, tokens, size in files:  # read back before the lock: the files are the engine's new ones
             path = self.ram_dir / ident / name
             try:
+                os.chmod(path, _FILE_MODE)  # a conversation's tokens: the user's alone
                 crc = _crc(path)
-                path.with_suffix(".meta").write_text(json.dumps({"tokens": tokens, "size": size, "crc": crc}))
+                meta = os.open(path.with_suffix(".meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                               _FILE_MODE)
+                with os.fdopen(meta, "w") as f:
+                    f.write(json.dumps({"tokens": tokens, "size": size, "crc": crc}))
             except OSError as e:
                 _LOG.warning("kept state %s of %s cannot be read back: %s", name, ident, e)
                 continue
@@ -359,7 +383,7 @@ class KeepStore:
 
     def _move(self, k: Kept, directory: Path) -> None:
         """The file and its sidecar into ``directory``."""
-        directory.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
         path = self._path(k)
         shutil.move(path, directory / k.name)
         if path.with_suffix(".meta").exists():

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pyllmrouter.config import ModelConfig
-from pyllmrouter.engine_args import cached_models
+from pyllmrouter.engine_args import cached_models, model_base_args
 from pyllmrouter.presets import read_preset, scan_models_dir
 from pyllmrouter.spec import ModelSpec
 
@@ -39,7 +39,10 @@ class Sources:
         ``base_args``: llama-server arguments laid over every model (the router's own command
         line, as llama-server's router lays its own over every child's)."""
         self.preset, self.models_dir, self.cache = preset, models_dir, cache
-        self.base_args = tuple(base_args)
+        # what llama-server's router lays over a child: its command line without the
+        # router's own options (API keys and key files, TLS, model sources...), which no
+        # model gets and GET /models does not show
+        self.base_args = model_base_args(base_args)
         self._cache_dir: Path | None = None  # where llama.cpp said its cache is, when it was listed
 
     def read(self) -> tuple[list[ModelConfig], dict[str, Any]]:

@@ -43,6 +43,7 @@ from pyllmrouter.router.services import Services
 from pyllmrouter.router.streams import Stream
 from pyllmrouter.protocol import HttpReply
 from pyllmrouter.server.body import BODY_METHODS, form, read_or_refuse, replay
+from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Refusal
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.metrics import Metrics
 
@@ -53,6 +54,7 @@ __all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GE
 # among them, see llama-server's spelling
 HTTP_PROTOCOL = "h11"
 
+MAX_CONVERSATION_ID = 256  # characters of an X-Conversation-Id (a UUID has 36)
 _DISABLED = json.dumps({"error": {"message": "this feature is disabled", "type": "feature_disabled"}}).encode()
 PUBLIC = frozenset({"/health", "/v1/health"})  # llama-server's: no API key asked
 # request headers that stay here: the connection's own, and the router's secrets
@@ -74,12 +76,16 @@ ENGINE_GET = ("/slots", "/lora-adapters")
 
 def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
                close_router: bool = True, max_threads: int = 1024, settings: dict[str, Any] | None = None,
-               services: Services | None = None) -> "_Guard":
+               services: Services | None = None, allowed_hosts: frozenset[str] | None = None) -> "_Guard":
     """``settings``: what llama.cpp's parser made of the router's llama-server arguments
     (router/services.settings: CORS, more API keys); ``services``: llama-server's /tools
-    and /cors-proxy (None: llama-server's 403, the features are off)."""
+    and /cors-proxy (None: llama-server's 403, the features are off); ``allowed_hosts``:
+    the Host names accepted beside the local ones (None: no Host check, see browser.py)."""
     keys = tuple(k for k in ([api_key] if api_key else []) + list((settings or {}).get("api_keys", ())) if k)
-    cors = Cors(settings) if settings else None
+    # pages of the local origins only, unless --cors-origins says otherwise ('*': llama-server's default)
+    origins = settings["cors_origins"] if settings and settings.get("cors_origins_explicit") else LOCAL_ORIGINS
+    cors = Cors({**settings, "cors_origins": origins}) if settings else None
+    gate = Gate(origins, allowed_hosts)
     metrics = Metrics(router.status, frozenset(p for p in ENGINE_POST + ENGINE_GET if "{" not in p) |
                       {"/metrics", "/props", "/v1/stream", "/v1/streams/lookup"}, router.scheduler.canonical)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
@@ -159,27 +165,31 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
                 raise ApiError(400, "'model' is required (a model id from GET /v1/models), in the body or as "
                                     "?model=", param="model")
             conv_id = request.headers.get("x-conversation-id")
-            if conv_id:  # its stream survives the connection: GET /v1/stream finds it at this model
-                response = await session(request, model, conv_id, raw, files)
-            else:
+            if conv_id and len(conv_id) > MAX_CONVERSATION_ID:
+                raise ApiError(400, f"X-Conversation-Id is {len(conv_id)} characters long, more than the "
+                                    f"{MAX_CONVERSATION_ID} a conversation id may have", param="X-Conversation-Id")
+            listed = router.scheduler.canonical(model) if conv_id else None
+            if listed is not None:  # its stream survives the connection: GET /v1/stream finds it at this model
+                response = await session(request, model, listed, conv_id, raw, files)
+            else:  # a model nobody lists remembers nothing: the request's 404 is all it gets
                 response = await forward(request, model, raw, files=files)
         except ApiError as e:
             response = error_response(e)
         await response(scope, receive, send)
 
-    async def session(request: Request, model: str, conv_id: str, raw: bytes,
+    async def session(request: Request, model: str, listed: str, conv_id: str, raw: bytes,
                       files: dict[str, tuple[str, str, bytes]]) -> Response:
-        """A request of a resumable stream, as llama-server's router takes it: its model is
-        remembered before the wait for a load, a client that drops meanwhile does not
-        withdraw it (its stream is still wanted: a page reload), a stop does
-        (DELETE /v1/stream), answered with llama-server's error."""
+        """A request of a resumable stream, as llama-server's router takes it: its model (by
+        its listed name) is remembered before the wait for a load, a client that drops
+        meanwhile does not withdraw it (its stream is still wanted: a page reload), a stop
+        does (DELETE /v1/stream), answered with llama-server's error."""
         loop = asyncio.get_running_loop()
         stopped = loop.create_future()
 
         def stop() -> None:
             loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
 
-        ticket = router.conversations.remember(conv_id, model)
+        ticket = router.conversations.remember(conv_id, listed)
         off = router.conversations.on_end(conv_id, ticket, stop)
         try:
             return await forward(request, model, raw, gone=lambda: asyncio.shield(stopped), files=files)
@@ -220,7 +230,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     for path in ENGINE_GET:
         app.add_api_route(path, engine_get, methods=["GET"], include_in_schema=False)
 
-    manage.mount(app, router, forward, body)
+    manage.mount(app, router, forward, body, settings)
     page.mount(app)
 
     @app.get("/metrics")
@@ -229,7 +239,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return await engine_get(request)  # llama-server's own counters (needs --metrics)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    return _Guard(app, keys, max_body, engine_post, cors)
+    return _Guard(app, keys, max_body, engine_post, cors, gate)
 
 
 def _relay(reply: HttpReply, stream: Stream | None, ended: Callable[[str], None]) -> Response:
@@ -293,18 +303,24 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def has_valid_key(headers: dict[str, str], keys: tuple[str, ...]) -> bool:
+    """Whether the request carries one of ``keys`` (Bearer token or X-Api-Key)."""
+    if not keys:
+        return False
+    given = headers.get("x-api-key", "")
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    return any(hmac.compare_digest(given.encode(), k.encode()) for k in keys)
+
+
 def guard_error(path: str, headers: dict[str, str], api_keys: str | tuple[str, ...] | None,
                 max_body: int) -> ApiError | None:
     """The API key and body-size checks of a request (headers by lower-case name; any of
     ``api_keys`` opens it, none: no key asked): the error to answer, or None."""
     keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys or ())
-    if keys and path not in PUBLIC and not page.is_public(path):
-        given = headers.get("x-api-key", "")
-        auth = headers.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            given = auth[7:].strip()
-        if not any(hmac.compare_digest(given.encode(), k.encode()) for k in keys):
-            return ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
+    if keys and path not in PUBLIC and not page.is_public(path) and not has_valid_key(headers, keys):
+        return ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
     length = headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_body:
         return ApiError(413, f"request body of {length} bytes exceeds the limit of {max_body}", code="body_too_large")
@@ -325,16 +341,19 @@ class _Guard:
     ``send`` would run for every streamed chunk; everything else, lifespan included, is
     the FastAPI app's."""
 
-    def __init__(self, app, api_keys: tuple[str, ...], max_body: int, engine_post, cors: Cors | None = None):
+    def __init__(self, app, api_keys: tuple[str, ...], max_body: int, engine_post, cors: Cors | None = None,
+                 gate: Gate | None = None):
         self.app, self.api_keys, self.max_body, self.engine_post = app, api_keys, max_body, engine_post
         self.cors = cors
+        self.gate = gate or Gate(LOCAL_ORIGINS, None)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.cors is not None:
-            origin = headers.get("origin")
+        host, origin, path = headers.get("host"), headers.get("origin"), scope["path"]
+        refused = self.gate.host(host)  # before anything else: DNS rebinding
+        if refused is None and self.cors is not None:
             if scope["method"] == "OPTIONS":  # a preflight: answered before the key is asked
                 await send({"type": "http.response.start", "status": 200,  # raw: header names as spelled
                             "headers": [(b"content-type", b"text/html"), (b"content-length", b"0"),
@@ -342,7 +361,14 @@ class _Guard:
                 return await send({"type": "http.response.body", "body": b""})
             if origin is not None:  # a browser's request: the CORS header on its response
                 send = _with_headers(send, self.cors.headers_for(origin, False))
-        err = guard_error(scope["path"], headers, self.api_keys, self.max_body)
+        if refused is None and path not in PUBLIC:
+            refused = self.gate.origin(origin, host, has_valid_key(headers, self.api_keys))
+        if refused is None:
+            refused = self.gate.body(scope["method"], path, origin, headers.get("content-type", ""),
+                                     headers.get("content-length", "0") != "0" or "transfer-encoding" in headers)
+        if refused is not None:
+            return await error_response(_refusal(refused))(scope, receive, send)
+        err = guard_error(path, headers, self.api_keys, self.max_body)
         if err is not None:
             return await error_response(err)(scope, receive, send)
         if scope["method"] in BODY_METHODS:  # counted as it comes (chunked too), refused at the limit
@@ -353,6 +379,10 @@ class _Guard:
         if scope["method"] == "POST" and _engine_post_path(scope["path"]):
             return await self.engine_post(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+def _refusal(r: Refusal) -> ApiError:
+    return ApiError(r.status, r.message, "permission_error" if r.status == 403 else "invalid_request_error", r.code)
 
 
 def _with_headers(send, extra: list[tuple[bytes, bytes]]):

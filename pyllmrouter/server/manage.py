@@ -29,7 +29,12 @@ from pyllmrouter.router.api import Router
 from pyllmrouter.server.errors import ApiError, from_router_error
 from pyllmrouter.server.sse import event_stream
 
-__all__ = ["mount"]
+__all__ = ["mount", "LOOKUP_IDS", "LOOKUP_BYTES"]
+
+# POST /v1/streams/lookup: the most conversation ids one lookup takes (after duplicates go),
+# and the most bytes of body (ids of up to the 256 characters a conversation id may have)
+LOOKUP_IDS = 1024
+LOOKUP_BYTES = LOOKUP_IDS * 260 + 1024
 
 
 def _model_entry(name: str, m: dict[str, Any], cfg, created: int) -> dict[str, Any]:
@@ -74,9 +79,10 @@ def _build_info() -> str:
 
 
 def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Response]],
-          body: Callable[[Request], Awaitable[dict]]) -> None:
+          body: Callable[[Request], Awaitable[dict]], settings: dict[str, Any] | None = None) -> None:
     """The management routes on ``app``; ``forward(request, model, raw, query=...)`` sends a
-    request to a model's engine, ``body(request)`` reads a JSON object."""
+    request to a model's engine, ``body(request)`` reads a JSON object; ``settings``: what
+    llama.cpp's parser made of the router's llama-server arguments."""
     created = int(time.time())
     build: list[str] = []
 
@@ -153,7 +159,7 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
             "role": "router", "max_instances": router.options.max_models, "models_autoload": router.options.autoload,
             "model_alias": "llama-server", "model_path": "none",
             "default_generation_settings": {"params": {}, "n_ctx": 0}, "ui_settings": {}, "build_info": build[0],
-            "cors_proxy_enabled": False,
+            "cors_proxy_enabled": bool((settings or {}).get("ui_mcp_proxy")),
             # ours
             "models": len(st["models"]), "max_models": router.options.max_models, "autoload": router.options.autoload,
             "margin_bytes": router.options.margin,
@@ -173,12 +179,13 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
 
     # -- resumable streams: the engine of the model that serves the conversation -------
 
-    def owner(conv_id: str) -> tuple[str | None, ApiError | None]:
-        """The conversation's model, if it can answer for its stream now; else the error."""
+    def owner(conv_id: str, models: dict[str, Any]) -> tuple[str | None, ApiError | None]:
+        """The conversation's model, if it can answer for its stream now; else the error
+        (``models``: one status snapshot's, however many ids a request asks about)."""
         name = router.conversations.owner(conv_id)
         if name is None:
             return None, ApiError(404, "Stream not found or expired", "not_found_error", "not_found")
-        m = router.status()["models"].get(name)
+        m = models.get(name)
         if m is None:
             return None, ApiError(404, f"the model {name!r} that served conversation {conv_id!r} was removed: "
                                        f"its stream is gone", "not_found_error", "not_found")
@@ -195,20 +202,31 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
         conv_id = request.query_params.get("conv_id", "")
         if not conv_id:
             raise ApiError(400, "Missing conversation id in path", param="conv_id")
-        name, err = owner(conv_id)
+        name, err = owner(conv_id, (await models_now())["models"])
         if err is not None:
             raise err
         return await forward(request, name, b"", autoload=False)
 
+    async def models_now() -> dict[str, Any]:
+        return await asyncio.to_thread(router.status)  # off the event loop
+
     @app.post("/v1/streams/lookup")
     async def streams_lookup(request: Request):
+        raw = await request.body()
+        if len(raw) > LOOKUP_BYTES:  # read no further: a body this size holds no useful lookup
+            raise ApiError(400, f"a lookup takes at most {LOOKUP_IDS} conversation ids ({LOOKUP_BYTES} bytes of "
+                                f"body); this one has {len(raw)} bytes", param="conversation_ids")
         ids = (await body(request)).get("conversation_ids")
+        unique = list(dict.fromkeys(c for c in (ids if isinstance(ids, list) else []) if isinstance(c, str) and c))
+        if len(unique) > LOOKUP_IDS:
+            raise ApiError(400, f"a lookup takes at most {LOOKUP_IDS} conversation ids (duplicates counted once); "
+                                f"this one has {len(unique)}", param="conversation_ids")
+        models = (await models_now())["models"] if unique else {}
         per_model: dict[str, list[str]] = {}
-        for cid in ids if isinstance(ids, list) else []:
-            if isinstance(cid, str) and cid:
-                name, err = owner(cid)
-                if err is None:
-                    per_model.setdefault(name, []).append(cid)
+        for cid in unique:
+            name, err = owner(cid, models)
+            if err is None:
+                per_model.setdefault(name, []).append(cid)
         found: list[Any] = []
         for name, mine in per_model.items():
             raw = json.dumps({"conversation_ids": mine}).encode()
@@ -225,7 +243,7 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
         conv_id = request.query_params.get("conv_id", "")
         if not conv_id:
             raise ApiError(400, "Missing conversation id in path", param="conv_id")
-        name, err = owner(conv_id)
+        name, err = owner(conv_id, (await models_now())["models"])
         if err is None:
             await forward(request, name, b"", autoload=False)
         router.conversations.forget(conv_id)

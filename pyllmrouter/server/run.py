@@ -16,8 +16,9 @@ from pyllmrouter.errors import WorkerDied
 from pyllmrouter.router.api import Router
 from pyllmrouter.router.services import Services, settings, wanted
 from pyllmrouter.router.sources import Sources
+from pyllmrouter.server.browser import is_loopback_bind
 
-__all__ = ["add_serve_arguments", "parse_serve_args", "router_from_args", "serve"]
+__all__ = ["add_serve_arguments", "allowed_hosts", "parse_serve_args", "router_from_args", "serve"]
 
 # the seconds llama-server's router sleeps per request and per load under its test hook
 # LLAMA_SERVER_DEBUG_FAKE_TIMING (tools/server/server-models.cpp)
@@ -57,6 +58,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=_env("LLAMA_ARG_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("LLAMA_ARG_PORT", 8080)))
     p.add_argument("--api-key", default=_env("LLAMA_API_KEY"), help="required as Bearer token or X-Api-Key")
+    p.add_argument("--allowed-hosts", default=_env("PYLLMROUTER_ALLOWED_HOSTS"), metavar="NAMES",
+                   help="Host names a request may give beside the local ones (comma-separated): on a loopback "
+                        "bind any other is refused (DNS rebinding); on another bind, given, only these and the "
+                        "local ones are accepted")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for its model")
     p.add_argument("--worker-idle-timeout", type=float, default=300.0, metavar="S",
                    help="a worker with no model stops after S seconds and gives its devices back "
@@ -97,7 +102,10 @@ def parse_serve_args(argv: Sequence[str]) -> argparse.Namespace:
 def router_from_args(a: argparse.Namespace) -> Router:
     if not (a.models_preset or a.models_dir or a.models_cache):
         raise SystemExit("pyllmrouter serve: no models: give --models-preset and/or --models-dir")
-    sources = Sources(a.models_preset, a.models_dir, a.models_cache, tuple(getattr(a, "llama_args", ())))
+    try:
+        sources = Sources(a.models_preset, a.models_dir, a.models_cache, tuple(getattr(a, "llama_args", ())))
+    except ValueError as e:  # an argument llama.cpp does not know
+        raise SystemExit(f"pyllmrouter serve: {e}") from None
     models, router_kw = sources.read()
     if a.emulate_devices and a.rpc_devices:
         raise SystemExit("pyllmrouter serve: --emulate-devices and --rpc-devices exclude each other")
@@ -117,6 +125,13 @@ def router_from_args(a: argparse.Namespace) -> Router:
         debug_fake_timing=_FAKE_TIMING if _env("LLAMA_SERVER_DEBUG_FAKE_TIMING") else 0.0,
     )
     return Router(models, inventory=inventory, options=options, sources=sources, watch=1.0 if a.watch else 0.0)
+
+
+def allowed_hosts(bind: str, listed: str | None) -> frozenset[str] | None:
+    """The Host names accepted beside the local ones: on a loopback bind, those listed (none
+    by default); on another, those listed if any, else no Host check (None)."""
+    names = frozenset(h.strip() for h in (listed or "").split(",") if h.strip())
+    return names if names or is_loopback_bind(bind) else None
 
 
 def serve(a: argparse.Namespace) -> int:
@@ -155,7 +170,8 @@ def serve(a: argparse.Namespace) -> int:
         except (RuntimeError, WorkerDied) as e:
             router.close()
             raise SystemExit(f"pyllmrouter serve: {e}") from None
-    app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services)
+    app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services,
+                     allowed_hosts=allowed_hosts(a.host, a.allowed_hosts))
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
                             timeout_graceful_shutdown=a.shutdown_timeout, http=HTTP_PROTOCOL)
     try:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Mapping
@@ -34,8 +35,12 @@ def _oid(path: Path) -> str:
 
 
 class LocalHub:
-    def __init__(self, repos: Mapping[str, Mapping[str, str | os.PathLike]], host: str = "127.0.0.1"):
+    def __init__(self, repos: Mapping[str, Mapping[str, str | os.PathLike]], host: str = "127.0.0.1",
+                 rate: int | None = None):
+        """``rate``: bytes per second a file's body is sent at (None: at once), so a test can
+        act while a download is under way."""
         self.repos = {repo: {name: Path(p) for name, p in files.items()} for repo, files in repos.items()}
+        self.rate = rate
         self.hits: dict[str, int] = {}
         self._lock = threading.Lock()
         hub = self
@@ -77,6 +82,19 @@ class LocalHub:
         if body:
             h.wfile.write(data)
 
+    def _send(self, h: BaseHTTPRequestHandler, data: bytes) -> None:
+        if self.rate is None:
+            h.wfile.write(data)
+            return
+        step = max(1, self.rate // 20)
+        try:
+            for i in range(0, len(data), step):
+                h.wfile.write(data[i:i + step])
+                h.wfile.flush()
+                time.sleep(step / self.rate)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the downloader stopped
+
     def _serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
         path = unquote(urlparse(h.path).path)
         with self._lock:
@@ -108,6 +126,6 @@ class LocalHub:
             h.send_header("Accept-Ranges", "none")
             h.end_headers()
             if body:
-                h.wfile.write(data)
+                self._send(h, data)
             return None
         return self._reply(h, 404, b"Not found", "text/plain", body)
