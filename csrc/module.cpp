@@ -324,6 +324,9 @@ void bind_engine(py::module_ & m) {
           "A model of llama.cpp's cache resolved offline, as llama-server resolves -hf [--hf-file]: {path, mmproj}.");
     m.def("args_to_preset", &args_to_preset, py::arg("args"),
           "A llama-server command line as preset (key, value) pairs, as llama.cpp's preset machinery reads it.");
+    m.def("preset_hf_paths", &preset_hf_paths, py::arg("keys"),
+          "The cache files a preset's model and draft repositories resolve to, as llama-server's router "
+          "resolves them for dedup-cache-models.");
     m.def("model_base_args", &model_base_args, py::arg("args"),
           "The router's llama-server arguments as llama-server's router lays them over every model: "
           "without the router's own options (TLS, API keys, model sources, a model's file and alias).");

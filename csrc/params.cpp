@@ -10,6 +10,7 @@
 #include "common.h"
 #include "ggml.h"
 #include "preset.h"
+#include "download.h"
 #include "speculative.h"
 #include "probe.h"
 
@@ -271,6 +272,20 @@ std::vector<std::pair<std::string, std::string>> args_to_preset(const std::vecto
         std::string key = opt.args.back();
         key.erase(0, key.find_first_not_of('-'));
         out.emplace_back(key, value);
+    }
+    return out;
+}
+
+std::vector<std::string> preset_hf_paths(const std::vector<std::pair<std::string, std::string>> & keys) {
+    const common_preset preset = preset_of(keys);
+    std::vector<std::string> out;
+    for (const auto & [repo_env, file_env] : {std::pair{"LLAMA_ARG_HF_REPO", "LLAMA_ARG_HF_FILE"},
+                                              std::pair{"LLAMA_ARG_SPEC_DRAFT_HF_REPO", "LLAMA_ARG_SPEC_DRAFT_MODEL"}}) {
+        std::string repo, file;
+        if (preset.get_option(repo_env, repo) && !repo.empty()) {
+            preset.get_option(file_env, file);
+            out.push_back(common_download_resolve_path(repo, file));
+        }
     }
     return out;
 }

@@ -90,6 +90,11 @@ struct PresetModel {
 // it (common_preset_context::load_from_args): [(key, value)].
 std::vector<std::pair<std::string, std::string>> args_to_preset(const std::vector<std::string> & args);
 
+// The files a preset's model and draft come from, where they are repositories of llama.cpp's
+// cache (hf-repo [hf-file], spec-draft-hf [spec-draft-model]), resolved as llama-server's
+// router resolves them for dedup-cache-models (common_download_resolve_path); "" where none.
+std::vector<std::string> preset_hf_paths(const std::vector<std::pair<std::string, std::string>> & keys);
+
 // The router's command line as llama-server's router lays it over every model: without
 // the options that are the router's own (server-models.cpp's unset_reserved_args, model
 // arguments included, and the log file): TLS files, API keys and key files, the model

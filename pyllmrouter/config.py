@@ -31,6 +31,8 @@ class ModelConfig:
     load_on_startup: bool = False
     stop_timeout: float = 10.0  # seconds an explicit unload waits for requests in flight
     source: str = "api"  # where it was listed: preset, models_dir, cache (llama.cpp's downloads), api
+    # a cache model whose file a preset with dedup-cache-models uses: served, not listed (GET /models)
+    hidden: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:

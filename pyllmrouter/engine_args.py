@@ -91,6 +91,7 @@ def _check(native: Any, name: str, keys: list[list[Any]], base_args: list[str]) 
         split = native.preset_model([(k, v) for k, v, _ in keys])
     except ValueError as e:
         raise ArgsError(name, None, 0, str(e)) from None
+    split["hf_paths"] = [p for p in native.preset_hf_paths([(k, v) for k, v, _ in keys]) if p]
     split["args"] = [*split["args"], *base_args]
     if not split["model"] and split["hf_repo"]:  # a model of llama.cpp's cache, resolved as llama-server does
         try:

@@ -4,7 +4,7 @@ A preset file is read as llama-server reads it: an optional ``version = 1``,
 an optional ``[*]`` section of defaults, then one section per model.  Keys are
 llama-server's: long option names (``ctx-size``), short ones (``c``) or
 environment names (``LLAMA_ARG_CTX_SIZE``), with llama-server's preset-only keys
-``load-on-startup`` and ``stop-timeout``; ours are ``devices``, ``ttl``,
+``load-on-startup``, ``stop-timeout`` and ``dedup-cache-models``; ours are ``devices``, ``ttl``,
 ``persistent`` and ``memory-margin`` (router-wide, in ``[*]``).  Every
 llama-server key becomes the model's llama-server arguments, as llama-server's
 router passes them to a child, and is checked by llama.cpp's own parser
@@ -53,6 +53,7 @@ _COMMENT = re.compile(r"[;#]")
 _OURS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "devices": ("config.devices", _names),
     "load-on-startup": ("config.load_on_startup", _bool),
+    "dedup-cache-models": ("preset.dedup", _bool),
     "stop-timeout": ("config.stop_timeout", float),
     "ttl": ("config.ttl", float),
     "persistent": ("config.persistent", _bool),
@@ -65,6 +66,9 @@ _OURS: dict[str, tuple[str, Callable[[str], Any]]] = {
 class Preset:
     models: list[ModelConfig]
     router: dict[str, Any] = field(default_factory=dict)  # router-wide options (margin)
+    # files of llama.cpp's cache that models with dedup-cache-models use (model and draft):
+    # the cache models of those files are not listed, as llama-server's router hides them
+    dedup: frozenset[str] = frozenset()
 
 
 def _lines(path: Path):
@@ -120,8 +124,12 @@ def read_preset(path: os.PathLike | str, base_args: tuple[str, ...] = ()) -> Pre
         split = resolve(engine, base_args)
     except ArgsError as e:
         raise PresetError(f"{path}:{e.line}: {e}") from None
+    dedup: set[str] = set()
     for name, _keys in engine:
+        if ours[name].pop("dedup", False):
+            dedup.update(split[name]["hf_paths"])
         preset.models.append(_config(path, name, split[name], ours[name]))
+    preset.dedup = frozenset(dedup)
     return preset
 
 
@@ -141,7 +149,9 @@ def _split(path: Path, items, preset: Preset, where: str) -> tuple[dict[str, Any
             parsed = parse(value)
         except ValueError as e:
             raise PresetError(f"{path}:{n}: key {key!r}: {e}") from None
-        if target.startswith("router."):
+        if target.startswith("preset."):  # llama-server's router reads it per model, [*] included
+            mine[target[7:]] = parsed
+        elif target.startswith("router."):
             if where != "[*]":
                 raise PresetError(f"{path}:{n}: key {key!r} applies to the whole router: put it in [*]")
             preset.router[target[7:]] = parsed

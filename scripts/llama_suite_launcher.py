@@ -2,6 +2,8 @@
 the binary named by LLAMA_SERVER_BIN_PATH): the command line the suite builds, served in
 router mode with the same model and arguments, by
 
+    PYLLMROUTER_SUITE_MODE=single   llama-server itself, on the very command line the suite
+                                    built (what the suite was written for)
     PYLLMROUTER_SUITE_MODE=router   llama-server's router mode (LLAMA_SERVER_PATH: the binary)
     PYLLMROUTER_SUITE_MODE=ours     pyllmrouter serve
 
@@ -57,6 +59,9 @@ def preset_of(args: list[str]) -> str:
 
 def main(argv: list[str]) -> None:
     mode = os.environ.get("PYLLMROUTER_SUITE_MODE", "ours")
+    if mode == "single":
+        binary = os.environ["LLAMA_SERVER_PATH"]
+        os.execv(binary, [binary, *argv])
     server, rest = split(argv)
     router_mode = any(a in ("--models-dir", "--models-preset") for a in server) or not any(a in _MODEL for a in rest)
     if not router_mode:

@@ -355,3 +355,29 @@ def test_router_props_carry_llama_servers_fields_and_ours(tiny):
     assert props["model_alias"] == "llama-server" and props["model_path"] == "none"
     assert props["default_generation_settings"] == {"params": {}, "n_ctx": 0} and props["ui_settings"] == {}
     assert props["build_info"].startswith("b") and props["margin_bytes"] == 0 and props["models"] == 1
+
+
+@pytest.mark.slow
+def test_a_preset_with_dedup_cache_models_hides_the_cache_entries_it_uses(tiny, hub, tmp_path):
+    """dedup-cache-models (llama-server's preset key, per model or in [*]): the cache models
+    whose files a preset model and its draft use are not listed, and still serve."""
+    import subprocess
+    import sys
+
+    for repo in ("test/tiny:Q8_0", "test/moe:Q4_K_M"):  # into llama.cpp's cache, by its downloader
+        subprocess.run([sys.executable, "-m", "pyllmrouter.engine.download", repo], check=True, capture_output=True)
+    preset = tmp_path / "dedup.ini"
+    section = "[model-dedup]\nhf-repo = test/tiny:Q8_0\nc = 256\n"
+    preset.write_text(section + "dedup-cache-models = 1\n")
+    sources = Sources(preset=str(preset), cache=True)
+    with Router(sources.read()[0], inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0,
+                sources=sources) as r, serving(r) as base, httpx.Client(base_url=base, timeout=120) as http:
+        ids = lambda: [m["id"] for m in http.get("/models").json()["data"]]  # noqa: E731
+        assert "model-dedup" in ids() and "test/tiny:Q8_0" not in ids() and "test/moe:Q4_K_M" in ids()
+        assert "test/tiny:Q8_0" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
+        r_ = http.post("/tokenize", json={"model": "test/tiny:Q8_0", "content": "hello"})
+        assert r_.status_code == 200 and r_.json()["tokens"]  # hidden, not gone
+        preset.write_text(section)
+        assert "test/tiny:Q8_0" in [m["id"] for m in http.get("/models", params={"reload": 1}).json()["data"]]
+        preset.write_text("[*]\ndedup-cache-models = 1\n\n" + section)
+        assert "test/tiny:Q8_0" not in [m["id"] for m in http.get("/models", params={"reload": 1}).json()["data"]]

@@ -346,3 +346,35 @@ def test_a_client_that_leaves_while_its_model_waits_changes_nothing(server, http
     st = router.status()["models"]
     assert st["a"]["state"] == "loaded" and st["b"]["state"] == "unloaded" and st["a"]["leases"] == 0
     assert [(what, name) for _, what, name, _ in list(router.scheduler.events)[seen:]] == []
+
+
+def test_serve_listens_on_every_address_of_host(tiny, tmp_path, monkeypatch):
+    """--host 127.0.0.1,::1 listens on both, as llama-server does (the command line wins
+    over LLAMA_ARG_HOST); an address that cannot be had stops serve, naming it."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe6:
+            probe6.bind(("::1", 0))
+    except OSError:
+        pytest.skip("IPv6 loopback is unavailable")
+    from pyllmrouter.tools.loopback import start_serve
+
+    preset = tmp_path / "p.ini"
+    preset.write_text(f"[a]\nmodel = {tiny['tiny-llama']}\nc = 256\n")
+    monkeypatch.setenv("LLAMA_ARG_HOST", "192.0.2.1")  # not this machine's: the command line must win
+    proc, base = start_serve(["--models-preset", str(preset), "--no-models-cache", "--host", "127.0.0.1,::1",
+                              "--emulate-devices", "GPU0=1GiB", "--models-memory-margin", "0"])
+    try:
+        port = base.rsplit(":", 1)[1]
+        for host in ("127.0.0.1", "[::1]"):
+            r = httpx.post(f"http://{host}:{port}/v1/completions", json={"model": "a", "prompt": "x", "max_tokens": 2},
+                           timeout=60)
+            assert r.status_code == 200, (host, r.text)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    out = subprocess.run([sys.executable, "-m", "pyllmrouter.cli", "serve", "--models-preset", str(preset),
+                          "--no-models-cache", "--host", "127.0.0.1,192.0.2.1", "--port", str(free_port())],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "192.0.2.1" in out.stderr

@@ -3,7 +3,9 @@ models directory, and llama.cpp's cache of downloads (what ``-hf`` and ``POST /m
 put there), as llama-server's router reads them.
 
     read() ──▶ the sources' ModelConfigs, each with its source; a name listed by several
-               takes the highest: cache < models_dir < preset (llama-server's order)
+               takes the highest: cache < models_dir < preset (llama-server's order); a
+               cache model whose file a preset with dedup-cache-models uses is hidden
+               (served, not listed), as llama-server's router hides it
            ──▶ the preset's router-wide options (memory-margin)
     stamp() ──▶ what changes when a source changes (modification times, listings): the
                watcher (--watch) reads the sources again when it moves
@@ -50,6 +52,8 @@ class Sources:
         PresetError for a bad preset (nothing else is read then)."""
         by_name: dict[str, ModelConfig] = {}
         router: dict[str, Any] = {}
+        preset = read_preset(self.preset, self.base_args) if self.preset else None
+        dedup = preset.dedup if preset is not None else frozenset()
         if self.cache:
             where, models = cached_models()
             self._cache_dir = Path(where)
@@ -57,12 +61,11 @@ class Sources:
                 if m["path"] and not m["error"]:
                     args = ("--mmproj", m["mmproj"]) if m["mmproj"] else ()
                     by_name[m["name"]] = ModelConfig(m["name"], ModelSpec(m["path"], (*args, *self.base_args)),
-                                                     source=CACHE)
+                                                     source=CACHE, hidden=m["path"] in dedup)
         if self.models_dir:
             for cfg in scan_models_dir(self.models_dir, self.base_args):
                 by_name[cfg.name] = _with_source(cfg, MODELS_DIR)
-        if self.preset:
-            preset = read_preset(self.preset, self.base_args)
+        if preset is not None:
             router.update(preset.router)
             for cfg in preset.models:
                 by_name[cfg.name] = _with_source(cfg, PRESET)

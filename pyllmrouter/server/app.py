@@ -211,7 +211,9 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
     @app.get("/v1/models")
     async def v1_models():
-        return {"object": "list", "data": [_openai_model(n, m) for n, m in router.status()["models"].items()]}
+        hidden = {c.name for c in router.models() if c.hidden}  # cache models a preset deduplicates
+        return {"object": "list", "data": [_openai_model(n, m) for n, m in router.status()["models"].items()
+                                           if n not in hidden]}
 
     @app.get("/v1/models/{name:path}")
     async def v1_model(name: str):

@@ -60,8 +60,10 @@ def _is_local(host: str) -> bool:
 
 
 def is_loopback_bind(host: str) -> bool:
-    """Whether ``serve --host`` binds only loopback addresses."""
-    return _is_local(_host_of(host))
+    """Whether ``serve --host`` (one address or several, comma-separated) binds only
+    loopback addresses."""
+    names = [h.strip() for h in host.split(",") if h.strip()]
+    return bool(names) and all(_is_local(h.removeprefix("[").removesuffix("]").lower()) for h in names)
 
 
 def _origin_host(origin: str) -> str | None:

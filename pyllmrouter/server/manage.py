@@ -107,7 +107,8 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
                 raise ApiError(400, f"the model list was not read again: {e}", code="bad_preset") from None
         st = router.status()
         configs = {c.name: c for c in router.models()}
-        data = [_model_entry(n, m, configs[n], created) for n, m in st["models"].items() if n in configs]
+        data = [_model_entry(n, m, configs[n], created) for n, m in st["models"].items()
+                if n in configs and not configs[n].hidden]  # hidden: a preset deduplicates it
         data += [_download_entry(n, d, created) for n, d in st["downloads"].items() if n not in configs]
         return {"object": "list", "data": data, "devices": st["devices"]}
 

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import threading
 from typing import Any, Sequence
 
@@ -134,6 +135,40 @@ def allowed_hosts(bind: str, listed: str | None) -> frozenset[str] | None:
     return names if names or is_loopback_bind(bind) else None
 
 
+def hosts(host: str) -> list[str]:
+    """``--host`` as llama-server reads it: one address or several, separated by commas
+    (``127.0.0.1,::1``; an IPv6 one may be bracketed)."""
+    out = [h.strip().removeprefix("[").removesuffix("]") for h in host.split(",") if h.strip()]
+    if not out:
+        raise SystemExit("pyllmrouter serve: --host names no address")
+    return out
+
+
+def listen(host: str, port: int) -> list[socket.socket]:
+    """A listening socket on each address of ``--host`` (the same port), as llama-server
+    listens on each; OSError names the address that cannot be had."""
+    sockets: list[socket.socket] = []
+    try:
+        for h in hosts(host):
+            for family, kind, proto, _, addr in socket.getaddrinfo(h, port, type=socket.SOCK_STREAM,
+                                                                   flags=socket.AI_PASSIVE)[:1]:
+                s = socket.socket(family, kind, proto)
+                sockets.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # [::1] and 127.0.0.1 apart
+                try:
+                    s.bind(addr)
+                except OSError as e:
+                    raise OSError(e.errno, f"{h}: {e.strerror}") from None
+                s.listen(2048)
+    except BaseException:
+        for s in sockets:
+            s.close()
+        raise
+    return sockets
+
+
 def serve(a: argparse.Namespace) -> int:
     import uvicorn  # noqa: PLC0415
 
@@ -175,7 +210,14 @@ def serve(a: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
                             timeout_graceful_shutdown=a.shutdown_timeout, http=HTTP_PROTOCOL)
     try:
-        Server(config).run()
+        sockets = listen(a.host, a.port)
+    except OSError as e:
+        router.close()
+        if services is not None:
+            services.close()
+        raise SystemExit(f"pyllmrouter serve: cannot listen on {a.host} port {a.port}: {e}") from None
+    try:
+        Server(config).run(sockets=sockets)
     finally:
         if services is not None:
             services.close()
