@@ -73,6 +73,7 @@ def prompt_source(words: int) -> Callable[[], str]:
 
 
 SERVERS = ("pyllmrouter", "llama-server", "llama-server router")
+RELAY = "pyllmrouter relay"  # ours with --no-native: every response through the router process
 
 
 def bench_model(name: str, directory: Path) -> Path:
@@ -198,6 +199,9 @@ def main() -> None:
                          "(default: every layer on the CPU, ours on an emulated device); needs CUDA builds: "
                          "scripts/setup.sh --cuda ARCH, and CMAKE_ARGS=\"-DGGML_CUDA=on ...\" "
                          "scripts/build_llama_tools.sh llama-server")
+    ap.add_argument("--relay", action="store_true",
+                    help="also ours with --no-native (every response relayed through the router process, "
+                         "the path before the native one): the two side by side")
     ap.add_argument("--llama-server", default=str(llama_tool("llama-server")))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "concurrency_bench.json")
     args = ap.parse_args()
@@ -205,7 +209,8 @@ def main() -> None:
         raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
     levels = [int(x) for x in args.clients.split(",")]
     prompt = prompt_source(args.prompt_words)
-    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in SERVERS}
+    servers = SERVERS + (RELAY,) if args.relay else SERVERS
+    runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in servers}
     with tempfile.TemporaryDirectory() as tmp:
         model = bench_model(args.model, Path(tmp))
         preset = Path(tmp) / "bench.ini"  # read by ours and by llama-server's router mode
@@ -222,6 +227,10 @@ def main() -> None:
         devices = [] if args.gpu else ["--emulate-devices", "GPU0=1TiB"]
         ours, ours_base = start_serve(["--models-preset", str(preset), *devices], env=env)
         procs = {"pyllmrouter": ours}
+        relay_base = None
+        if args.relay:
+            procs[RELAY], relay_base = start_serve(["--models-preset", str(preset), "--no-native", *devices],
+                                                   env=dict(env, PYLLMROUTER_CACHE=str(Path(tmp) / "cache-relay")))
         procs["llama-server"] = subprocess.Popen(
             [args.llama_server, "-m", str(model), "-c", str(args.ctx), "-np", str(args.parallel),
              "-ngl", ngl, "-t", str(args.threads), "-tb", str(args.threads), "--port", str(single_port),
@@ -233,6 +242,8 @@ def main() -> None:
         try:
             bases = {"pyllmrouter": ours_base, "llama-server": f"http://127.0.0.1:{single_port}",
                      "llama-server router": f"http://127.0.0.1:{router_port}"}
+            if relay_base is not None:
+                bases[RELAY] = relay_base
             for name in SERVERS[1:]:
                 wait_healthy(bases[name], procs[name])
             for name, base in bases.items():  # warm all: loaded, and every slot has decoded before round 1
@@ -247,8 +258,8 @@ def main() -> None:
                 run_level(base, "m", max(levels), 1, args.tokens, procs[name].pid, args.threads, prompt, name)
             for rnd in range(args.rounds):
                 for clients in levels:
-                    k = (clients + rnd) % len(SERVERS)
-                    for name in SERVERS[k:] + SERVERS[:k]:  # every order in turn
+                    k = (clients + rnd) % len(servers)
+                    for name in servers[k:] + servers[:k]:  # every order in turn
                         runs[name][clients].append(run_level(bases[name], "m", clients, args.requests_per_client,
                                                              args.tokens, procs[name].pid, args.threads, prompt,
                                                              name))
@@ -264,7 +275,7 @@ def main() -> None:
     results = {name: [summary(rs) for rs in by_level.values()] for name, by_level in runs.items()}
     rows, cpu_rows, batch_rows = [], [], []
     for i, ours_r in enumerate(results["pyllmrouter"]):
-        for peer in SERVERS[1:]:
+        for peer in servers[1:]:
             theirs_r = results[peer][i]
             gmean, low, high = ratio_interval(ours_r["round_tok_s"], theirs_r["round_tok_s"])
             ttft = ratio_interval(ours_r["round_ttft_p50_ms"], theirs_r["round_ttft_p50_ms"])
@@ -274,7 +285,7 @@ def main() -> None:
                          f"{ours_r['ttft_p50_ms']:.0f}", f"{theirs_r['ttft_p50_ms']:.0f}",
                          f"{ttft[0]:.2f} [{ttft[1]:.2f}, {ttft[2]:.2f}]",
                          f"{ours_r['ttft_p99_ms']:.0f}", f"{theirs_r['ttft_p99_ms']:.0f}"])
-        for name in SERVERS:
+        for name in servers:
             r = results[name][i]
             batch_rows.append([r["clients"], name, f"{r['decodes_per_1k_tokens']:.0f}",
                                f"{r['busy_slots_per_decode']:.2f}"])

@@ -2,6 +2,7 @@
 #include "engine.h"
 #include "params.h"
 
+#include <poll.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -311,6 +312,13 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
 
 // -- EngineReply ------------------------------------------------------------
 
+bool StopFlag::stopped() const {
+    if (value.load()) return true;
+    if (peer < 0) return false;
+    pollfd pfd{peer, POLLRDHUP, 0};  // the client shut its side, or the socket is in error
+    return ::poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+}
+
 struct EngineCore : ReplyOwner {
     explicit EngineCore(common_params p) : params(std::move(p)), routes(params, ctx) {}
     common_params params;
@@ -323,7 +331,7 @@ EngineReply::EngineReply(std::shared_ptr<ReplyOwner> owner, std::map<std::string
                          std::string body, std::shared_ptr<StopFlag> stop, const Files & files)
     : owner_(std::move(owner)),
       stop_(stop ? std::move(stop) : std::make_shared<StopFlag>()),
-      should_stop_([this] { return stop_->value.load() || (owner_ && owner_->closing.load()); }) {
+      should_stop_([this] { return stop_->stopped() || (owner_ && owner_->closing.load()); }) {
     std::map<std::string, uploaded_file> uploaded;
     for (const auto & [key, f] : files) {
         uploaded[key] = uploaded_file{raw_buffer(f.data.begin(), f.data.end()), f.filename, f.content_type};

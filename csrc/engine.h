@@ -36,10 +36,13 @@ struct server_http_res;
 namespace pyllmrouter {
 
 // Set from any thread to stop a request: the handler's should_stop turns true,
-// as when llama-server's client closes its connection.
+// as when llama-server's client closes its connection.  With a peer (the client's
+// socket, on the native data path: conduit.h), a client that hung up stops it too.
 struct StopFlag {
     std::atomic<bool> value{false};
+    int peer = -1;
     void set() { value.store(true); }
+    bool stopped() const;
 };
 
 // What a reply keeps alive (an Engine's server_context and routes, the router's

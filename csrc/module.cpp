@@ -6,6 +6,7 @@
 #include "ggml-backend.h"
 #include "llama.h"
 #include "build-info.h"
+#include "conduit.h"
 #include "engine.h"
 #include "services.h"
 #include "params.h"
@@ -201,7 +202,18 @@ void bind_engine(py::module_ & m) {
              "Wake the reader with an item of request id -1 (its signal to look at its state).");
     m.def("pump", &pump, py::arg("reply"), py::arg("req_id"), py::arg("outbox"),
           "Read a streamed reply to its end on a thread of its own, into the outbox.");
-    py::class_<Engine>(m, "Engine", "llama.cpp's server engine for one model (llama-server without HTTP).")
+    py::class_<Conduit>(m, "Conduit",
+                        "A worker's native data path: client connections the router hands over, answered by "
+                        "the attached engines' llama-server handlers and written to the client's socket here.")
+        .def(py::init<int>(), py::arg("fd"))
+        .def("attach", &Conduit::attach, py::arg("name"), py::arg("engine"), py::arg("awaited") = 0,
+             py::call_guard<py::gil_scoped_release>())
+        .def("detach", &Conduit::detach, py::arg("name"), py::call_guard<py::gil_scoped_release>(),
+             "No more requests for the model: those in flight stopped and waited for; its hits.")
+        .def_property_readonly("in_flight", &Conduit::in_flight)
+        .def("close", &Conduit::close, py::call_guard<py::gil_scoped_release>());
+    py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine",
+                                                "llama.cpp's server engine for one model (llama-server without HTTP).")
         .def(py::init<const std::vector<std::string> &>(), py::arg("args"),
              "Parse llama-server arguments (ValueError names a bad one).")
         .def("load", &Engine::load, py::call_guard<py::gil_scoped_release>(),

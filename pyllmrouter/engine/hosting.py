@@ -41,9 +41,13 @@ class EngineHost:
     ``_lock``."""
 
     def __init__(self, name: str, engine: Any, native: Any, send: Callable[[Any], None],
-                 keep_dir: str | None = None, restored: int = 0, stream_interval: float = 0.0):
+                 keep_dir: str | None = None, restored: int = 0, stream_interval: float = 0.0,
+                 conduit: Any = None):
+        """``conduit``: the worker's native data path, which answers the requests the router
+        hands over for this model (the relay of Call messages serves the rest)."""
         self.name = name
         self.engine = engine
+        self._conduit = conduit
         self.keep_dir = keep_dir  # where the router keeps its slot states (not a client-reachable path)
         self._native = native
         self._send = send
@@ -51,6 +55,7 @@ class EngineHost:
         self._stops: dict[int, Any] = {}  # req_id -> StopFlag of a request in flight
         self._closing = False
         self._awaited = restored  # slots restored at load whose first use is still to come
+        self._restored = restored
         self.hits = 0  # requests that took tokens from a restored slot's cache
         self._outbox = native.Outbox(stream_interval)
         self._sender = threading.Thread(target=self._send_chunks, name=f"send-{name}", daemon=True)
@@ -59,6 +64,8 @@ class EngineHost:
         # executor's own policy), since starting a thread waits for it to take the GIL once
         # (milliseconds to a first token while other threads hold it)
         self._calls = ThreadPoolExecutor(max_workers=_MAX_CALLS, thread_name_prefix=f"call-{name}")
+        if conduit is not None:  # the restored slots' first uses are counted there, and here
+            conduit.attach(name, engine, restored)
 
     def call(self, msg: Call) -> None:
         flag = self._native.StopFlag()
@@ -133,6 +140,10 @@ class EngineHost:
         """Stop every request in flight, wait for its last reply, call ``before_free(engine)``
         (with no request running: to save the slots), free the engine; ``before_free``'s
         result."""
+        if self._conduit is not None:  # its native requests: stopped and waited for first
+            native_hits = self._conduit.detach(self.name)
+            with self._lock:  # each path counted the restored slots' first uses it saw
+                self.hits = min(self._restored, self.hits + native_hits)
         with self._lock:
             self._closing = True
             for flag in self._stops.values():

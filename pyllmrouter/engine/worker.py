@@ -49,8 +49,9 @@ def _rss() -> int:
 
 
 class _Worker:
-    def __init__(self, conn):
+    def __init__(self, conn, conduit):
         self.conn = conn
+        self.conduit = conduit  # the native data path: requests answered on the client's socket
         self.send_lock = threading.Lock()
         self.models: dict[str, EngineHost] = {}  # main thread and loader threads, under models_lock
         # a load under way: (cancelled, ended), set by an UnloadModel and by the loader thread
@@ -78,7 +79,8 @@ class _Worker:
                 cancelled = msg.name in self.loading and self.loading[msg.name][0].is_set()
                 if not (taken or cancelled):
                     self.models[msg.name] = EngineHost(msg.name, engine, native(), self.send, msg.keep_dir,
-                                                       restored=len(restored), stream_interval=msg.stream_interval)
+                                                       restored=len(restored), stream_interval=msg.stream_interval,
+                                                       conduit=self.conduit)
             if taken or cancelled:
                 engine.close()
                 raise RuntimeError(f"the load of {msg.name!r} was cancelled (it did not end in time)" if cancelled
@@ -201,11 +203,13 @@ def main() -> None:
     its environment, and the pipe's descriptor is its last argument)."""
     from multiprocessing.connection import Connection  # noqa: PLC0415
 
-    worker_main(Connection(int(sys.argv[-1])))
+    worker_main(Connection(int(sys.argv[-1])), int(sys.argv[-2]))
 
 
-def worker_main(conn) -> None:
-    """Serve the router on ``conn`` until it says Shutdown or goes."""
+def worker_main(conn, conduit_fd: int) -> None:
+    """Serve the router on ``conn`` until it says Shutdown or goes; ``conduit_fd``: the
+    worker's end of the native data path (client connections handed over)."""
+    os.set_inheritable(conduit_fd, False)
     # the pipe came through pass_fds, inheritable: a process this worker starts (an MCP
     # server, a tool's shell) would hold it open, and the router would not see us end
     os.set_inheritable(conn.fileno(), False)
@@ -216,7 +220,7 @@ def worker_main(conn) -> None:
     if rpc:
         native().add_rpc_servers(rpc)  # this worker's devices: its rpc-servers, as RPC0, RPC1...
     native().devices()  # initialise the backends now, so the overhead below is real
-    worker = _Worker(conn)
+    worker = _Worker(conn, native().Conduit(conduit_fd))
     worker.send(Ready(os.getpid(), {"CPU": _rss()}))
     code = 0
     try:

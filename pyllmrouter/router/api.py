@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
 from pyllmrouter.errors import RequestFailed, RouterError, UnknownModel
+from pyllmrouter.router.conduit import Connection, Served
 from pyllmrouter.router.conversations import Conversations
 from pyllmrouter.router.downloads import Downloads
 from pyllmrouter.router.sources import Sources
@@ -290,6 +291,73 @@ class Router:
         finally:
             if watch is not None:
                 watch.cancel()
+
+    async def aserve(self, model: str, method: str, path: str, body: bytes, query: dict[str, str],
+                     headers: dict[str, str], connection: Connection, *, query_string: str = "",
+                     timeout: float | None = None, autoload: bool | None = None,
+                     gone: Callable[[], Awaitable[Any]] | None = None) -> "Served | tuple[HttpReply, Stream | None]":
+        """``acall``, answered by the model's worker on the client's ``connection`` itself (the
+        native data path: no Python between the engine and the client's socket): Served,
+        once it has.  Where the worker cannot take the connection now (a request too big
+        for one datagram, its channel full), the request is relayed as ``acall`` relays it:
+        (reply, stream).  ``gone`` withdraws a wait for the model, as in ``acall``; once
+        handed over, a client that leaves is the worker's to notice."""
+        watch = asyncio.ensure_future(gone()) if gone is not None else None
+        try:
+            lease = self._sched.try_lease(model)
+            if lease is None:
+                lease = await self._await_lease(model, timeout, autoload, watch)
+            if self.options.debug_fake_timing > 0:
+                try:  # busy on the model meanwhile (the lease is held)
+                    await asyncio.sleep(self.options.debug_fake_timing)
+                except BaseException:
+                    self._sched.release(lease)
+                    raise
+        finally:
+            if watch is not None:
+                watch.cancel()
+        served = self._hand(lease, method, path, body, query, headers, connection, query_string)
+        if served is not None:
+            return await asyncio.shield(served)  # the worker's answer; the lease ends with it
+        pending = self._send(lease, method, path, body, query, headers)
+        try:
+            while (first := pending.get_nowait()) is None:
+                await pending.wait_async()
+        except BaseException:
+            self._abandon(lease, pending)
+            raise
+        return self._opened(lease, pending, first)
+
+    def _hand(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str],
+              headers: dict[str, str], connection: Connection, query_string: str) -> "asyncio.Future | None":
+        """The request and its connection handed to the lease's worker: the future of its
+        answer (the lease released when it comes), or None where the worker cannot take it
+        now (nothing was sent; the lease is still held)."""
+        conduit = lease.worker.conduit
+        if conduit is None:
+            return None
+        header = {"model": lease.name, "method": method, "path": path, "query": dict(query),
+                  "query_string": query_string, "headers": dict(headers),
+                  "extra": [list(h) for h in connection.extra_headers], "keep_alive": connection.keep_alive}
+        connection.begin()
+        try:
+            served = conduit.hand(header, body, connection.fd)
+        except BaseException:
+            connection.undo()
+            self._sched.release(lease)
+            raise
+        if served is None:
+            connection.undo()
+            return None
+        served.add_done_callback(lambda f: self._served(lease, f))
+        return served
+
+    def _served(self, lease: Lease, fut: "asyncio.Future") -> None:
+        """The worker's answer to a request handed over came (or the worker died): the
+        lease ends; an error is the awaiting caller's (if it left, it is dropped here)."""
+        self._sched.release(lease)
+        if not fut.cancelled():
+            fut.exception()
 
     async def _await_lease(self, model: str, timeout: float | None, autoload: bool | None,
                            watch: "asyncio.Future | None") -> Lease:

@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection, Pipe
 from typing import Any, Callable
 
 from pyllmrouter.errors import WorkerDied
+from pyllmrouter.router.conduit import Conduit, channel
 from pyllmrouter.protocol import FINAL, Batch, Cancel, ErrorKind, Failed, Ping, Ready, Shutdown
 
 __all__ = ["WorkerHandle", "Pending", "WORKER_ENTRY"]
@@ -145,6 +146,7 @@ class WorkerHandle:
         self._stderr: deque[str] = deque(maxlen=_TAIL)  # the last lines the worker wrote there
         self._reason: str | None = None  # the last of them that said why (_REASON)
         self._relay: threading.Thread | None = None
+        self.conduit: Conduit | None = None  # the worker's native data path, once it runs
         self._reader: threading.Thread | None = None
         self._writer: threading.Thread | None = None
         self._ids = itertools.count(1)
@@ -152,15 +154,19 @@ class WorkerHandle:
     def start(self, timeout: float = 120.0) -> None:
         """Spawn the process and wait until it has initialised its backends."""
         parent, child = Pipe()
+        ours, theirs = channel()  # the native data path: connections handed over (conduit.py)
         env = {**os.environ, **self.env, "PYLLMROUTER_SYS_PATH": json.dumps(sys.path)}
         try:
-            self._process = subprocess.Popen([sys.executable, "-c", _BOOT, WORKER_ENTRY, str(child.fileno())],
-                                             pass_fds=(child.fileno(),), env=env, stdin=subprocess.DEVNULL,
-                                             stderr=subprocess.PIPE)
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _BOOT, WORKER_ENTRY, str(theirs.fileno()), str(child.fileno())],
+                pass_fds=(child.fileno(), theirs.fileno()), env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
         except OSError as e:  # no process at all (out of memory, no executable)
+            ours.close()
             raise WorkerDied(f"worker {self.name} could not start: {e}") from None
         finally:
             child.close()
+            theirs.close()
+        self.conduit = Conduit(ours, self.name)
         self._conn = parent
         self._relay = threading.Thread(target=self._relay_stderr, name=f"stderr-{self.name}", daemon=True)
         self._relay.start()
@@ -247,9 +253,11 @@ class WorkerHandle:
         return pending
 
     def in_flight(self) -> int:
-        """Calls waiting for their final reply (requests, loads, probes, fits), the heartbeat aside."""
+        """Calls waiting for their final reply (requests, loads, probes, fits, requests handed
+        over on the native data path), the heartbeat aside."""
         with self._lock:
-            return sum(1 for p in self._pending.values() if not p.ping)
+            relayed = sum(1 for p in self._pending.values() if not p.ping)
+        return relayed + (self.conduit.in_flight() if self.conduit is not None else 0)
 
     def ping(self) -> Pending | None:
         """Send the heartbeat; its Pending gets Result(None) if the worker answers (None:
@@ -291,6 +299,8 @@ class WorkerHandle:
         self._died()
 
     def _died(self) -> None:
+        if self.conduit is not None:  # the requests it answered natively fail too
+            self.conduit.close()
         with self._lock:
             was_alive, self.alive = self.alive, False
             orphans, self._pending = list(self._pending.values()), {}
@@ -322,3 +332,6 @@ class WorkerHandle:
             self._writer.join(5)
         if self._relay is not None and self._relay is not threading.current_thread():
             self._relay.join(5)
+        if self.conduit is not None:
+            self.conduit.close()
+            self.conduit.join(5)

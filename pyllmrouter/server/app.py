@@ -43,16 +43,18 @@ from pyllmrouter.router.services import Services
 from pyllmrouter.router.streams import Stream
 from pyllmrouter.protocol import HttpReply
 from pyllmrouter.server.body import BODY_METHODS, form, read_or_refuse, replay
+from pyllmrouter.router.conduit import Connection, Served
 from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Refusal
+from pyllmrouter.server.connection import HANDOVER, Handover, HttpProtocol
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.metrics import Metrics
 
 __all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL"]
 
-# uvicorn's protocol for every server of this app: h11 writes header names as given (httptools
-# lower-cases them), so clients that read headers case-sensitively, llama.cpp's own server tests
-# among them, see llama-server's spelling
-HTTP_PROTOCOL = "h11"
+# uvicorn's protocol for every server of this app: its httptools protocol (the fastest it has),
+# whose connections a request can hand over to a worker (server/connection.py)
+HTTP_PROTOCOL = HttpProtocol
+CORS_HEADERS = "pyllmrouter.cors"  # scope extension: the CORS headers a response gets
 
 MAX_CONVERSATION_ID = 256  # characters of an X-Conversation-Id (a UUID has 36)
 _DISABLED = json.dumps({"error": {"message": "this feature is disabled", "type": "feature_disabled"}}).encode()
@@ -76,11 +78,14 @@ ENGINE_GET = ("/slots", "/lora-adapters")
 
 def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
                close_router: bool = True, max_threads: int = 1024, settings: dict[str, Any] | None = None,
-               services: Services | None = None, allowed_hosts: frozenset[str] | None = None) -> "_Guard":
+               services: Services | None = None, allowed_hosts: frozenset[str] | None = None,
+               native: bool = True) -> "_Guard":
     """``settings``: what llama.cpp's parser made of the router's llama-server arguments
     (router/services.settings: CORS, more API keys); ``services``: llama-server's /tools
     and /cors-proxy (None: llama-server's 403, the features are off); ``allowed_hosts``:
-    the Host names accepted beside the local ones (None: no Host check, see browser.py)."""
+    the Host names accepted beside the local ones (None: no Host check, see browser.py);
+    ``native``: a worker answers a model's request on the client's connection itself where it
+    can (router/conduit.py); False: every response is relayed through this process."""
     keys = tuple(k for k in ([api_key] if api_key else []) + list((settings or {}).get("api_keys", ())) if k)
     # pages of the local origins only, unless --cors-origins says otherwise ('*': llama-server's default)
     origins = settings["cors_origins"] if settings and settings.get("cors_origins_explicit") else LOCAL_ORIGINS
@@ -169,13 +174,61 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
                 raise ApiError(400, f"X-Conversation-Id is {len(conv_id)} characters long, more than the "
                                     f"{MAX_CONVERSATION_ID} a conversation id may have", param="X-Conversation-Id")
             listed = router.scheduler.canonical(model) if conv_id else None
+            handover = scope.get("extensions", {}).get(HANDOVER)
             if listed is not None:  # its stream survives the connection: GET /v1/stream finds it at this model
                 response = await session(request, model, listed, conv_id, raw, files)
+            elif native and handover is not None and not files and handover.usable:
+                response = await native(request, model, raw, handover)
+                if response is None:
+                    return  # the worker answered on the connection itself
             else:  # a model nobody lists remembers nothing: the request's 404 is all it gets
                 response = await forward(request, model, raw, files=files)
         except ApiError as e:
             response = error_response(e)
         await response(scope, receive, send)
+
+    async def native(request: Request, model: str, raw: bytes, handover: Handover) -> Response | None:
+        """The request answered by its model's worker on the client's connection (None once it
+        has: the native data path, router/conduit.py), or relayed where the worker cannot take
+        the connection now (the response to write)."""
+        t0 = time.perf_counter()
+        endpoint = request.scope["path"]
+        query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        began: list[bool] = []
+
+        def begin() -> None:
+            handover.begin()
+            began.append(True)
+
+        def undo() -> None:
+            began.clear()
+            handover.undo()
+
+        extra = tuple((k.decode("latin-1"), v.decode("latin-1"))
+                      for k, v in request.scope.get("extensions", {}).get(CORS_HEADERS, ()))
+        connection = Connection(handover.fd, handover.keep_alive, extra, begin, undo)
+        try:
+            out = await router.aserve(model, "POST", endpoint, raw, query, headers, connection,
+                                      autoload=autoload_param(request), gone=lambda: _disconnected(request))
+        except (RouterError, asyncio.CancelledError) as e:
+            if began:  # handed over: nothing can be written on the connection any more
+                metrics.observe(model, endpoint, "502", time.perf_counter() - t0)
+                handover.finish(False)
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                return None
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            err = from_router_error(e)
+            metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
+            raise err from None
+        if isinstance(out, Served):
+            metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
+            handover.finish(out.keep)
+            return None
+        reply, stream = out
+        return _relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0))
 
     async def session(request: Request, model: str, listed: str, conv_id: str, raw: bytes,
                       files: dict[str, tuple[str, str, bytes]]) -> Response:
@@ -362,7 +415,10 @@ class _Guard:
                                         *self.cors.headers_for(origin, True)]})
                 return await send({"type": "http.response.body", "body": b""})
             if origin is not None:  # a browser's request: the CORS header on its response
-                send = _with_headers(send, self.cors.headers_for(origin, False))
+                extra = self.cors.headers_for(origin, False)
+                send = _with_headers(send, extra)
+                if extra:  # and on a response a worker writes itself (the native data path)
+                    scope.setdefault("extensions", {})[CORS_HEADERS] = extra
         if refused is None and path not in PUBLIC:
             refused = self.gate.origin(origin, host, has_valid_key(headers, self.api_keys))
         if refused is None:

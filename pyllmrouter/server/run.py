@@ -83,6 +83,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval-ms", type=float, default=1.0, metavar="MS",
                    help="a worker sends a model's stream chunks at most once per MS: tokens that come faster "
                         "leave together (0: each as it comes)")
+    p.add_argument("--native", action=argparse.BooleanOptionalAction, default=True,
+                   help="a worker writes a model's response to the client's connection itself (default); "
+                        "--no-native relays every response through the router process")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="log a line per request (off by default, as in llama-server)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (MiB)")
@@ -206,7 +209,7 @@ def serve(a: argparse.Namespace) -> int:
             router.close()
             raise SystemExit(f"pyllmrouter serve: {e}") from None
     app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services,
-                     allowed_hosts=allowed_hosts(a.host, a.allowed_hosts))
+                     allowed_hosts=allowed_hosts(a.host, a.allowed_hosts), native=a.native)
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
                             timeout_graceful_shutdown=a.shutdown_timeout, http=HTTP_PROTOCOL)
     try:

@@ -1,0 +1,300 @@
+// A worker's native data path: see conduit.h.
+#include "conduit.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "engine.h"
+#include "server-common.h"
+
+namespace pyllmrouter {
+namespace {
+
+const char * reason(int status) {
+    switch (status) {
+        case 200: return "OK";
+        case 201: return "Created";
+        case 204: return "No Content";
+        case 400: return "Bad Request";
+        case 401: return "Unauthorized";
+        case 403: return "Forbidden";
+        case 404: return "Not Found";
+        case 405: return "Method Not Allowed";
+        case 413: return "Payload Too Large";
+        case 500: return "Internal Server Error";
+        case 501: return "Not Implemented";
+        case 503: return "Service Unavailable";
+        default:  return status < 400 ? "OK" : "Error";
+    }
+}
+
+// Writes to the client's socket, which is non-blocking (the router's event loop shares
+// its file description): a full buffer is waited out with poll, a stopped request or a
+// socket in error ends the writing.  Counts what it wrote.
+struct Writer {
+    int fd;
+    StopFlag & stop;
+    long long written = 0;
+    bool ok = true;
+
+    bool write(const std::string & data) {
+        const char * p = data.data();
+        size_t left = data.size();
+        while (ok && left > 0) {
+            const ssize_t n = ::send(fd, p, left, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (n > 0) {
+                p += n;
+                left -= static_cast<size_t>(n);
+                written += n;
+            } else if (n < 0 && errno == EINTR) {
+                continue;
+            } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+                pollfd pfd{fd, POLLOUT, 0};
+                const int r = ::poll(&pfd, 1, 1000);
+                if (stop.value.load() || (r > 0 && (pfd.revents & (POLLERR | POLLHUP)))) ok = false;
+            } else {
+                ok = false;  // the client is gone (EPIPE, ECONNRESET...)
+            }
+        }
+        if (!ok) stop.set();  // llama.cpp ends the request at its next should_stop
+        return ok;
+    }
+
+    bool chunk(const std::string & data) {  // one HTTP/1.1 chunk
+        if (data.empty()) return ok;
+        char size[24];
+        std::snprintf(size, sizeof(size), "%zx\r\n", data.size());
+        std::string framed;
+        framed.reserve(data.size() + 32);
+        framed.append(size).append(data).append("\r\n");
+        return write(framed);
+    }
+};
+
+// The "cache_n" of llama-server's timings in a reply: a request that took tokens from a
+// slot's cache (0 when none is said).
+int cache_n(const std::string & data) {
+    static const std::string key = "\"cache_n\":";
+    int best = 0;
+    for (size_t at = data.find(key); at != std::string::npos; at = data.find(key, at + key.size())) {
+        best = std::max(best, std::atoi(data.c_str() + at + key.size()));
+    }
+    return best;
+}
+
+std::map<std::string, std::string> string_map(const json & j) {
+    std::map<std::string, std::string> out;
+    if (j.is_object()) {
+        for (auto it = j.begin(); it != j.end(); ++it) {
+            out[it.key()] = it.value().is_string() ? it.value().get<std::string>() : it.value().dump();
+        }
+    }
+    return out;
+}
+
+}  // namespace
+
+Conduit::Conduit(int fd) : fd_(fd) {
+    receiver_ = std::thread([this] { receive(); });
+}
+
+Conduit::~Conduit() { close(); }
+
+void Conduit::attach(const std::string & name, std::shared_ptr<Engine> engine, int awaited) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Model & m = models_[name];
+    m.engine = std::move(engine);
+    m.awaited = awaited;
+    m.hits = 0;
+    m.closing = false;
+}
+
+int Conduit::detach(const std::string & name) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto it = models_.find(name);
+    if (it == models_.end()) return 0;
+    it->second.closing = true;
+    for (const auto & stop : it->second.requests) stop->set();
+    done_.wait(lock, [&] { return it->second.requests.empty(); });
+    const int hits = it->second.hits;
+    models_.erase(it);
+    return hits;
+}
+
+int Conduit::in_flight() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return in_flight_;
+}
+
+void Conduit::close() {
+    if (closed_.exchange(true)) return;
+    ::shutdown(fd_, SHUT_RDWR);  // the receiver's recvmsg returns
+    if (receiver_.joinable()) receiver_.join();
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (auto & [name, m] : models_) {
+        m.closing = true;
+        for (const auto & stop : m.requests) stop->set();
+    }
+    done_.wait(lock, [this] { return in_flight_ == 0; });
+    ::close(fd_);
+}
+
+void Conduit::receive() {
+    std::string buffer(max_message + 1, '\0');
+    while (!closed_.load()) {
+        iovec iov{buffer.data(), buffer.size()};
+        alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+        msghdr msg{};
+        msg.msg_iov = &iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control;
+        msg.msg_controllen = sizeof(control);
+        const ssize_t n = ::recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) break;  // the router is gone, or close()
+        int client = -1;
+        for (cmsghdr * c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+            if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+            const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            for (size_t i = 0; i < count; ++i) {
+                int fd;
+                std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                if (client < 0) client = fd; else ::close(fd);
+            }
+        }
+        if (client < 0) continue;  // nothing to answer on
+        if (msg.msg_flags & MSG_TRUNC) {  // the router never sends one this big
+            ::close(client);
+            continue;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            ++in_flight_;
+        }
+        std::thread(&Conduit::serve, this, std::string(buffer.data(), static_cast<size_t>(n)), client).detach();
+    }
+}
+
+void Conduit::serve(std::string message, int client) {
+    long long id = -1;
+    int status = 0;
+    bool keep = false;
+    std::string error;
+    auto stop = std::make_shared<StopFlag>();
+    stop->peer = client;
+    Writer out{client, *stop};
+    std::string name;
+    bool registered = false;
+    try {
+        const size_t nul = message.find('\0');
+        const json h = json::parse(message.substr(0, nul));
+        const std::string body = nul == std::string::npos ? std::string() : message.substr(nul + 1);
+        message.clear();
+        id = h.at("id").get<long long>();
+        name = h.at("model").get<std::string>();
+        const bool keep_alive = h.value("keep_alive", true);
+        std::string extra;  // the router's headers (CORS), as it would have sent them
+        for (const auto & kv : h.value("extra", json::array())) {
+            extra += kv.at(0).get<std::string>() + ": " + kv.at(1).get<std::string>() + "\r\n";
+        }
+        const std::string connection = keep_alive ? "" : "Connection: close\r\n";
+        std::shared_ptr<Engine> engine;
+        int awaited = 0;
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            auto it = models_.find(name);
+            if (it != models_.end() && !it->second.closing) {
+                engine = it->second.engine;
+                awaited = it->second.awaited;
+                it->second.requests.insert(stop);
+                registered = true;
+            }
+        }
+        if (!engine) {  // unloaded meanwhile: what llama-server says of a model not ready
+            status = 503;
+            const std::string data = safe_json_to_str(
+                {{"error", format_error_response("Loading model", ERROR_TYPE_UNAVAILABLE)}});
+            out.write("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
+                      "Retry-After: 1\r\n" + extra + connection + "Content-Length: " +
+                      std::to_string(data.size()) + "\r\n\r\n" + data);
+        } else {
+            auto reply = engine->handle(h.at("method").get<std::string>(), h.at("path").get<std::string>(),
+                                        string_map(h.value("query", json::object())),
+                                        string_map(h.value("headers", json::object())), body,
+                                        h.value("query_string", std::string()), stop);
+            status = reply->status();
+            std::string head = "HTTP/1.1 " + std::to_string(status) + " " + reason(status) + "\r\n" +
+                               "Content-Type: " + reply->content_type() + "\r\n";
+            for (const auto & [k, v] : reply->headers()) head += k + ": " + v + "\r\n";
+            head += extra + connection;
+            int seen = 0;
+            if (!reply->is_stream()) {
+                const std::string & data = reply->data();
+                head += "Content-Length: " + std::to_string(data.size()) + "\r\n\r\n";
+                out.write(head + data);
+                if (awaited > 0) seen = cache_n(data);
+            } else {
+                head += "Transfer-Encoding: chunked\r\n\r\n";
+                if (out.write(head) && out.chunk(reply->data())) {
+                    std::string chunk;
+                    bool more = true;
+                    while (more && out.ok) {
+                        more = reply->next(chunk);
+                        if (awaited > 0) seen = std::max(seen, cache_n(chunk));
+                        out.chunk(chunk);
+                    }
+                    if (out.ok) out.write("0\r\n\r\n");
+                }
+            }
+            keep = keep_alive && out.ok && !stop->stopped();  // before the reply goes: it sets the flag
+            reply.reset();  // on_complete, as llama-server's connection ends
+            if (seen > 0) {
+                std::lock_guard<std::mutex> lock(mutex_);
+                auto it = models_.find(name);
+                if (it != models_.end() && it->second.awaited > 0) {
+                    --it->second.awaited;
+                    ++it->second.hits;
+                }
+            }
+        }
+        if (!engine) keep = keep_alive && out.ok;
+    } catch (const std::exception & e) {
+        error = e.what();
+        if (out.written == 0 && id >= 0) {  // nothing written yet: say it, as llama-server's ex_wrapper
+            status = 500;
+            const std::string data = safe_json_to_str({{"error", format_error_response(error, ERROR_TYPE_SERVER)}});
+            out.write("HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json; charset=utf-8\r\n"
+                      "Connection: close\r\nContent-Length: " + std::to_string(data.size()) + "\r\n\r\n" + data);
+        }
+        keep = false;
+    }
+    ::close(client);  // the router's descriptor stays: the connection is its own again
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (registered) {
+            auto it = models_.find(name);
+            if (it != models_.end()) it->second.requests.erase(stop);
+        }
+    }
+    if (id >= 0) report(id, status, out.written, keep, error);
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        --in_flight_;
+    }
+    done_.notify_all();
+}
+
+void Conduit::report(long long id, int status, long long bytes, bool keep, const std::string & error) {
+    const std::string msg = safe_json_to_str(
+        {{"id", id}, {"status", status}, {"bytes", bytes}, {"keep", keep}, {"error", error}});
+    std::lock_guard<std::mutex> lock(send_mutex_);
+    while (::send(fd_, msg.data(), msg.size(), MSG_NOSIGNAL) < 0 && errno == EINTR) {
+    }
+}
+
+}  // namespace pyllmrouter

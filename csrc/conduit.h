@@ -1,0 +1,73 @@
+// A worker's native data path: client connections the router hands over, answered here.
+//
+//   router ──sendmsg(request, client fd) over a SOCK_SEQPACKET pair──▶ Conduit's receiver
+//     a thread per request: Engine::handle (llama-server's handler) ─▶ the HTTP response
+//     written to the client's socket from here: status, headers, the body or the SSE stream
+//     chunk by chunk as the engine yields it ─▶ done(id, status, bytes, keep) ──▶ router
+//
+// Once the router has admitted a request and leased its model, no Python touches the
+// reply's bytes: the router reads the request (it needs the model's name and the key),
+// the worker writes the answer.  A client that leaves is noticed here (its socket hangs
+// up, or a write fails): the request's should_stop turns true and llama.cpp ends it.
+// The router gets the connection back when done() says so (keep-alive) and reads the
+// client's next request itself.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+
+namespace pyllmrouter {
+
+class Engine;
+struct StopFlag;
+
+class Conduit {
+  public:
+    // The most bytes one handed-over request may have (header and body): one datagram.
+    static constexpr std::size_t max_message = 256 * 1024;
+
+    // fd: the worker's end of the router's SOCK_SEQPACKET pair (this object owns it).
+    explicit Conduit(int fd);
+    ~Conduit();
+
+    // A model's engine answers the requests handed over for `name`; `awaited`: slots
+    // restored at load whose first use is still to come (a request whose timings say
+    // it took cached tokens is a hit).
+    void attach(const std::string & name, std::shared_ptr<Engine> engine, int awaited);
+    // No more requests for `name`: those in flight are stopped and waited for.  The hits
+    // counted for it.
+    int detach(const std::string & name);
+    // Requests in flight, all models.
+    int in_flight() const;
+    void close();
+
+  private:
+    struct Model {
+        std::shared_ptr<Engine> engine;
+        std::set<std::shared_ptr<StopFlag>> requests;
+        int awaited = 0;
+        int hits = 0;
+        bool closing = false;
+    };
+
+    void receive();
+    void serve(std::string message, int client);
+    void report(long long id, int status, long long bytes, bool keep, const std::string & error);
+
+    int fd_;
+    std::thread receiver_;
+    std::atomic<bool> closed_{false};
+    mutable std::mutex mutex_;  // models_, in_flight_
+    std::condition_variable done_;
+    std::map<std::string, Model> models_;
+    int in_flight_ = 0;
+    std::mutex send_mutex_;
+};
+
+}  // namespace pyllmrouter

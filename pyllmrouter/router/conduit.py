@@ -1,0 +1,157 @@
+"""The router's end of a worker's native data path (the worker's end: csrc/conduit.h).
+
+    hand(request, client fd) ──sendmsg, one SOCK_SEQPACKET datagram with the fd──▶ worker
+        the worker's C++ answers on the client's socket itself (llama-server's handler,
+        the reply's bytes written there), then
+    reader thread ◀── done {id, status, bytes, keep, error} ── worker: the future resolves
+        (in the event loop that handed it over: one wake-up per request, never per token)
+
+A request is handed over whole or not at all: a datagram too big, or a worker whose
+channel is full (it stopped reading), is refused at once (``hand`` returns None) and the
+caller relays the request through the pipe instead.  A worker that dies fails every
+request it holds (WorkerDied).  Nothing here blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+from pyllmrouter.errors import WorkerDied
+
+__all__ = ["Conduit", "Connection", "Served", "MAX_MESSAGE", "channel"]
+
+MAX_MESSAGE = 256 * 1024  # one datagram: the worker's receive buffer (csrc/conduit.h)
+
+
+@dataclass(frozen=True)
+class Connection:
+    """A client's connection as the server lends it: its socket's descriptor, whether it is
+    kept alive after this request, headers the server would add to the response (CORS),
+    and how the server stops using it (``begin``) or takes it back unused (``undo``)."""
+
+    fd: int
+    keep_alive: bool
+    extra_headers: tuple[tuple[str, str], ...]
+    begin: Callable[[], None]
+    undo: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Served:
+    """A request the worker answered on the client's connection itself."""
+
+    status: int  # the HTTP status it wrote (0: it wrote nothing)
+    bytes: int  # what it wrote, head included
+    keep: bool  # the response went out whole and the connection may take the next request
+    error: str = ""
+
+
+def channel() -> tuple[socket.socket, socket.socket]:
+    """A (router's end, worker's end) pair; each end's buffers hold a whole datagram."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    for s in (ours, theirs):
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                s.setsockopt(socket.SOL_SOCKET, opt, 4 * MAX_MESSAGE)
+            except OSError:
+                pass  # the system's cap: a datagram over it is refused and relayed
+    return ours, theirs
+
+
+class Conduit:
+    def __init__(self, sock: socket.socket, name: str):
+        self._sock = sock  # blocking: the reader waits on it; sends never wait (MSG_DONTWAIT)
+        self._name = name
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name=f"conduit-{name}", daemon=True)
+        self._reader.start()
+
+    def hand(self, header: dict, body: bytes, fd: int) -> "asyncio.Future[Served] | None":
+        """Hand the request and the client's connection ``fd`` over; the future of what the
+        worker did with it, or None where it cannot take it now (too big, its channel full):
+        nothing was sent then.  WorkerDied if the worker is gone."""
+        rid = next(self._ids)
+        message = json.dumps({**header, "id": rid}).encode() + b"\0" + body
+        if len(message) > MAX_MESSAGE:
+            return None
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            if self._closed:
+                raise WorkerDied(f"worker {self._name} is not running")
+            self._pending[rid] = (loop, fut)
+        try:
+            socket.send_fds(self._sock, [message], [fd], socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            with self._lock:
+                self._pending.pop(rid, None)
+            return None
+        except OSError as e:
+            with self._lock:
+                self._pending.pop(rid, None)
+            raise WorkerDied(f"worker {self._name} is not running ({e})") from None
+        return fut
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                data = self._sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            try:
+                done = json.loads(data)
+                served = Served(int(done["status"]), int(done["bytes"]), bool(done["keep"]), done.get("error") or "")
+            except (ValueError, KeyError, TypeError):
+                continue
+            with self._lock:
+                waiter = self._pending.pop(int(done["id"]), None)
+            if waiter is not None:
+                _settle(waiter, served)
+        self.close()
+
+    def close(self) -> None:
+        """The worker is gone: every request it held fails (WorkerDied)."""
+        with self._lock:
+            self._closed = True
+            orphans, self._pending = list(self._pending.values()), {}
+        for waiter in orphans:
+            _settle(waiter, WorkerDied(f"worker {self._name} ended while it answered a request"))
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def join(self, timeout: float) -> None:
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout)
+        self._sock.close()
+
+
+def _settle(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future], outcome) -> None:
+    loop, fut = waiter
+
+    def done() -> None:
+        if not fut.done():
+            if isinstance(outcome, BaseException):
+                fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome)
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:
+        pass  # that loop is closed: nobody waits any more

@@ -1,0 +1,163 @@
+"""The native data path: a model's response written by its worker on the client's own
+connection (router/conduit.py, csrc/conduit.h), against ``pyllmrouter serve``, spoken to
+byte by byte where HTTP's framing is what is tested (keep-alive, pipelining)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from pyllmrouter.router.conduit import MAX_MESSAGE
+from pyllmrouter.tools import scripted
+from pyllmrouter.tools.loopback import start_serve
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def base(tiny, tmp_path_factory):
+    d = tmp_path_factory.mktemp("handover")
+    story = scripted.write_scripted(d / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
+    preset = d / "models.ini"
+    preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 1024\nnp = 2\n\n[story]\nmodel = {story}\nc = 4096\n")
+    proc, url = start_serve(["--models-preset", str(preset), "--no-models-cache", "--models-memory-margin", "0",
+                             "--emulate-devices", "GPU0=4GiB"])
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def request(method: str, path: str, body: dict | bytes | None = None, headers: dict | None = None) -> bytes:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else b""
+    head = f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+    for k, v in {**({"Content-Type": "application/json"} if data else {}), **(headers or {})}.items():
+        head += f"{k}: {v}\r\n"
+    return (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+class Reader:
+    """Responses read off one connection, as an HTTP/1.1 client frames them."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.buf = sock, b""
+
+    def _fill(self) -> None:
+        more = self.sock.recv(65536)
+        if not more:
+            raise EOFError("the server closed the connection")
+        self.buf += more
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self.buf:
+            self._fill()
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line
+
+    def _take(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._fill()
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def response(self) -> tuple[int, dict[str, str], bytes]:
+        status = int(self._line().split()[1])
+        headers = {}
+        while line := self._line():
+            k, _, v = line.decode().partition(":")
+            headers[k.strip().lower()] = v.strip()
+        if headers.get("transfer-encoding") == "chunked":
+            body = b""
+            while size := int(self._line(), 16):
+                body += self._take(size)
+                self._take(2)
+            self._take(2)
+        else:
+            body = self._take(int(headers.get("content-length", 0)))
+        return status, headers, body
+
+
+def connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=60)
+
+
+def test_one_connection_carries_native_and_router_answers_in_turn(base):
+    """Keep-alive across the hand-over: a model's answers (written by its worker) and the
+    router's own (written by the router) alternate on one connection, framed right."""
+    with connect(base) as sock:
+        r = Reader(sock)
+        for i in range(3):
+            sock.sendall(request("POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3}))
+            status, headers, body = r.response()
+            assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
+            sock.sendall(request("GET", "/v1/models"))
+            status, _, body = r.response()
+            assert status == 200 and json.loads(body)["data"]
+            sock.sendall(request("POST", "/v1/completions",
+                                 {"model": "m", "prompt": "hi", "max_tokens": 4, "stream": True}))
+            status, headers, body = r.response()
+            assert status == 200 and headers["content-type"].startswith("text/event-stream")
+            assert body.rstrip().endswith(b"data: [DONE]")
+
+
+def test_pipelined_requests_are_answered_in_order(base):
+    with connect(base) as sock:
+        r = Reader(sock)
+        sock.sendall(request("POST", "/tokenize", {"model": "m", "content": "a"}) +
+                     request("POST", "/tokenize", {"model": "m", "content": "a b c d"}))
+        first, second = r.response(), r.response()
+        assert first[0] == second[0] == 200
+        assert len(json.loads(first[2])["tokens"]) < len(json.loads(second[2])["tokens"])
+
+
+def test_a_body_too_big_to_hand_over_is_relayed(base):
+    content = "word " * (MAX_MESSAGE // 4)  # over one datagram
+    r = httpx.post(base + "/tokenize", json={"model": "m", "content": content}, timeout=120)
+    assert r.status_code == 200 and len(r.json()["tokens"]) > 10_000
+
+
+def test_a_browser_answer_written_by_the_worker_carries_the_cors_header(base):
+    r = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                   headers={"Origin": "http://localhost:5173"}, timeout=60)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:5173"
+
+
+def test_a_worker_killed_under_a_native_stream_ends_it_and_the_next_request_is_served(base):
+    """The client's stream ends (no hang) when its worker dies; the router takes the next
+    request on a new worker."""
+    seen = threading.Event()
+    ended: list = []
+
+    def read():
+        try:
+            with httpx.stream("POST", base + "/v1/chat/completions", timeout=60,
+                              json={"model": "story", "messages": [{"role": "user", "content": "a story"}],
+                                    "max_tokens": 100000, "stream": True}) as r:
+                for _ in r.iter_lines():
+                    seen.set()
+        except httpx.HTTPError as e:
+            ended.append(type(e).__name__)
+        else:
+            ended.append("closed")
+
+    t = threading.Thread(target=read)
+    t.start()
+    assert seen.wait(60)
+    workers = httpx.get(base + "/devices", timeout=30).json()["workers"]
+    for w in workers:
+        os.kill(w["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    t.join(30)
+    assert not t.is_alive() and ended, "the stream hung after its worker died"
+    assert time.monotonic() - t0 < 10
+    r = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=120)
+    assert r.status_code == 200
