@@ -127,7 +127,9 @@ def test_seed_001_two_pinned_models_that_do_not_fit_together_are_served_in_turns
         from pyllmrouter.router.api import Router
         inv = SystemInventory()
         need = {probed_cuda0(shape7b, 4352)}
-        margin = max(0, inv.free()["CUDA0"] - int(need * 1.6))  # room for one, not two
+        margin = 1 << 30  # kept free on every device, the host too
+        free0 = inv.free()["CUDA0"]
+        budget = margin + int(need * 1.6)  # CUDA0's cap: room for one of the two, not both
         models = [ModelConfig(n, ModelSpec({str(shape7b)!r}, n_ctx=c, n_gpu_layers=-1), devices=("CUDA0",))
                   for n, c in (("x", 4096), ("y", 4352))]
         lows, stop, errors, answered = [], threading.Event(), [], []
@@ -142,7 +144,7 @@ def test_seed_001_two_pinned_models_that_do_not_fit_together_are_served_in_turns
                     answered.append(name)
                 except Exception as e:  # noqa: BLE001 - counted, and the test fails on it
                     errors.append(f"{{name}}: {{type(e).__name__}}: {{e}}")
-        with Router(models, inventory=inv, margin=margin) as r:
+        with Router(models, inventory=inv, margin=margin, budgets={{"CUDA0": budget}}) as r:
             sampler = threading.Thread(target=sample)
             sampler.start()
             threads = [threading.Thread(target=client, args=(n,)) for n in ("x", "y", "x", "y")]
@@ -156,17 +158,18 @@ def test_seed_001_two_pinned_models_that_do_not_fit_together_are_served_in_turns
             sampler.join()
             events = [(e[1], e[2]) for e in r.scheduler.events]
         print(json.dumps({{"need": need, "margin": margin, "low": min(lows), "errors": errors,
-                          "answered": len(answered), "events": events, "seconds": seconds}}))
+                          "answered": len(answered), "events": events, "seconds": seconds,
+                          "floor": free0 - (budget - margin)}}))
     """, timeout=600)
     kinds = [e[0] for e in out["events"]]
     print(f"\nseed 001: {out['answered']} requests answered in {out['seconds']:.1f} s, "
           f"{kinds.count('load')} loads, {kinds.count('evict')} evictions, "
           f"{kinds.count('load-failed')} failed loads; need {out['need'] >> 20} MiB, "
-          f"margin {out['margin'] >> 20} MiB, lowest free {out['low'] >> 20} MiB")
+          f"lowest free {out['low'] >> 20} MiB, never below {out['floor'] >> 20} MiB")
     assert out["errors"] == [] and out["answered"] == 12
     assert "load-failed" not in kinds
     assert kinds.count("evict") >= 1 and {("load", "x"), ("load", "y")} <= {tuple(e) for e in out["events"]}
-    assert out["low"] >= out["margin"], out
+    assert out["low"] >= out["floor"], out  # what we took, residuals included, stayed within budget - margin
 
 
 def test_three_models_cost_one_context_not_three(tiny):
@@ -252,17 +255,18 @@ def test_margin_stays_free_after_loads(shape7b):
         if __name__ == "__main__":
             inv = SystemInventory()
             need = {probed_cuda0(shape7b, 4097)}
-            free = inv.free()["CUDA0"]
-            margin = max(0, free - int(need * 1.6))  # room for one 7B, not two
+            free0 = inv.free()["CUDA0"]
+            margin = 1 << 30
+            budget = margin + int(need * 1.6)  # CUDA0's cap: room for one 7B, not two
             models = [ModelConfig(n, ModelSpec({str(shape7b)!r}, n_ctx=c), devices=("CUDA0",))
                       for n, c in (("x", 4096), ("y", 4097))]
             lows = []
-            with Router(models, inventory=inv, margin=margin) as r:
+            with Router(models, inventory=inv, margin=margin, budgets={{"CUDA0": budget}}) as r:
                 for n in ("x", "y", "x"):
                     r.complete(n, "hi", max_tokens=1)
                     lows.append(inv.free()["CUDA0"])
                 events = [(e[1], e[2]) for e in r.scheduler.events]
-            print(json.dumps({{"margin": margin, "lows": lows, "events": events}}))
+            print(json.dumps({{"floor": free0 - (budget - margin), "lows": lows, "events": events}}))
     """, timeout=600)
-    assert all(low >= out["margin"] for low in out["lows"]), out
+    assert all(low >= out["floor"] for low in out["lows"]), out
     assert ("evict", "x") in [tuple(e) for e in out["events"]]
