@@ -130,8 +130,10 @@ def test_seed_001_two_pinned_models_that_do_not_fit_together_are_served_in_turns
         margin = 1 << 30  # kept free on every device, the host too
         free0 = inv.free()["CUDA0"]
         budget = margin + int(need * 1.6)  # CUDA0's cap: room for one of the two, not both
-        models = [ModelConfig(n, ModelSpec({str(shape7b)!r}, n_ctx=c, n_gpu_layers=-1), devices=("CUDA0",))
-                  for n, c in (("x", 4096), ("y", 4352))]
+        # every layer on the GPU and no fit, as the incident's presets had it (ngl 999): the
+        # second model cannot be fitted beside the first into what is left, so they take turns
+        models = [ModelConfig(n, ModelSpec({str(shape7b)!r}, ("-fit", "off"), n_ctx=c, n_gpu_layers=-1),
+                              devices=("CUDA0",)) for n, c in (("x", 4096), ("y", 4352))]
         lows, stop, errors, answered = [], threading.Event(), [], []
         def sample():
             while not stop.is_set():
