@@ -20,7 +20,9 @@ std::vector<CachedModel> cached_models();
 
 // Downloads "org/repo[:tag]" into llama.cpp's cache with llama.cpp's downloader, calling
 // progress(url, downloaded, total) as it goes, false to cancel (llama.cpp's downloader then
-// stops and deletes its partial file); the model's path.  Throws naming the reason.
+// stops and deletes its partial file); the model's path ("" where llama.cpp's handler found
+// none and said nothing: llama-server's router calls that finished too).  Throws naming the
+// reason.
 // hf_file: one file of the repository (llama-server's --hf-file), else the tag's model.
 std::string download_model(const std::string & name,
                            const std::function<bool(const std::string &, std::uint64_t, std::uint64_t)> & progress,

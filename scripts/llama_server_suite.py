@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("-k", dest="expr", default=None, help="pytest -k expression")
     ap.add_argument("-n", dest="workers", type=int, default=1, help="pytest-xdist workers")
     ap.add_argument("--show", action="store_true", help="pytest's own output (failures) on the terminal")
+    ap.add_argument("--ours-args", default="", metavar="ARGS",
+                    help="more arguments for ours, e.g. \"--cors-origins '*'\" (llama-server's CORS default)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "llama_server_suite.json")
     args = ap.parse_args()
     modes = [m for m in MODES if m in args.only.split(",")]
@@ -111,6 +113,7 @@ def main() -> None:
     if not server.exists() and modes != ["ours"]:
         raise SystemExit(f"{server} is missing: scripts/setup.sh --test builds it")
     tests = suite_dir()
+    (tests / "tmp").mkdir(exist_ok=True)  # the suite's TMP_DIR (its router tests write presets there)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         models = tinymodels.write_tiny_set(work / "models")
@@ -126,7 +129,8 @@ def main() -> None:
         with LocalHub(repos(models, gemma)) as endpoint:
             env = {**os.environ, "LLAMA_SERVER_BIN_PATH": str(launcher), "LLAMA_SERVER_PATH": str(server),
                    "MODEL_ENDPOINT": endpoint, "LLAMA_CACHE": str(work / "cache"),
-                   "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")])}
+                   "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH", "")]),
+                   "PYLLMROUTER_SUITE_OURS_ARGS": args.ours_args}
             for name, file in PULLS:  # one cache for both, filled by llama.cpp's downloader
                 subprocess.run([sys.executable, "-m", "pyllmrouter.engine.download", name, *([file] if file else [])],
                                env=env, capture_output=True)

@@ -18,6 +18,7 @@ server's.  The launcher replaces itself with the server (exec): the suite stops 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import tempfile
 
@@ -70,7 +71,8 @@ def main(argv: list[str]) -> None:
     if mode == "router":
         binary = os.environ["LLAMA_SERVER_PATH"]
         os.execv(binary, [binary, *server, *rest])
-    ours = [sys.executable, "-m", "pyllmrouter.cli", "serve", *server, "--models-memory-margin", "0", *rest]
+    extra = shlex.split(os.environ.get("PYLLMROUTER_SUITE_OURS_ARGS", ""))  # the runner's --ours-args
+    ours = [sys.executable, "-m", "pyllmrouter.cli", "serve", *server, "--models-memory-margin", "0", *extra, *rest]
     os.execv(sys.executable, ours)
 
 

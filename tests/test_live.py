@@ -271,12 +271,18 @@ def test_pull_lists_serves_and_deletes_a_model_of_llama_cpps_cache(tiny, hub):
         assert listed["can_remove"] and listed["architecture"]["input_modalities"] == ["text", "image"]
         assert listed["memory"]["components"]["GPU0"]["CPU"]["projector"] > 0
         assert (cache / "models--test--tiny").is_dir()
-        # a failed pull names the repository, and unloads nothing
+        # a repository the hub does not have: llama.cpp's downloader finds no file and says so
+        # in its log only, so the pull finishes and lists nothing, as in llama-server's router
         assert http.post("/models", json={"model": "test/absent:Q8_0"}).status_code == 200
+        wait_for(lambda: ("download_finished", "test/absent:Q8_0") in [(e["event"], e["model"]) for e in events],
+                 what="the empty download")
+        assert "test/absent:Q8_0" not in {m["id"] for m in http.get("/models").json()["data"]}
+        # a name llama.cpp refuses fails, listed with its reason; and unloads nothing
+        assert http.post("/models", json={"model": "not-a-repository"}).status_code == 200
         failed = wait_for(lambda: next((m for m in http.get("/models").json()["data"]
-                                        if m["id"] == "test/absent:Q8_0" and m["status"]["value"] == "failed"), None),
+                                        if m["id"] == "not-a-repository" and m["status"]["value"] == "failed"), None),
                           what="the failed download")
-        assert "test/absent" in failed["status"]["reason"] and "404" in failed["status"]["reason"]
+        assert "invalid HF repo format" in failed["status"]["reason"]
         assert r.status()["models"]["a"]["state"] == "loaded"
         # the pull of a name that exists is refused
         assert http.post("/models", json={"model": "a"}).status_code == 400
@@ -288,7 +294,7 @@ def test_pull_lists_serves_and_deletes_a_model_of_llama_cpps_cache(tiny, hub):
         stop.set()
         kinds = [(e["event"], e["model"]) for e in events]
         assert ("download_progress", "test/tiny:Q8_0") in kinds and ("download_finished", "test/tiny:Q8_0") in kinds
-        assert ("download_failed", "test/absent:Q8_0") in kinds and ("model_remove", "test/tiny:Q8_0") in kinds
+        assert ("download_failed", "not-a-repository") in kinds and ("model_remove", "test/tiny:Q8_0") in kinds
         assert {"model": "a", "event": "status_change", "data": {"status": "loaded", "devices": "GPU0"}} in events
 
 

@@ -30,9 +30,10 @@ def _source_tests() -> Path:
 
 
 @contextmanager
-def both(models_dir: Path, *args: str, ours_args: tuple[str, ...] | None = None):
+def both(models_dir: Path, *args: str, ours_args: tuple[str, ...] | None = None, cache: bool = False):
     """llama-server's router mode and ours, on one models directory and these arguments
-    (``ours_args``: ours on others)."""
+    (``ours_args``: ours on others; ``cache``: ours serves llama.cpp's cache, pulls on, as
+    llama-server's router does)."""
     binary = llama_tool("llama-server")
     if not binary.exists():
         pytest.skip(f"{binary} is missing: scripts/setup.sh --test builds it")
@@ -42,7 +43,7 @@ def both(models_dir: Path, *args: str, ours_args: tuple[str, ...] | None = None)
     ours = None
     try:
         wait_healthy(f"http://127.0.0.1:{port}", peer)
-        ours, base = start_serve(["--models-dir", str(models_dir), "--no-models-cache",
+        ours, base = start_serve(["--models-dir", str(models_dir), *([] if cache else ["--no-models-cache"]),
                                   *(args if ours_args is None else ours_args)])
         yield f"http://127.0.0.1:{port}", base
     finally:
@@ -169,3 +170,40 @@ def test_mcp_tools_are_listed_and_called_and_a_stop_cuts_a_slow_call_short(model
     slow.join(30)
     assert stopped < 3, f"the router took {stopped:.1f} s to stop under a 20 s tool call"
     assert answered and answered[0] >= 500  # the call ended with the services, not after 20 s
+
+
+def test_a_pull_with_no_network_ends_as_llama_servers_router_ends_it(models_dir, monkeypatch):
+    """With nowhere to download from, llama.cpp's downloader finds no file and says so only in
+    its log: llama-server's router publishes download_finished (its child's handler returned)
+    and lists nothing; so does ours."""
+    import socket
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    monkeypatch.setenv("MODEL_ENDPOINT", f"http://127.0.0.1:{closed.getsockname()[1]}/")
+    closed.close()
+    name = "ggml-org/test-model-router-download:F16"
+    seen: dict[str, list] = {}
+    with both(models_dir, cache=True) as (theirs, ours):
+        for base in (theirs, ours):
+            events: list = []
+            stop = threading.Event()
+
+            def listen(base=base, events=events):
+                with httpx.stream("GET", base + "/models/sse", timeout=None) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(json.loads(line[6:]))
+                        if stop.is_set():
+                            return
+
+            threading.Thread(target=listen, daemon=True).start()
+            time.sleep(0.5)
+            assert httpx.post(base + "/models", json={"model": name}, timeout=30).status_code == 200
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any(e.get("event", "").startswith("download_f") for e in events):
+                time.sleep(0.1)
+            stop.set()
+            seen[base] = [(e["event"], e["model"]) for e in events if e.get("event", "").startswith("download_f")]
+            assert name not in [m["id"] for m in httpx.get(base + "/models", timeout=30).json()["data"]]
+    assert seen[ours] == seen[theirs] == [("download_finished", name)]

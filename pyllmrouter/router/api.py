@@ -181,7 +181,7 @@ class Router:
         self._downloads.start(name)
 
     def _downloaded(self, name: str, path: str | None, error: str | None) -> None:
-        if path is not None and not self._stop.is_set():
+        if path and not self._stop.is_set():
             self.reload()  # the cache is a source: the pulled model is listed as llama.cpp lists it
 
     def delete(self, name: str) -> None:

@@ -100,7 +100,9 @@ class Downloads:
                     failed = [n for n, st in self._state.items() if st["status"] == "failed"]
                     for old in failed[:max(0, len(failed) - self._max_failed)]:
                         del self._state[old]
-        self._bus.publish("download_finished" if path else "download_failed", name,
+        # finished: llama.cpp's downloader returned (a model file came, or it found none and
+        # said nothing: llama-server's router calls that finished too); failed: it raised
+        self._bus.publish("download_finished" if path is not None else "download_failed", name,
                           **({"error": error} if error else {}))
 
     def cancel(self, name: str) -> bool:
