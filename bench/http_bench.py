@@ -4,7 +4,7 @@ server, llama-server, and llama-server in router mode (the same job as ours: mod
 behind one address, one hop to the engine).
 
     scripts/build_llama_tools.sh llama-server    # once: llama.cpp of the pinned sdist
-    python bench/http_bench.py [--requests N] [--rounds R] [--out FILE]
+    python bench/http_bench.py [--requests N] [--rounds R] [--clients 1,8,16,64] [--model tiny|100m] [--out FILE]
 
 Short completions (8 tokens, greedy) on the tiny llama, with the same llama-server
 arguments everywhere (4 slots), at 1 and 16 concurrent clients; each path is
@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from _load import percentile, run_clients
+from _load import percentile, ratio_interval, run_clients
 
 from pyllmrouter import ModelSpec
 from pyllmrouter.tools import tinymodels
@@ -38,7 +38,11 @@ from pyllmrouter.router.api import Router
 from pyllmrouter.tables import render
 
 BODY = {"prompt": "hello", "max_tokens": 8, "temperature": 0.0}
-PATHS = ("engine in-process", "python API", "HTTP", "llama-server", "llama-server router")
+# "HTTP": ours (a worker writes the response on the client's connection); "HTTP relay": ours
+# with --no-native (every response relayed through the router process, the path before)
+PATHS = ("engine in-process", "python API", "HTTP", "HTTP relay", "llama-server", "llama-server router")
+SHAPES = {"tiny": None, "100m": tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048,
+                                                 n_ctx_train=4096)}
 
 
 def measure(fn, clients: int, per_client: int) -> dict:
@@ -62,6 +66,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=96, help="requests per path, level and round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--clients", default="1,16", help="concurrency levels, comma-separated")
+    ap.add_argument("--model", choices=sorted(SHAPES), default="tiny",
+                    help="tiny (2 layers: the path around the engine is what is measured) or 100m")
     ap.add_argument("--llama-server", type=Path, default=llama_tool("llama-server"))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "http_bench.json")
     args = ap.parse_args()
@@ -71,7 +78,8 @@ def main() -> None:
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["PYLLMROUTER_CACHE"] = str(Path(tmp) / "cache")
-        path = tinymodels.write_tiny_set(Path(tmp) / "models")["tiny-llama"]
+        path = (tinymodels.write_tiny_set(Path(tmp) / "models")["tiny-llama"] if SHAPES[args.model] is None
+                else tinymodels.write_llama(Path(tmp) / "m.gguf", SHAPES[args.model]))
         spec = ModelSpec(path, n_ctx=1024)
         preset = Path(tmp) / "p.ini"
         preset.write_text(f"[m]\nmodel = {path}\nc = 1024\nnp = 4\nkv-unified = true\nfit = off\n"
@@ -81,6 +89,9 @@ def main() -> None:
         try:
             ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"])
             procs.append(ours)
+            relay, relay_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB",
+                                             "--no-native"])
+            procs.append(relay)
             single_port, router_port = free_port(), free_port()
             procs.append(subprocess.Popen([str(args.llama_server), *engine_args(spec, "m"), "--host", "127.0.0.1",
                                            "--port", str(single_port)],
@@ -88,10 +99,10 @@ def main() -> None:
             procs.append(subprocess.Popen([str(args.llama_server), "--models-preset", str(preset), "--host",
                                            "127.0.0.1", "--port", str(router_port), "--models-max", "1"],
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            bases = {"HTTP": ours_base, "llama-server": f"http://127.0.0.1:{single_port}",
+            bases = {"HTTP": ours_base, "HTTP relay": relay_base, "llama-server": f"http://127.0.0.1:{single_port}",
                      "llama-server router": f"http://127.0.0.1:{router_port}"}
-            wait_healthy(bases["llama-server"], procs[1])
-            wait_healthy(bases["llama-server router"], procs[2])
+            wait_healthy(bases["llama-server"], procs[2])
+            wait_healthy(bases["llama-server router"], procs[3])
             calls = {
                 "engine in-process": lambda _i: lambda: request(engine, "/v1/completions", BODY),
                 "python API": lambda _i: lambda: router.complete("m", "hello", max_tokens=8, temperature=0.0),
@@ -100,7 +111,7 @@ def main() -> None:
             for name, make in calls.items():  # warm: models loaded, slots used once
                 measure(make, 4, 2)
             for rnd in range(args.rounds):
-                for clients in (1, 16):
+                for clients in [int(c) for c in args.clients.split(",")]:
                     per = max(1, args.requests // clients)
                     order = PATHS[rnd % len(PATHS):] + PATHS[:rnd % len(PATHS)]
                     for name in order:
@@ -115,21 +126,23 @@ def main() -> None:
     rows, table = [], []
     for (clients, name), rounds in results.items():
         ours = results[(clients, "HTTP")]
+        rate = ratio_interval([o["req_s"] for o in ours], [r["req_s"] for r in rounds])
         row = {"path": name, "clients": clients,
                "p50_ms": gmean([r["p50_ms"] for r in rounds]), "p99_ms": max(r["p99_ms"] for r in rounds),
                "req_s": gmean([r["req_s"] for r in rounds]), "errors": sum(r["errors"] for r in rounds),
                "our_http_p50_ratio": gmean([o["p50_ms"] / r["p50_ms"] for o, r in zip(ours, rounds)]),
-               "rounds": rounds}
+               "our_http_req_s_ratio": list(rate), "rounds": rounds}
         rows.append(row)
         table.append([name, clients, f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", f"{row['req_s']:.1f}",
-                      f"{row['our_http_p50_ratio']:.2f}", row["errors"]])
+                      f"{row['our_http_p50_ratio']:.2f}", f"{rate[0]:.2f} [{rate[1]:.2f}, {rate[2]:.2f}]",
+                      row["errors"]])
     print(render(["path", "clients", "p50 ms", "p99 ms (max)", "req/s", "our HTTP p50 / this p50",
-                  "failed requests"], table))
+                  "our HTTP req/s / this [95% CI]", "failed requests"], table))
     for row in rows:
         for e in sorted({e for r in row["rounds"] for e in r["first_errors"]})[:3]:
             print(f"  {row['path']}, {row['clients']} clients: {e}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "http", "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"bench": "http", "model": args.model, "rows": rows}, indent=2))
     print(f"\nwrote {args.out}")
 
 

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "engine.h"
@@ -141,6 +142,10 @@ void Conduit::close() {
         for (const auto & stop : m.requests) stop->set();
     }
     done_.wait(lock, [this] { return in_flight_ == 0; });
+    lock.unlock();
+    std::unique_lock<std::mutex> pool(pool_mutex_);
+    pool_cv_.notify_all();
+    pool_cv_.wait(pool, [this] { return threads_ == 0; });  // no thread of the pool outlives us
     ::close(fd_);
 }
 
@@ -176,8 +181,40 @@ void Conduit::receive() {
             std::lock_guard<std::mutex> lock(mutex_);
             ++in_flight_;
         }
-        std::thread(&Conduit::serve, this, std::string(buffer.data(), static_cast<size_t>(n)), client).detach();
+        bool spawn = false;
+        {
+            std::lock_guard<std::mutex> lock(pool_mutex_);
+            jobs_.emplace_back(std::string(buffer.data(), static_cast<size_t>(n)), client);
+            if (idle_ < static_cast<int>(jobs_.size())) {
+                ++threads_;
+                spawn = true;
+            }
+        }
+        if (spawn) {
+            std::thread(&Conduit::run, this).detach();
+        } else {
+            pool_cv_.notify_one();
+        }
     }
+    pool_cv_.notify_all();  // idle pool threads end
+}
+
+void Conduit::run() {
+    std::unique_lock<std::mutex> lock(pool_mutex_);
+    while (true) {
+        ++idle_;
+        const bool got = pool_cv_.wait_for(lock, std::chrono::seconds(60),
+                                           [this] { return !jobs_.empty() || closed_.load(); });
+        --idle_;
+        if (!got || jobs_.empty()) break;  // idle a minute, or closing: the thread ends
+        auto [message, client] = std::move(jobs_.front());
+        jobs_.erase(jobs_.begin());
+        lock.unlock();
+        serve(std::move(message), client);
+        lock.lock();
+    }
+    --threads_;
+    pool_cv_.notify_all();  // close() waits for the last one
 }
 
 void Conduit::serve(std::string message, int client) {

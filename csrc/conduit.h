@@ -21,6 +21,8 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 namespace pyllmrouter {
 
@@ -57,6 +59,7 @@ class Conduit {
     };
 
     void receive();
+    void run();  // a pool thread: serves what the receiver queues, kept for the next request
     void serve(std::string message, int client);
     void report(long long id, int status, long long bytes, bool keep, const std::string & error);
 
@@ -68,6 +71,13 @@ class Conduit {
     std::map<std::string, Model> models_;
     int in_flight_ = 0;
     std::mutex send_mutex_;
+    // requests waiting for a pool thread, and the pool: one thread per request in flight, kept
+    // between requests (starting a thread costs more than the rest of a short request's path)
+    std::mutex pool_mutex_;
+    std::condition_variable pool_cv_;
+    std::vector<std::pair<std::string, int>> jobs_;
+    int idle_ = 0;
+    int threads_ = 0;
 };
 
 }  // namespace pyllmrouter

@@ -454,7 +454,7 @@ std::shared_ptr<EngineCore> Engine::current() const {
     return loaded_ ? core_ : nullptr;
 }
 
-void Engine::load() {
+void Engine::load(const std::function<void(const std::string &)> & progress) {
     std::shared_ptr<EngineCore> core;
     {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -462,9 +462,29 @@ void Engine::load() {
         core = core_;
     }
     if (!core) throw std::runtime_error("engine is closed");
-    if (!core->ctx.load_model(core->params)) {
-        throw std::runtime_error("llama.cpp could not load model " + core->params.model.path);
+    if (progress) {  // what llama-server's router hears from its child as it loads
+        core->ctx.set_state_callback([progress](server_state state, json payload) {
+            if (state == SERVER_STATE_LOADING) progress(safe_json_to_str(payload));
+        });
     }
+    bool ok = false;
+    // what llama.cpp logged while it failed says why (a device out of memory: its buffer and size)
+    const std::vector<std::string> log = tee_log([&] { ok = core->ctx.load_model(core->params); });
+    if (!ok) {
+        std::string why;
+        for (const auto & line : log) {
+            std::string l = line;
+            while (!l.empty() && (l.back() == '\n' || l.back() == ' ')) l.pop_back();
+            std::string low = l;
+            for (auto & c : low) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+            if (low.find("alloc") != std::string::npos || low.find("memory") != std::string::npos ||
+                low.find("failed") != std::string::npos || low.find("error") != std::string::npos) {
+                why += "; " + l;
+            }
+        }
+        throw std::runtime_error("llama.cpp could not load model " + core->params.model.path + why);
+    }
+    core->ctx.set_state_callback([](server_state, json) {});  // the caller's progress ends with the load
     core->routes.update_meta(core->ctx);
     if (const llama_context * lctx = core->ctx.get_llama_context()) n_ctx_ = static_cast<int>(llama_n_ctx(lctx));
     server_context * ctx = &core->ctx;

@@ -146,8 +146,10 @@ class Engine {
     explicit Engine(const std::vector<std::string> & args);
     ~Engine();
 
-    // Loads the model and starts the slot loop; throws std::runtime_error.
-    void load();
+    // Loads the model and starts the slot loop; throws std::runtime_error.  progress, if
+    // given, gets llama-server's loading state as the load goes (its SERVER_STATE_LOADING
+    // payload as JSON: {stages, current, value}, at most every 200 ms, llama.cpp's throttle).
+    void load(const std::function<void(const std::string &)> & progress = {});
     // The reply of the handler llama-server has for (method, path); 404 if none.
     std::shared_ptr<EngineReply> handle(const std::string & method, const std::string & path,
                                         const std::map<std::string, std::string> & query,

@@ -33,6 +33,17 @@ py::dict row_dict(const BufferRow & r) {
     return d;
 }
 
+// A Python callable held by C++ callbacks that may be copied and dropped on threads without
+// the GIL: it is released with the GIL held, whoever drops the last copy.
+struct PyCallable {
+    py::object fn;
+    explicit PyCallable(py::object f) : fn(std::move(f)) {}
+    ~PyCallable() {
+        py::gil_scoped_acquire acquire;
+        fn = py::object();
+    }
+};
+
 // {field name: (filename, content type, bytes)}: a multipart request's files
 Files files_of(const py::dict & files) {
     Files out;
@@ -216,8 +227,24 @@ void bind_engine(py::module_ & m) {
                                                 "llama.cpp's server engine for one model (llama-server without HTTP).")
         .def(py::init<const std::vector<std::string> &>(), py::arg("args"),
              "Parse llama-server arguments (ValueError names a bad one).")
-        .def("load", &Engine::load, py::call_guard<py::gil_scoped_release>(),
-             "Load the model and start the slot loop (RuntimeError on failure).")
+        .def("load", [](Engine & e, py::object progress) {
+                 std::function<void(const std::string &)> report;
+                 if (!progress.is_none()) {
+                     auto fn = std::make_shared<PyCallable>(std::move(progress));
+                     report = [fn](const std::string & payload) {
+                         py::gil_scoped_acquire acquire;
+                         try {
+                             fn->fn(payload);
+                         } catch (py::error_already_set & err) {
+                             err.discard_as_unraisable("Engine.load progress");
+                         }
+                     };
+                 }
+                 py::gil_scoped_release release;
+                 e.load(report);
+             }, py::arg("progress") = py::none(),
+             "Load the model and start the slot loop (RuntimeError on failure); progress(json) gets "
+             "llama-server's loading state as it goes.")
         .def("handle", &call_handler<Engine>, HANDLE_ARGS, "The reply of llama-server's handler for (method, path).")
         .def("close", &Engine::close, py::call_guard<py::gil_scoped_release>(),
              "End the slot loop and free the model and context.")

@@ -73,7 +73,7 @@ void install_route(LogRoute & route) {
 // while alive.
 class LogCapture {
   public:
-    LogCapture() {
+    explicit LogCapture(bool forward = false) : forward_(forward) {
         LogRoute & route = log_route();
         std::lock_guard<std::mutex> lock(route.mutex);
         install_route(route);
@@ -123,7 +123,10 @@ class LogCapture {
         }
     }
 
+    bool forward() const { return forward_; }
+
   private:
+    bool forward_;  // the lines also go on where they would have gone
     LogCapture * outer_ = nullptr;
     ggml_log_level level_ = GGML_LOG_LEVEL_INFO;
     std::string partial_;
@@ -133,7 +136,7 @@ class LogCapture {
 void routed_log(ggml_log_level level, const char * text, void * /*user_data*/) {
     if (tl_capture != nullptr) {
         tl_capture->add(level, text);
-        return;
+        if (!tl_capture->forward()) return;
     }
     if (level != GGML_LOG_LEVEL_CONT) tl_level = level;
     LogRoute & route = log_route();
@@ -146,6 +149,12 @@ void routed_log(ggml_log_level level, const char * text, void * /*user_data*/) {
 
 std::vector<std::string> capture_log(const std::function<void()> & fn) {
     LogCapture capture;
+    fn();
+    return capture.take();
+}
+
+std::vector<std::string> tee_log(const std::function<void()> & fn) {
+    LogCapture capture(/*forward =*/true);
     fn();
     return capture.take();
 }

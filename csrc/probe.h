@@ -116,6 +116,8 @@ std::vector<DeviceInfo> list_devices();
 // Runs fn with the llama.cpp and ggml log lines of the calling thread captured
 // ("E text", "W text", ...), and returns them; other threads log as before.
 std::vector<std::string> capture_log(const std::function<void()> & fn);
+// The same lines, recorded while they also go where they would have gone (the log as usual).
+std::vector<std::string> tee_log(const std::function<void()> & fn);
 
 // Routes llama.cpp's log (and ggml's) through this library from now on, passing
 // on to the callback installed before only lines of level >= floor (a

@@ -33,6 +33,8 @@ class ModelConfig:
     source: str = "api"  # where it was listed: preset, models_dir, cache (llama.cpp's downloads), api
     # a cache model whose file a preset with dedup-cache-models uses: served, not listed (GET /models)
     hidden: bool = False
+    priority: int = 0  # among requests waiting for the same devices, a higher priority goes first
+    max_queue: int | None = None  # most of its requests that may wait (in the router or its engine); None: no bound
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:
@@ -71,3 +73,8 @@ class RouterOptions:
     # suite sets): seconds each request waits busy on its model before it goes to the engine,
     # and each load waits before it starts, as llama-server's router does; 0: off
     debug_fake_timing: float = 0.0
+    # most requests that may wait at once, all models together (0: no bound): for a load, or
+    # past a model's parallel slots
+    max_queue: int = 0
+    # seconds of waiting that lift a request one priority level (none waits forever)
+    priority_age: float = 10.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
-    "RouterClosed", "NotLoaded", "Withdrawn", "ModelRemoved", "Busy",
+    "RouterClosed", "NotLoaded", "Withdrawn", "ModelRemoved", "Busy", "QueueFull",
 ]
 
 
@@ -66,6 +66,17 @@ class NotLoaded(RouterError):
     def __init__(self, name: str, state: str):
         super().__init__(f"model {name!r} is {state} and autoload is off: load it first (POST /models/load)")
         self.name = name
+
+
+class QueueFull(RouterError):
+    """Too many requests wait already: the model's own bound (its preset's max-queue) or the
+    router's (--max-queue); retry later."""
+
+    def __init__(self, name: str, scope: str, limit: int, waiting: int):
+        where = (f"model {name!r} has {waiting} requests waiting, its limit (max-queue = {limit})" if scope == "model"
+                 else f"the router has {waiting} requests waiting, its limit (--max-queue {limit})")
+        super().__init__(f"{where}: retry later")
+        self.name, self.scope, self.limit, self.waiting = name, scope, limit, waiting
 
 
 class Busy(RouterError):

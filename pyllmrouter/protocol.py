@@ -21,7 +21,7 @@ from pyllmrouter.spec import ModelSpec
 
 __all__ = [
     "LoadModel", "UnloadModel", "StartServices", "SERVICES", "Call", "HttpReply", "Cancel", "Probe", "Fit", "Ping", "Shutdown",
-    "Ready", "Loaded", "Unloaded", "Chunk", "Result", "Failed", "ErrorKind", "Batch", "FINAL",
+    "Ready", "Loaded", "Unloaded", "Progress", "Chunk", "Result", "Failed", "ErrorKind", "Batch", "FINAL",
 ]
 
 
@@ -128,6 +128,15 @@ class Unloaded:
     name: str
     kept: tuple[tuple[str, int, int], ...] = ()  # saved slot states: (file name, tokens, bytes)
     hits: int = 0  # slots restored at load whose state a request then took tokens from
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A load under way: llama-server's loading state ({stages, current, value}), as its
+    child tells its router."""
+
+    req_id: int
+    value: dict[str, Any]
 
 
 @dataclass(frozen=True)

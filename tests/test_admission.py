@@ -187,3 +187,49 @@ def test_a_model_with_no_fit_even_on_empty_devices_is_refused_with_the_figures()
     never = decide(view, Request("new", (option,), book))
     assert isinstance(never, Never) and never.need == 150 and never.capacity == 110
     assert "the output layer alone needs more" in never.why
+
+
+# -- who waits first (router/queueing.py) --------------------------------------------------
+
+from pyllmrouter.router import queueing  # noqa: E402
+
+waiters = st.lists(st.tuples(st.integers(-3, 3), st.floats(0, 100)), min_size=1, max_size=12)
+
+
+@given(waiters, st.floats(0, 200), st.floats(0.5, 30))
+def test_the_higher_priority_goes_first_and_equals_keep_their_order(ws, extra, age):
+    now = 100.0 + extra
+    ranks = [queueing.rank(p, created, seq, now, age) for seq, (p, created) in enumerate(ws)]
+    for i, (pi, ci) in enumerate(ws):
+        for j, (pj, cj) in enumerate(ws):
+            if i < j and pi == pj and ci <= cj:  # equals, the first come first (even with ageing)
+                assert ranks[i] < ranks[j]
+            if pi > pj and abs(ci - cj) < age:  # a higher priority of about the same age first
+                lift_i, lift_j = (now - ci) // age, (now - cj) // age
+                if lift_i >= lift_j:
+                    assert ranks[i] < ranks[j]
+
+
+@given(st.integers(-3, 3), st.integers(0, 6), st.floats(0.5, 30), st.floats(0, 1000))
+def test_a_low_priority_waits_a_bounded_time_behind_any_stream_of_higher_ones(low, gap, age, start):
+    """Waiting (gap + 1) * age seconds lifts a request above every newcomer of a priority up to
+    gap levels higher: none waits forever."""
+    high = low + gap
+    waited = start + (gap + 1) * age
+    old = queueing.rank(low, start, 1, waited, age)
+    newcomer = queueing.rank(high, waited, 2, waited, age)
+    assert old < newcomer
+
+
+@given(st.integers(0, 50), st.integers(0, 50), st.integers(0, 8), st.booleans(),
+       st.one_of(st.none(), st.integers(1, 20)), st.integers(0, 40))
+def test_a_queue_limit_refuses_exactly_the_request_that_would_cross_it(tickets, leases, slots, loaded, limit,
+                                                                          total_limit):
+    mine = queueing.waiting(tickets, leases, max(1, slots), loaded)
+    assert mine == tickets + (max(0, leases - max(1, slots)) if loaded else 0)
+    refused = queueing.refusal(mine, limit, mine, total_limit)
+    crosses_mine = bool(limit) and mine + 1 > limit
+    crosses_all = bool(total_limit) and mine + 1 > total_limit
+    assert (refused is not None) == (crosses_mine or crosses_all)
+    if refused is not None:
+        assert refused.scope == ("model" if crosses_mine else "router") and refused.waiting == mine

@@ -68,7 +68,7 @@ def test_a_worker_that_cannot_start_says_why(tiny, tmp_path):
         from pyllmrouter import ModelConfig, ModelSpec, Router
         from pyllmrouter.devices import RpcInventory
         from pyllmrouter.errors import RouterError
-        inventory = RpcInventory({{"127.0.0.1:1": 1 << 30}})  # nothing listens on port 1
+        inventory = RpcInventory({{"127.0.0.1:1": 4 << 30}})  # nothing listens on port 1
         spec = ModelSpec({str(tiny["tiny-llama"])!r}, ("-c", "256"))
         with Router([ModelConfig("chat", spec, devices=("RPC0",))], inventory=inventory) as router:
             try:

@@ -106,4 +106,5 @@ def test_the_router_gives_a_worker_its_drafts_devices_by_the_names_the_worker_se
     assert local.draft_devices == ("CUDA1",) and local.to_args()[-2:] == ["-devd", "CUDA1"]
     assert worker_spec(spec, ds, {}).draft_devices is None  # emulated devices: the mask decides
     with pytest.raises(ValueError, match="draft's devices gpu-b must be among the devices it is pinned to"):
-        Router([ModelConfig("m", spec, devices=("gpu-a",))], inventory=EmulatedInventory({"gpu-a": 1 << 30}))
+        Router([ModelConfig("m", spec, devices=("gpu-a",))], inventory=EmulatedInventory({"gpu-a": 1 << 30}),
+               margin=0)

@@ -116,7 +116,7 @@ def test_a_load_that_times_out_is_cancelled_in_its_worker_and_held_until_then(ti
 
 def test_a_chunked_body_over_the_limit_is_refused_and_the_router_stays_small(tiny, tmp_path):
     proc, base = start_serve(["--models-preset", str(_preset(tmp_path, tiny)), "--no-models-cache",
-                              "--emulate-devices", "GPU0=1GiB"])
+                              "--emulate-devices", "GPU0=2GiB"])
     try:
         before = _rss_mib(proc.pid)
 

@@ -12,7 +12,7 @@ processes, the CLI and the tests use it.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from pyllmrouter.engine.backend import native
 from pyllmrouter.spec import ModelSpec
@@ -26,11 +26,13 @@ def engine_args(spec: ModelSpec, name: str | None = None, extra: Iterable[str] =
     return [*spec.to_args(), *(["--alias", name] if name else []), "--log-disable", *extra]
 
 
-def load(spec: ModelSpec, *extra: str, name: str | None = None) -> Any:
-    """A loaded ``_native.Engine`` for ``spec``; ``close()`` frees it."""
+def load(spec: ModelSpec, *extra: str, name: str | None = None,
+         progress: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    """A loaded ``_native.Engine`` for ``spec``; ``close()`` frees it.  ``progress`` gets
+    llama-server's loading state as the load goes ({stages, current, value})."""
     engine = native().Engine(engine_args(spec, name, extra))
     try:
-        engine.load()
+        engine.load(None if progress is None else lambda payload: progress(json.loads(payload)))
     except BaseException:
         engine.close()
         raise

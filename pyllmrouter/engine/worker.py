@@ -33,7 +33,7 @@ from typing import Any
 from pyllmrouter.engine.hosting import EngineHost
 from pyllmrouter.engine.slots import restore_all, save_all
 from pyllmrouter.protocol import (SERVICES, Call, Cancel, ErrorKind, Failed, Fit, LoadModel, Loaded, Ping, Probe,
-                                  Ready, Result, Shutdown, StartServices, Unloaded, UnloadModel)
+                                  Progress, Ready, Result, Shutdown, StartServices, Unloaded, UnloadModel)
 
 __all__ = ["main", "worker_main"]
 
@@ -70,7 +70,7 @@ class _Worker:
 
         try:
             t0 = time.perf_counter()
-            engine = load(msg.spec, name=msg.name)
+            engine = load(msg.spec, name=msg.name, progress=lambda p: self.send(Progress(msg.req_id, p)))
             pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
             restored, refused = (restore_all(engine, msg.keep_dir, list(msg.restore)) if msg.restore and msg.keep_dir
                                  else ({}, {}))

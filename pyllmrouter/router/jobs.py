@@ -14,12 +14,13 @@ nothing but its threads.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from pyllmrouter.errors import WorkerDied
-from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, Unloaded, UnloadModel
+from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, Progress, Unloaded, UnloadModel
 from pyllmrouter.router import placement
 from pyllmrouter.router.keep import identity
 from pyllmrouter.router.measure import Measurer, worker_spec
@@ -32,6 +33,25 @@ if TYPE_CHECKING:
     from pyllmrouter.router.scheduler import Scheduler
 
 __all__ = ["Jobs"]
+
+# llama.cpp's words for a device that could not hold what a load allocates
+_OUT_OF_MEMORY = re.compile(r"out of memory|failed to allocate|unable to allocate|cudaMalloc failed|"
+                            r"cannot allocate|alloc_buffer.*failed", re.I)
+
+
+def _short_of(s: "Scheduler", rec: Record, free: dict[str, int]) -> str:
+    """Per device of the load: what it needed there, what is free now, and what other
+    programs hold (the device's use beyond the router's own), as plain words (lock held)."""
+    held = s._held()
+    out = []
+    for device, need in sorted(rec.need.items()):
+        dev = s._devices.get(device)
+        if dev is None or device not in free:
+            continue
+        other = max(0, dev.total - free[device] - held.get(device, 0))
+        out.append(f"{device}: needs {need / 2**20:.1f} MiB, {free[device] / 2**20:.1f} MiB free, "
+                   f"{other / 2**20:.1f} MiB held by other programs")
+    return "; ".join(out) or "no device reading"
 
 
 class Jobs:
@@ -146,8 +166,11 @@ class Jobs:
                 keep_dir, restore = str(s.keep.dir_for(ident, cfg.name)), s.keep.prepare(ident)
             pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, keep_dir, tuple(restore),
                                                           s.options.stream_interval))
+            deadline = time.monotonic() + s.options.load_timeout
             try:
-                reply = pending.get(s.options.load_timeout)
+                while isinstance(reply := pending.get(max(0.0, deadline - time.monotonic())), Progress):
+                    s.bus.publish("load-progress", rec.name, "+".join(sorted(rec.device_set or ())),
+                                  progress=reply.value)
             except TimeoutError:
                 self._load_timed_out(rec, worker)
                 return
@@ -156,9 +179,25 @@ class Jobs:
         except Exception as e:  # noqa: BLE001
             reply = Failed(0, ErrorKind.WORKER_DIED if isinstance(e, WorkerDied) else ErrorKind.INTERNAL,
                            f"{type(e).__name__}: {e}")
+        short = _OUT_OF_MEMORY.search(reply.message) is not None if isinstance(reply, Failed) else False
+        free = s.inventory.free() if short else {}  # what the devices have now (I/O: before the lock)
         with s._cond:
             if rec.state is not State.LOADING:  # the worker died meanwhile and said so
                 return
+            detail = _short_of(s, rec, free) if short else ""
+            if short and not rec.second_chance:
+                # a device had less than was counted (another program took some since it was
+                # read): its waiters stay, and admission runs again on a fresh reading of the
+                # free memory, evicting idle models where that makes room, as for any load
+                rec.second_chance = True
+                s._event("load-retry", rec.name, reason=reply.message, devices_now=detail)
+                s._move(rec, State.UNLOADED, reply.message)
+                s._settle(rec)
+                s._cond.notify_all()
+                return
+            if short:  # twice: say where memory was short, by how much, and who else holds it
+                reply = Failed(reply.req_id, reply.kind, f"{reply.message} ({detail})")
+            rec.second_chance = False
             if isinstance(reply, Loaded):
                 s._move(rec, State.LOADED)
                 rec.worker, rec.live, rec.identity = worker, dict(reply.pools), ident

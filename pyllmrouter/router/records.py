@@ -47,6 +47,7 @@ class Record:
     error_epoch: int = 0  # bumped by each failure: tickets older than it give up
     drain: tuple[float, int] | None = None  # (deadline, seq of the ticket that waits)
     loads: int = 0
+    second_chance: bool = False  # a load that failed for want of device memory is being retried
     live: dict[str, int] = field(default_factory=dict)  # bytes the worker measured after load
     identity: str | None = None  # the loaded configuration's, for kept prompt states (keep.py)
     # the live model list (registry.py): a model removed or changed finishes its requests, unloads, goes

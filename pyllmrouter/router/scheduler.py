@@ -42,9 +42,9 @@ from typing import Any, Iterable
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import HOST, Inventory
-from pyllmrouter.errors import (LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueTimeout, RouterClosed,
-                                UnknownModel, Withdrawn)
-from pyllmrouter.router import admission, parts, placement
+from pyllmrouter.errors import (LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueFull, QueueTimeout,
+                                RouterClosed, UnknownModel, Withdrawn)
+from pyllmrouter.router import admission, parts, placement, queueing
 from pyllmrouter.router.events import EventBus
 from pyllmrouter.router.jobs import Jobs
 from pyllmrouter.router.keep import KeepStore
@@ -58,7 +58,12 @@ from pyllmrouter.router.workers import WORKER, WorkerSet
 __all__ = ["Scheduler", "Record", "Lease", "KEPT"]
 
 KEPT = "(kept prompt states)"  # a resident that holds host memory: the kept states in RAM
-_HISTORY = frozenset({"load", "evict", "unload", "load-failed", "worker-died", "fit", "no-fit", "spill"})
+_HISTORY = frozenset({"load", "evict", "unload", "load-failed", "load-retry", "worker-died", "fit", "no-fit",
+                      "spill"})
+
+
+def budget_note(budget: int | None) -> str:
+    return f", budget {budget / 2**20:.0f} MiB" if budget is not None else ""
 
 
 def _fit_over(device_set: frozenset[str], local: dict[str, str], params: dict[str, Any]) -> tuple[str, ...]:
@@ -78,6 +83,12 @@ class Scheduler:
         self.options = options
         self.inventory = inventory
         self._devices = {d.name: d for d in inventory.devices()}
+        unusable = [f"{d.name} ({d.total / 2**20:.0f} MiB{budget_note(options.budgets.get(d.name))}) can hold "
+                    f"{self._capacity(d.name) / 2**20:.0f} MiB for models with a margin of "
+                    f"{options.margin / 2**20:.0f} MiB" for d in self._devices.values() if self._capacity(d.name) <= 0]
+        if unusable:  # no request could ever be served there: say so now, not at each request
+            raise ValueError("devices that can hold nothing: " + "; ".join(unusable) +
+                             " (a smaller margin, --models-memory-margin MiB, or a larger budget or device)")
         self._registry = Registry(self._devices)
         for m in models:
             self._registry.add(m)
@@ -187,8 +198,11 @@ class Scheduler:
         """Models holding memory; evictable only if idle and no earlier request waits for them
         (``ignore_busy``: if not persistent; ``leaving``: models already unloading count too).
         Empty workers too: evictable, before any model; with ``leaving``, the ones stopping."""
-        # an earlier request that may take a lease keeps its model (one blocked by a drain does not)
-        awaited = {t.rec.name for t in self._queue if t.seq < ticket.seq and self._may_lease(t.rec, t)}
+        # a request ranked before this one that may take a lease keeps its model (one blocked by
+        # a drain does not)
+        now = time.monotonic()
+        me = self._rank(ticket, now)
+        awaited = {t.rec.name for t in self._queue if self._rank(t, now) < me and self._may_lease(t.rec, t)}
         residents = [
             placement.Resident(
                 r.name, r.need, r.last_used,
@@ -233,6 +247,9 @@ class Scheduler:
             rec = self._resolve(name)
             if rec.state is not State.LOADED and not autoload:
                 raise NotLoaded(rec.name, rec.state.value)
+            refused = self._queue_refusal(rec)
+            if refused is not None:
+                raise QueueFull(rec.name, refused.scope, refused.limit, refused.waiting)
             ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic())
             self._queue.append(ticket)
         deadline = ticket.created + timeout
@@ -294,6 +311,8 @@ class Scheduler:
             rec = self._resolve(name)
             if self._closed or rec.state is not State.LOADED or rec.fate is not None:
                 return None
+            if self._queue_refusal(rec) is not None:
+                return None  # lease() says which limit
             ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic())
             return self._take(rec, ticket) if self._may_lease(rec, ticket) else None
 
@@ -313,10 +332,33 @@ class Scheduler:
             self._cond.notify_all()
 
     def _may_lease(self, rec: Record, ticket: Ticket) -> bool:
+        """A model drained for a waiter takes the requests that rank before that waiter's,
+        and others only for its turn."""
         if rec.drain is None:
             return True
         deadline, waiter_seq = rec.drain
-        return ticket.seq < waiter_seq or time.monotonic() < deadline
+        if time.monotonic() < deadline:
+            return True
+        waiter = next((t for t in self._queue if t.seq == waiter_seq), None)
+        return waiter is None or self._rank(ticket) < self._rank(waiter)
+
+    def _rank(self, ticket: Ticket, now: float | None = None) -> tuple[int, int]:
+        """A waiting request's place (queueing.rank): priority, raised by its wait, then FIFO."""
+        return queueing.rank(ticket.rec.config.priority, ticket.created, ticket.seq,
+                             time.monotonic() if now is None else now, self.options.priority_age)
+
+    def _waiting(self, rec: Record) -> int:
+        """Requests of ``rec``'s model holding no slot: queued here, or past its slots (lock held)."""
+        tickets = sum(1 for t in self._queue if t.rec is rec)
+        params = (rec.params.get(rec.device_set) or {}) if rec.device_set else {}
+        return queueing.waiting(tickets, rec.leases, int(params.get("n_parallel") or 1), rec.state is State.LOADED)
+
+    def _queue_refusal(self, rec: Record) -> "queueing.Refusal | None":
+        """The limit one more request of ``rec``'s model would cross, if any (lock held)."""
+        if not (rec.config.max_queue or self.options.max_queue):
+            return None
+        total = sum(self._waiting(r) for r in self._registry.records())
+        return queueing.refusal(self._waiting(rec), rec.config.max_queue, total, self.options.max_queue)
 
     # -- the live model list -----------------------------------------------------
 
@@ -389,10 +431,14 @@ class Scheduler:
     # -- admission (lock held) -----------------------------------------------
 
     def _earlier_loader_blocks(self, rec: Record, ticket: Ticket) -> bool:
+        """Whether a request ranked before this one (priority, then FIFO) waits for a load that
+        could use one of the same devices: it goes first."""
         mine = set().union(*self._candidates(rec))
+        now = time.monotonic()
+        me = self._rank(ticket, now)
         for t in self._queue:
-            if t.seq >= ticket.seq:
-                return False
+            if t is ticket or self._rank(t, now) >= me:
+                continue
             other = t.rec
             if other is rec:
                 return True  # an earlier ticket of the same model drives its load
@@ -435,7 +481,8 @@ class Scheduler:
             deadline = ticket.created + self.options.turn
             for v in decision.drain:
                 victim = self._registry.get(v)
-                if victim.drain is None or victim.drain[1] > ticket.seq:
+                owner = next((t for t in self._queue if victim.drain and t.seq == victim.drain[1]), None)
+                if victim.drain is None or owner is None or self._rank(ticket) < self._rank(owner):
                     victim.drain = (deadline, ticket.seq)
             if decision.short and decision.short != ticket.short:
                 ticket.short = dict(decision.short)

@@ -6,8 +6,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pyllmrouter.errors import (Busy, LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueTimeout, RequestFailed,
-                                RouterClosed, UnknownModel, WorkerDied, Withdrawn)
+from pyllmrouter.errors import (Busy, LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueFull, QueueTimeout,
+                                RequestFailed, RouterClosed, UnknownModel, WorkerDied, Withdrawn)
 
 __all__ = ["ApiError", "error_response", "from_router_error"]
 
@@ -41,6 +41,10 @@ def from_router_error(e: Exception) -> ApiError:
                         extra={"device": e.device, "needed_bytes": e.need, "capacity_bytes": e.capacity})
     if isinstance(e, QueueTimeout):
         return ApiError(503, str(e), "server_busy", "queue_timeout", headers={"Retry-After": "5"})
+    if isinstance(e, QueueFull):  # as llama-swap (429 past a model's limit) and Ollama (503 past the server's)
+        return ApiError(429 if e.scope == "model" else 503, str(e), "rate_limit_error" if e.scope == "model"
+                        else "server_busy", "queue_full", headers={"Retry-After": "1"},
+                        extra={"limit": e.limit, "waiting": e.waiting})
     if isinstance(e, Busy):
         return ApiError(429, str(e), "rate_limit_error", "busy", headers={"Retry-After": "5"})
     if isinstance(e, (WorkerDied, RouterClosed)):

@@ -64,6 +64,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "bind any other is refused (DNS rebinding); on another bind, given, only these and the "
                         "local ones are accepted")
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for its model")
+    p.add_argument("--max-queue", type=int, default=int(_env("PYLLMROUTER_MAX_QUEUE", 0)), metavar="N",
+                   help="most requests that may wait at once, all models together (for a load, or past a model's "
+                        "parallel slots); past it, 503 with Retry-After (0: no bound; a model's own: preset key "
+                        "max-queue, past it 429)")
     p.add_argument("--worker-idle-timeout", type=float, default=300.0, metavar="S",
                    help="a worker with no model stops after S seconds and gives its devices back "
                         "(0: at once; -1: kept; admission stops an empty worker sooner when that makes room)")
@@ -123,12 +127,16 @@ def router_from_args(a: argparse.Namespace) -> Router:
         margin=a.models_memory_margin * MiB if a.models_memory_margin is not None else router_kw.get("margin",
                                                                                                       1024 * MiB),
         budgets=parse_budgets(a.device_budget) if a.device_budget else {},
-        max_models=a.models_max, queue_timeout=a.queue_timeout, turn=a.turn, autoload=a.autoload,
+        max_models=a.models_max, queue_timeout=a.queue_timeout, max_queue=max(0, a.max_queue), turn=a.turn,
+        autoload=a.autoload,
         heartbeat=a.heartbeat, worker_idle_timeout=a.worker_idle_timeout, kv_keep_ram=None if a.kv_keep_ram is None else a.kv_keep_ram * MiB,
         kv_keep_dir=a.kv_keep_dir, kv_keep_disk=a.kv_keep_disk * MiB, stream_interval=a.stream_interval_ms / 1e3,
         debug_fake_timing=_FAKE_TIMING if _env("LLAMA_SERVER_DEBUG_FAKE_TIMING") else 0.0,
     )
-    return Router(models, inventory=inventory, options=options, sources=sources, watch=1.0 if a.watch else 0.0)
+    try:
+        return Router(models, inventory=inventory, options=options, sources=sources, watch=1.0 if a.watch else 0.0)
+    except ValueError as e:  # device settings that cannot work
+        raise SystemExit(f"pyllmrouter serve: {e}") from None
 
 
 def allowed_hosts(bind: str, listed: str | None) -> frozenset[str] | None:

@@ -5,7 +5,7 @@
     queue ──▶ payload(event) ──▶ "data: {model, event, data}\\n\\n"
 
 llama-server's events and payloads: ``status_change`` {status: loading | loaded |
-unloaded, exit_code}, ``models_reload``, ``download_progress`` {progress: {url: {done,
+unloaded, exit_code; while loading, progress: {stages, current, value}}, ``models_reload``, ``download_progress`` {progress: {url: {done,
 total}}}, ``download_finished``, ``download_failed``, ``model_remove``.  Ours go as they
 are: ``evicted`` {newcomer, bytes, short}: the device and the bytes that forced it,
 ``waiting`` {why, short}: the short device and by how much, and the rest (``added``,
@@ -30,6 +30,10 @@ _AS_IS = {"models_reload", "download_progress", "download_finished", "download_f
 
 def payload(ev: Event) -> dict[str, Any]:
     """An event as llama-server's router sends it on /models/sse (ours: as they are)."""
+    if ev.event == "load-progress":  # llama-server's: a loading status with its child's progress
+        return {"model": ev.model, "event": "status_change",
+                "data": {"status": "loading", "progress": ev.data.get("progress", {}),
+                         **({"devices": ev.devices} if ev.devices else {})}}
     if ev.event in _STATUS:
         status, code = _STATUS[ev.event]
         data: dict[str, Any] = {"status": status}

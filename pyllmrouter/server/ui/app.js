@@ -16,7 +16,7 @@
   const COMPONENTS = ["weights", "kv", "compute", "output", "cache", "projector", "draft", "lora", "checkpoints", "other"];
   const KINDS = { overhead: "our workers", kept: "kept prompt states", external: "other programs",
                   margin: "margin", reserved: "outside the budget", free: "free" };
-  const view = { models: [], devices: {}, timer: null, keyWaiters: [], started: Date.now() };
+  const view = { models: [], devices: {}, timer: null, keyWaiters: [], started: Date.now(), progress: {} };
 
   class AuthError extends Error {}
 
@@ -194,6 +194,7 @@
       word.className = "state " + stateOf(m);
       word.textContent = (m.status || {}).value + ((m.status || {}).pending ? " (" + m.status.pending + ")" : "");
       st.appendChild(word);
+      if (stateOf(m) === "loading" && view.progress[m.id]) showProgress(st, view.progress[m.id]);
       if (m.status && m.status.reason) {
         const r = document.createElement("div");
         r.className = "reason";
@@ -231,6 +232,20 @@
                      button("Unload", "unload", m.id, !(st0 === "loaded" || st0 === "loading")));
       body.appendChild(tr);
     }
+  }
+
+  // a load under way: llama.cpp's progress as its engine reports it ({stages, current, value})
+  function showProgress(cellDiv, p) {
+    let bar = cellDiv.querySelector(".progress");
+    if (!bar) {
+      bar = document.createElement("div");
+      bar.className = "progress";
+      cellDiv.appendChild(bar);
+    }
+    const pct = Math.max(0, Math.min(100, Math.round((p.value || 0) * 100)));
+    bar.dataset.progress = String(pct);
+    bar.textContent = pct + "%" + (p.current ? " " + String(p.current).replace(/_/g, " ") : "");
+    bar.style.setProperty("--pct", pct + "%");
   }
 
   function fitText(fit) {
@@ -365,6 +380,14 @@
   const QUIET = new Set(["evict", "unload", "download_progress"]);
 
   function onEvent(ev) {
+    const d = ev.data || {};
+    if (ev.event === "status_change" && d.status === "loading" && d.progress) {  // a tick of a load
+      view.progress[ev.model] = d.progress;
+      const row = document.querySelector(`#models tr[data-model='${CSS.escape(ev.model)}'] .state-cell div`);
+      if (row) showProgress(row, d.progress);
+      return;
+    }
+    if (ev.event === "status_change" && d.status !== "loading") delete view.progress[ev.model];
     if (QUIET.has(ev.event)) return refreshSoon();
     const [kind, text] = describe(ev);
     addEvent(Date.now(), kind, ev.model, text);

@@ -1,0 +1,224 @@
+"""The scheduler's rules users ask for, through HTTP: bounded queues, priorities, load
+progress, device settings that cannot work refused at start, a second chance after a load
+runs short of memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from pyllmrouter import ModelConfig, ModelSpec, Router, probe
+from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.errors import LoadFailed
+from pyllmrouter.tools import scripted, tinymodels
+from test_live import serving, wait_for
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "a story"}]
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory):
+    """A model that tells its story again and again: a stream that lasts until it is stopped."""
+    d = tmp_path_factory.mktemp("story")
+    return scripted.write_scripted(d / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
+
+
+class Streams:
+    """Streamed chat requests held open, each in a thread of its own, until ``stop``."""
+
+    def __init__(self, base: str):
+        self.base, self.stop, self.threads, self.codes = base, threading.Event(), [], []
+
+    def open(self, model: str, started: threading.Event | None = None) -> None:
+        def run():
+            try:
+                with httpx.stream("POST", self.base + "/v1/chat/completions", timeout=120,
+                                  json={"model": model, "messages": CHAT, "max_tokens": 100000, "stream": True}) as r:
+                    self.codes.append(r.status_code)
+                    for _ in r.iter_lines():
+                        if started is not None:
+                            started.set()
+                        if self.stop.is_set():
+                            return
+            except httpx.HTTPError:
+                pass
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+
+
+def test_device_settings_that_cannot_work_are_refused_at_start(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"GPU0 \(64 MiB\).*margin of 1024 MiB"):
+        Router([ModelConfig("a", ModelSpec(tiny["tiny-llama"]))], inventory=EmulatedInventory({"GPU0": 64 << 20}))
+    preset = tmp_path / "p.ini"
+    preset.write_text(f"[a]\nmodel = {tiny['tiny-llama']}\n")
+    out = subprocess.run([sys.executable, "-m", "pyllmrouter.cli", "serve", "--models-preset", str(preset),
+                          "--no-models-cache", "--emulate-devices", "GPU0=64MiB", "--port", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "GPU0 (64 MiB)" in out.stderr and "--models-memory-margin" in out.stderr
+
+
+def test_a_models_queue_and_the_routers_are_bounded(story, tiny):
+    """Past a model's max-queue (requests waiting for its slots), 429; past the router's
+    --max-queue (all models together), 503; both with Retry-After and the limit named.
+    Nothing waiting is dropped: the waiting requests are answered once the slot frees."""
+    models = [ModelConfig("story", ModelSpec(story, ("-np", "1", "-c", "4096")), max_queue=2),
+              ModelConfig("other", ModelSpec(story, ("-np", "1", "-c", "4096", "--temp", "0.5")))]
+    with Router(models, inventory=EmulatedInventory({"GPU0": 4 << 30}), margin=0, max_queue=3) as r, \
+            serving(r) as base:
+        streams, first = Streams(base), threading.Event()
+        try:
+            streams.open("story", first)
+            assert first.wait(60)
+            streams.open("story")
+            streams.open("story")  # two wait for the one slot
+            wait_for(lambda: r.status()["models"]["story"]["leases"] == 3, what="two requests waiting")
+            refused = httpx.post(base + "/v1/chat/completions", json={"model": "story", "messages": CHAT}, timeout=30)
+            assert refused.status_code == 429 and refused.headers["retry-after"]
+            assert "max-queue = 2" in refused.json()["error"]["message"]
+            other = threading.Event()
+            streams.open("other", other)
+            assert other.wait(60)  # its slot: not waiting
+            streams.open("other")  # the router's third waiting request
+            wait_for(lambda: r.status()["models"]["other"]["leases"] == 2, what="the third waiting request")
+            refused = httpx.post(base + "/v1/chat/completions", json={"model": "other", "messages": CHAT}, timeout=30)
+            assert refused.status_code == 503 and refused.headers["retry-after"]
+            assert "--max-queue 3" in refused.json()["error"]["message"]
+        finally:
+            streams.close()
+        assert streams.codes.count(200) == 5  # every request that waited was answered
+
+
+def test_a_higher_priority_is_admitted_first(story, tiny):
+    """Three models that fit one at a time: while the first is busy, a request for b (priority
+    0) comes, then one for c (priority 5): c loads before b, though it came later."""
+    spec = ModelSpec(story, ("-np", "1", "-c", "2048"))
+    one = probe(spec).total
+    models = [ModelConfig("a", spec), ModelConfig("b", spec.replace(args=(*spec.args, "--temp", "0.7"))),
+              ModelConfig("c", spec.replace(args=(*spec.args, "--temp", "0.9")), priority=5)]
+    with Router(models, inventory=EmulatedInventory({"GPU0": one + one // 2}), margin=0, turn=0.5) as r, \
+            serving(r) as base:
+        streams, first = Streams(base), threading.Event()
+        answers: list = []
+
+        def ask(model):
+            answers.append((model, httpx.post(base + "/v1/chat/completions", timeout=120,
+                                              json={"model": model, "messages": CHAT, "max_tokens": 4}).status_code))
+
+        try:
+            streams.open("a", first)
+            assert first.wait(60)
+            low = threading.Thread(target=ask, args=("b",))
+            low.start()
+            wait_for(lambda: r.status()["models"]["b"]["waiting"]["requests"] == 1, what="b waiting")
+            high = threading.Thread(target=ask, args=("c",))
+            high.start()
+            wait_for(lambda: r.status()["models"]["c"]["waiting"]["requests"] == 1, what="c waiting")
+        finally:
+            streams.close()  # a's turn ends
+        low.join(120)
+        high.join(120)
+        loads = [name for _, what, name, _ in r.scheduler.events if what == "load"]
+        assert loads == ["a", "c", "b"], loads
+        assert sorted(answers) == [("b", 200), ("c", 200)]
+
+
+def test_models_sse_says_how_far_a_load_has_come(tiny):
+    events: list = []
+    model = ModelConfig("a", ModelSpec(tiny["tiny-llama"], ("-c", "256")))
+    with Router([model], inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r, serving(r) as base:
+        stop = threading.Event()
+
+        def listen():
+            with httpx.stream("GET", base + "/models/sse", timeout=None) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(json.loads(line[6:]))
+                    if stop.is_set():
+                        return
+
+        threading.Thread(target=listen, daemon=True).start()
+        time.sleep(0.3)
+        r.load("a")
+        wait_for(lambda: any(e["data"].get("status") == "loaded" for e in events if e["event"] == "status_change"),
+                 what="the load's end")
+        stop.set()
+    progress = [e["data"]["progress"] for e in events
+                if e["event"] == "status_change" and e["data"].get("status") == "loading" and "progress" in e["data"]]
+    assert progress and progress[-1]["current"] == "text_model" and progress[-1]["value"] == 1.0
+    assert all(0.0 <= p["value"] <= 1.0 for p in progress)
+
+
+class Crowded(EmulatedInventory):
+    """Emulated devices where another program may take memory: ``other`` bytes of GPU0
+    are in use outside the router once set."""
+
+    other = 0
+
+    def free(self):
+        out = super().free()
+        out["GPU0"] -= self.other
+        return out
+
+
+def _vm_size(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+def test_a_load_short_of_memory_gets_a_second_chance(tmp_path):
+    """A load that fails for want of memory (llama.cpp's allocation error: here the worker's
+    address space is capped, as a device another program filled would be) reads the free
+    memory again, evicts the idle model that makes room, and retries once: it loads.  Short
+    twice, the error names the device, the bytes and the other programs' use."""
+    wide = tinymodels.Shape("llama", n_embd=1024, n_layer=4, n_head=8, n_head_kv=8, n_ff=4096)
+    a = ModelSpec(tinymodels.write_llama(tmp_path / "a.gguf", wide), ("-c", "256", "-lm", "none"))
+    b = ModelSpec(tinymodels.write_llama(tmp_path / "b.gguf", wide, seed=1), ("-c", "256", "-lm", "none"))
+    need = probe(a).total
+    inventory = Crowded({"GPU0": 4 * need})
+    with Router([ModelConfig("a", a), ModelConfig("b", b)], inventory=inventory, margin=0) as r:
+        r.load("b")
+        worker = r.status()["workers"][0]["pid"]
+        cap = _vm_size(worker) + need * 3 // 4  # room for what b frees, not for a beside b
+        resource.prlimit(worker, resource.RLIMIT_AS, (cap, resource.RLIM_INFINITY))
+
+        crowding = [True]
+
+        def what_nvml_would_show(ev) -> bool:
+            """Another program took 2.5x a model's bytes of GPU0 (the reason the load ran short):
+            the free memory read again shows it beside b; once b goes, its bytes are free again."""
+            if ev is not None and crowding[0]:
+                if ev.event == "load-retry":
+                    inventory.other = int(3.5 * need)  # the other program's 2.5, and b's 1
+                elif ev.event == "evict" and ev.model == "b":
+                    inventory.other = int(2.5 * need)
+            return True
+
+        r.scheduler.bus.listen(what_nvml_would_show)
+        r.complete("a", "hi", max_tokens=2)
+        seen = [(what, name) for _, what, name, _ in r.scheduler.events]
+        assert seen[-3:] == [("load-retry", "a"), ("evict", "b"), ("load", "a")], seen
+        r.unload("a")
+        wait_for(lambda: r.status()["models"]["a"]["state"] == "unloaded", what="a unloaded")
+        crowding[0], inventory.other = False, 0  # short again, and nothing to evict: twice short
+        resource.prlimit(worker, resource.RLIMIT_AS, (_vm_size(worker) + need // 4, resource.RLIM_INFINITY))
+        with pytest.raises(LoadFailed, match=r"GPU0: needs .* MiB, .* MiB free, .* MiB held by other programs"):
+            r.complete("a", "hi", max_tokens=2)
+        assert [w for _, w, n, _ in r.scheduler.events if n == "a"][-3:] == ["load-retry", "load-failed"][-3:] or \
+            [w for _, w, n, _ in r.scheduler.events if n == "a"][-2:] == ["load-retry", "load-failed"]
