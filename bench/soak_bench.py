@@ -13,7 +13,12 @@ Prints a table and writes JSON (default bench/results/soak_bench.json): requests
 answered, errors by kind, hung, workers stopped and killed, and the router's RSS at
 the start and at the end.
 
-    python bench/soak_bench.py [--minutes 10] [--clients 16] [--out FILE]
+With ``--max-queue N`` (the router's bound on waiting requests) and ``--model-max-queue
+N`` (each model's preset key ``max-queue``), requests past a bound are refused (503 and
+429, with Retry-After): they are counted apart, and still none may hang.
+
+    python bench/soak_bench.py [--minutes 10] [--clients 16] [--max-queue N] [--model-max-queue N]
+                               [--out FILE]
 """
 
 from __future__ import annotations
@@ -141,18 +146,21 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--heartbeat", type=float, default=3.0)
+    ap.add_argument("--max-queue", type=int, default=0, help="serve --max-queue (0: no bound)")
+    ap.add_argument("--model-max-queue", type=int, default=0, help="each model's max-queue (0: no bound)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak_bench.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         m = tinymodels.write_tiny_set(Path(tmp) / "models")
         preset = Path(tmp) / "models.ini"
-        preset.write_text(f"[chat]\nmodel = {m['tiny-llama']}\nc = 2048\nnp = 4\n\n"
-                          f"[moe]\nmodel = {m['tiny-moe']}\nc = 2048\nnp = 4\n\n"
-                          f"[small]\nmodel = {m['tiny-llama']}\nc = 512\nnp = 2\n")
+        bound = f"max-queue = {args.model_max_queue}\n" if args.model_max_queue else ""
+        preset.write_text(f"[chat]\nmodel = {m['tiny-llama']}\nc = 2048\nnp = 4\n{bound}\n"
+                          f"[moe]\nmodel = {m['tiny-moe']}\nc = 2048\nnp = 4\n{bound}\n"
+                          f"[small]\nmodel = {m['tiny-llama']}\nc = 512\nnp = 2\n{bound}")
         proc, base = start_serve(["--models-preset", str(preset), "--no-models-cache",
                                   "--emulate-devices", "GPU0=5MiB,GPU1=5MiB", "--models-memory-margin", "0",
                                   "--heartbeat", str(args.heartbeat), "--queue-timeout", "30",
-                                  "--kv-keep-ram", "64"])
+                                  "--kv-keep-ram", "64", "--max-queue", str(args.max_queue)])
         try:
             rss_start = rss_mib(proc.pid)
             tally, stop, log = Tally(), threading.Event(), []
@@ -191,6 +199,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "bench": "soak", "minutes": args.minutes, "clients": args.clients, "heartbeat": args.heartbeat,
+        "max_queue": args.max_queue, "model_max_queue": args.model_max_queue,
         "answered": answered, "errors": errors, "hung": hung, "stops": log, "counters": counters,
         "rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1)}, "health_at_end": health,
         "workers_at_end": status["workers"]}, indent=2))

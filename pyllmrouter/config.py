@@ -35,12 +35,15 @@ class ModelConfig:
     hidden: bool = False
     priority: int = 0  # among requests waiting for the same devices, a higher priority goes first
     max_queue: int | None = None  # most of its requests that may wait (in the router or its engine); None: no bound
+    replicas: int = 1  # most instances of it at once, each on a device set of its own, loaded by demand
 
     def __post_init__(self) -> None:
         if not self.name or self.name.strip() != self.name:
             raise ValueError(f"bad model name {self.name!r}: empty or padded with spaces")
         if self.ttl is not None and self.ttl <= 0:
             raise ValueError(f"model {self.name!r}: ttl must be > 0 seconds")
+        if self.replicas < 1:
+            raise ValueError(f"model {self.name!r}: replicas must be at least 1")
         for name in ("aliases", "devices"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, tuple):

@@ -5,7 +5,7 @@ an optional ``[*]`` section of defaults, then one section per model.  Keys are
 llama-server's: long option names (``ctx-size``), short ones (``c``) or
 environment names (``LLAMA_ARG_CTX_SIZE``), with llama-server's preset-only keys
 ``load-on-startup``, ``stop-timeout`` and ``dedup-cache-models``; ours are ``devices``, ``ttl``,
-``persistent``, ``priority``, ``max-queue`` and ``memory-margin`` (router-wide, in ``[*]``).  Every
+``persistent``, ``priority``, ``max-queue``, ``replicas`` and ``memory-margin`` (router-wide, in ``[*]``).  Every
 llama-server key becomes the model's llama-server arguments, as llama-server's
 router passes them to a child, and is checked by llama.cpp's own parser
 (``engine_args``), in a process that sees no GPU: there is no option table here.
@@ -66,6 +66,7 @@ _OURS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "persistent": ("config.persistent", _bool),
     "priority": ("config.priority", int),
     "max-queue": ("config.max_queue", _limit),
+    "replicas": ("config.replicas", _limit),
     "memory-margin": ("router.margin", lambda v: int(float(v) * MiB)),
     "models-memory-margin": ("router.margin", lambda v: int(float(v) * MiB)),
 }

@@ -35,6 +35,7 @@ class LoadModel:
     keep_dir: str | None = None  # where the router saves and restores slot states (its own calls only)
     restore: tuple[str, ...] = ()  # slot state files in keep_dir to restore, one per slot
     stream_interval: float = 0.0  # seconds at least between two sends of the model's stream chunks
+    alias: str | None = None  # what replies call the model, where not ``name`` (an extra instance's model)
 
 
 @dataclass(frozen=True)

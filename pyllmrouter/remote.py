@@ -85,9 +85,15 @@ def ps_table(models: dict, everything: bool = False) -> tuple[list[str], list[li
         short = ", ".join(f"{d} short {mib(n)}" for d, n in (waiting.get("short") or {}).items())
         wait = f"{waiting['requests']}: {waiting.get('why') or ''}" + (f" ({short})" if short else "") \
             if waiting.get("requests") else ""
-        rows.append([m["id"], state, ", ".join(f"{d} {mib(n)}" for d, n in sorted(held.items())) or "-",
-                     m.get("in_flight", 0), wait, _until(m)])
+        rows.append([m["id"], state, _on(held), m.get("in_flight", 0), wait, _until(m)])
+        for extra in (m.get("instances") or [])[1:]:  # its extra instances (replicas = N), a row each
+            rows.append([f"{extra['id']} (instance of {m['id']})", extra["state"], _on(extra.get("held") or {}),
+                         extra.get("in_flight", 0), "", ""])
     return PS_HEADERS, rows
+
+
+def _on(held: dict) -> str:
+    return ", ".join(f"{d} {mib(n)}" for d, n in sorted(held.items())) or "-"
 
 
 def devices_table(devices: dict) -> tuple[list[str], list[list]]:

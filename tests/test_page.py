@@ -280,3 +280,36 @@ def test_twenty_models_on_eight_devices_stay_readable(tiny, tmp_path, browser):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_model_s_instances_show_where_each_is_and_how_busy(tmp_path, browser):
+    """replicas = 2: two held streams on a one-slot model start a second instance on the
+    other GPU; the model's row lists both, each with its device and its requests."""
+    from test_scheduling import Streams
+
+    story = scripted.write_scripted(tmp_path / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
+    one = probe(ModelSpec(str(story), ("-np", "1", "-c", "2048"))).total
+    preset = tmp_path / "hot.ini"
+    preset.write_text(f"version = 1\n[*]\nmemory-margin = 0\n\n[hot]\nmodel = {story}\nnp = 1\nc = 2048\nreplicas = 2\n")
+    gpu = one + one // 2  # one instance per GPU
+    proc, base = start_serve(["--models-preset", str(preset), "--api-key", KEY,
+                              "--emulate-devices", f"GPU0={gpu},GPU1={gpu}"])
+    streams = Streams(base, {"Authorization": f"Bearer {KEY}"})
+    try:
+        streams.open("hot")
+        streams.open("hot")
+        wait_for(lambda: any(m["id"] == "hot" and len(m["instances"]) == 2 and m["instances"][1]["state"] == "loaded"
+                             for m in _api(base, "GET", "/models")["data"]), what="the second instance")
+        _ready(browser, base)
+        lines = lambda: browser.execute_script(  # noqa: E731
+            "return [...document.querySelectorAll(\"#models tr[data-model='hot'] .instances div\")]"
+            ".map(d => d.textContent)")
+        wait_for(lambda: len(lines()) == 2, what="both instances on the page")
+        first, second = lines()
+        assert first.startswith("hot: loaded on GPU") and first.endswith("2 in flight")
+        assert second.startswith("hot#2: loaded on GPU") and second.split(" on ")[1][:4] != first.split(" on ")[1][:4]
+        assert len(browser.find_elements("css selector", "#models tbody tr")) == 1  # one model, not two
+    finally:
+        streams.close()
+        proc.terminate()
+        proc.wait(30)

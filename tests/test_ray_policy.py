@@ -4,7 +4,7 @@ model's bytes against each node's statistics.  No Ray needed."""
 from __future__ import annotations
 
 from pyllmrouter.ray.cluster import merge_models, no_node_fits
-from pyllmrouter.ray.policy import assume_routed, classify, node_stats, rank
+from pyllmrouter.ray.policy import assume_routed, classify, node_stats, rank, waits
 
 MiB = 1 << 20
 
@@ -106,3 +106,40 @@ def test_a_routed_load_counts_until_the_nodes_statistics_show_it():
     evicting = assume_routed("k", stats("n", 30, {"k": ("unloaded", 0, 0, 20, 0.0), "x": ("loaded", 0, 25, 25, 1.0)}))
     assert evicting["models"]["x"]["state"] == "unloaded" and evicting["devices"]["GPU0"]["available"] == 10 * MiB
     assert assume_routed("m", after) == after  # already counted
+
+
+def with_replicas(node: dict, model: str, replicas: int, slots: int = 1) -> dict:
+    models = {**node["models"], model: {**node["models"][model], "replicas": replicas, "slots": slots}}
+    return {**node, "models": models}
+
+
+def test_a_model_with_replicas_whose_requests_wait_goes_to_a_node_with_room():
+    """replicas = 2: while its requests wait on the one node that has it (3 in flight, 1
+    slot), a node where it fits in free memory comes first; once it is on two nodes, or
+    its requests do not wait, or it may have one instance only, where it is loaded first."""
+    hot = lambda leases, replicas: with_replicas(  # noqa: E731
+        stats("a", 100, {"m": ("loaded", leases, 10, 10, 1.0)}), "m", replicas)
+    spare = with_replicas(stats("b", 100, {"m": ("unloaded", 0, 0, 10, 0.0)}), "m", 2)
+    assert rank("m", [("A", hot(3, 2)), ("B", spare)]) == [["B"], ["A"]]
+    assert rank("m", [("A", hot(1, 2)), ("B", spare)]) == [["A"], ["B"]]  # its one slot: no wait
+    assert rank("m", [("A", hot(3, 1)), ("B", spare)]) == [["A"], ["B"]]  # one instance at most
+    both = with_replicas(stats("b", 100, {"m": ("loading", 0, 10, 10, 2.0)}), "m", 2)
+    assert rank("m", [("A", hot(3, 2)), ("B", both)]) == [["B"], ["A"]]  # loaded: fewest in flight
+    full = with_replicas(stats("b", 15, {"m": ("unloaded", 0, 0, 10, 0.0), "x": ("loaded", 0, 10, 10, 1.0)}), "m", 2)
+    assert rank("m", [("A", hot(3, 2)), ("B", full)]) == [["A"], ["B"]]  # no free room: nothing evicted for it
+
+
+def test_a_node_s_own_extra_instances_count_toward_its_slots():
+    node = stats("a", 100, {"m": ("loaded", 2, 10, 10, 1.0), "m#2": ("loaded", 0, 10, 10, 1.0)})
+    node["models"]["m#2"]["replica_of"] = "m"
+    assert not waits("m", node)  # two in flight, two instances of one slot each
+    node["models"]["m"]["leases"] = 3
+    assert waits("m", node)
+
+
+def test_node_stats_carry_what_replicas_need():
+    status = {"devices": {"GPU0": {"capacity": 1, "available": 1, "held": 0}}, "queue": 0,
+              "models": {"m": {"state": "loaded", "leases": 0, "held": {}, "last_used": 0.0, "persistent": False,
+                               "requirement": {}, "replicas": 3, "context": {"slots": 4}, "replica_of": None}}}
+    m = node_stats("n", status)["models"]["m"]
+    assert (m["replicas"], m["slots"], m["replica_of"]) == (3, 4, None)

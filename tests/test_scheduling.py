@@ -36,13 +36,14 @@ def story(tmp_path_factory):
 class Streams:
     """Streamed chat requests held open, each in a thread of its own, until ``stop``."""
 
-    def __init__(self, base: str):
+    def __init__(self, base: str, headers: dict[str, str] | None = None):
         self.base, self.stop, self.threads, self.codes = base, threading.Event(), [], []
+        self.headers = headers or {}
 
     def open(self, model: str, started: threading.Event | None = None) -> None:
         def run():
             try:
-                with httpx.stream("POST", self.base + "/v1/chat/completions", timeout=120,
+                with httpx.stream("POST", self.base + "/v1/chat/completions", timeout=120, headers=self.headers,
                                   json={"model": model, "messages": CHAT, "max_tokens": 100000, "stream": True}) as r:
                     self.codes.append(r.status_code)
                     for _ in r.iter_lines():
@@ -103,6 +104,34 @@ def test_a_models_queue_and_the_routers_are_bounded(story, tiny):
         finally:
             streams.close()
         assert streams.codes.count(200) == 5  # every request that waited was answered
+
+
+def test_a_reload_that_lowers_a_queue_limit_loses_nothing_queued(story, tmp_path):
+    """A preset read again with a lower max-queue: the model stays loaded (a scheduling
+    setting is changed in place), the requests already waiting are all answered, and the
+    next one past the new limit is refused, naming it."""
+    preset = tmp_path / "q.ini"
+    write = lambda limit: preset.write_text(  # noqa: E731
+        f"[*]\nmemory-margin = 0\n[story]\nmodel = {story}\nnp = 1\nc = 4096\nmax-queue = {limit}\n")
+    write(4)
+    with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 4 << 30})) as r, serving(r) as base:
+        streams, first = Streams(base), threading.Event()
+        try:
+            streams.open("story", first)
+            assert first.wait(60)
+            for _ in range(3):
+                streams.open("story")
+            wait_for(lambda: r.status()["models"]["story"]["leases"] == 4, what="three requests waiting")
+            write(1)
+            assert r.reload() == {"added": [], "removed": [], "changed": ["story"]}
+            st = r.status()["models"]["story"]
+            assert (st["state"], st["loads"], st["leases"]) == ("loaded", 1, 4)  # nothing unloaded or dropped
+            refused = httpx.post(base + "/v1/chat/completions", json={"model": "story", "messages": CHAT}, timeout=30)
+            assert refused.status_code == 429 and "max-queue = 1" in refused.json()["error"]["message"]
+        finally:
+            streams.close()
+        assert streams.codes == [200] * 4  # every request queued before the reload was answered
+        assert r.status()["models"]["story"]["loads"] == 1
 
 
 def test_a_higher_priority_is_admitted_first(story, tiny):

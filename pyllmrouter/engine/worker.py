@@ -70,7 +70,7 @@ class _Worker:
 
         try:
             t0 = time.perf_counter()
-            engine = load(msg.spec, name=msg.name, progress=lambda p: self.send(Progress(msg.req_id, p)))
+            engine = load(msg.spec, name=msg.alias or msg.name, progress=lambda p: self.send(Progress(msg.req_id, p)))
             pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
             restored, refused = (restore_all(engine, msg.keep_dir, list(msg.restore)) if msg.restore and msg.keep_dir
                                  else ({}, {}))

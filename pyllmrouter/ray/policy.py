@@ -6,6 +6,10 @@
         room left first), then fits once idle models go (fewest bytes first), then could
         ever fit
                                                     empty: it fits on no node
+        replicas = N (a model's preset key): while it is loaded on fewer than N nodes and
+        its requests wait on every one of them (more in flight than its slots there), a
+        node where it fits in free memory comes first: one more instance loads there,
+        as a node's own router loads one more on another device set (router/replicas.py)
 
 The arithmetic is the single-node router's own (router/placement.py): the same
 shortfall, the same least-recently-used victims, the same "never fits".  Statistics
@@ -20,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from pyllmrouter.router import placement
 
-__all__ = ["node_stats", "Choice", "classify", "assume_routed", "rank"]
+__all__ = ["node_stats", "Choice", "classify", "assume_routed", "rank", "waits", "wants_another_node"]
 
 LOADED, FREE, EVICT, EVER = "loaded", "free", "evict", "ever"
 
@@ -32,7 +36,9 @@ def node_stats(node: str, status: Mapping[str, Any], max_models: int = 0) -> dic
     devices = {n: {"capacity": d["capacity"], "available": d["available"] or 0, "held": d["held"]}
                for n, d in status["devices"].items()}
     models = {n: {"state": m["state"], "leases": m["leases"], "held": m["held"], "last_used": m["last_used"],
-                  "persistent": m["persistent"], "requirement": m["requirement"]}
+                  "persistent": m["persistent"], "requirement": m["requirement"],
+                  "replicas": m.get("replicas", 1), "slots": (m.get("context") or {}).get("slots") or 1,
+                  "replica_of": m.get("replica_of")}
               for n, m in status["models"].items()}
     return {"node": node, "devices": devices, "models": models, "queue": status["queue"],
             "max_models": max_models}
@@ -104,11 +110,32 @@ def assume_routed(model: str, stats: Mapping[str, Any]) -> Mapping[str, Any]:
     return {**stats, "models": models, "devices": devices}
 
 
+def waits(model: str, stats: Mapping[str, Any]) -> bool:
+    """Whether ``model``'s requests wait on this node: more in flight than the slots of its
+    loaded instances there (its own and its extra ones)."""
+    mine = [m for n, m in stats["models"].items() if n == model or m.get("replica_of") == model]
+    loaded = [m for m in mine if m["state"] == "loaded"]
+    return bool(loaded) and sum(m["leases"] for m in mine) > sum(m.get("slots", 1) for m in loaded)
+
+
+def wants_another_node(model: str, replicas: Sequence[tuple[Any, Mapping[str, Any]]]) -> bool:
+    """replicas = N: the model is loaded (or loading) on fewer than N nodes, on one at least,
+    and its requests wait on every node where it is loaded."""
+    where = [stats for _, stats in replicas
+             if stats and stats["models"].get(model, {}).get("state") in ("loaded", "loading")]
+    limit = max((stats["models"][model].get("replicas", 1) for stats in where), default=1)
+    return 0 < len(where) < limit and all(waits(model, stats) for stats in where)
+
+
 def rank(model: str, replicas: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[list[Any]]:
     """``replicas``: (replica, its stats) pairs.  The replicas that could serve ``model``,
     best first, one per rank (so the first is where the request goes while it has room);
-    replicas without stats yet rank with "could ever fit".  Empty: no node can ever hold it."""
+    replicas without stats yet rank with "could ever fit".  Empty: no node can ever hold it.
+    A model that wants another node (``wants_another_node``) goes where it fits in free
+    memory first."""
     order = {LOADED: 0, FREE: 1, EVICT: 2, EVER: 3}
+    if wants_another_node(model, replicas):
+        order = {FREE: 0, LOADED: 1, EVICT: 2, EVER: 3}
     scored: list[tuple[int, int, int]] = []
     for i, (replica, stats) in enumerate(replicas):
         choice = classify(model, stats) if stats else Choice(EVER, 0)

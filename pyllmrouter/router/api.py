@@ -262,18 +262,24 @@ class Router:
                     query: dict[str, str] | None = None, timeout: float | None = None,
                     autoload: bool | None = None, gone: Callable[[], Awaitable[Any]] | None = None,
                     headers: dict[str, str] | None = None,
-                    files: dict[str, tuple[str, str, bytes]] | None = None) -> "tuple[HttpReply, Stream | None]":
+                    files: dict[str, tuple[str, str, bytes]] | None = None,
+                    leased: Callable[[str], None] | None = None,
+                    prefer: str | None = None) -> "tuple[HttpReply, Stream | None]":
         """``call`` from a coroutine.  A model that can take the request now is leased in
         the event loop (no thread hop before the worker has it); otherwise the lease is
         waited for in a thread.  A caller that leaves (the coroutine is cancelled, or
         ``gone()`` returns: an HTTP client that disconnected) withdraws a wait for the
         model (Withdrawn: no lease, no load, no eviction) and cancels a request in flight.
-        ``files``: a multipart request's files (its fields are ``body``, as JSON)."""
+        ``files``: a multipart request's files (its fields are ``body``, as JSON); ``leased``
+        gets the name of the instance that takes the request (the model's, or an extra one's);
+        ``prefer``: the instance to take where it has a free slot (a conversation's last)."""
         watch = asyncio.ensure_future(gone()) if gone is not None else None
         try:
-            lease = self._sched.try_lease(model)
+            lease = self._sched.try_lease(model, prefer)
             if lease is None:
-                lease = await self._await_lease(model, timeout, autoload, watch)
+                lease = await self._await_lease(model, timeout, autoload, watch, prefer)
+            if leased is not None:
+                leased(lease.name)
             if self.options.debug_fake_timing > 0:
                 try:  # busy on the model meanwhile (the lease is held)
                     await asyncio.sleep(self.options.debug_fake_timing)
@@ -360,11 +366,11 @@ class Router:
             fut.exception()
 
     async def _await_lease(self, model: str, timeout: float | None, autoload: bool | None,
-                           watch: "asyncio.Future | None") -> Lease:
+                           watch: "asyncio.Future | None", prefer: str | None = None) -> Lease:
         """A lease waited for in a thread; withdrawn if the caller leaves meanwhile (a lease
         the thread took all the same is released when it returns)."""
         left = threading.Event()
-        fut = asyncio.get_running_loop().run_in_executor(None, self._sched.lease, model, timeout, autoload, left)
+        fut = asyncio.get_running_loop().run_in_executor(None, self._sched.lease, model, timeout, autoload, left, prefer)
         try:
             return await unless_gone(asyncio.shield(fut), watch, model)
         except BaseException:

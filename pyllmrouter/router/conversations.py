@@ -6,8 +6,11 @@
     on_end(conv_id, ticket, fn)          fn() once the claim ends (a stop, a newer request for
                                          the conversation, or the oldest forgotten): a request
                                          parked while its model loads is cancelled by it
-    owner(conv_id)                       the model to ask for GET /v1/stream, /v1/streams/lookup,
-                                         DELETE /v1/stream (None: unknown, or forgotten)
+    served_by(conv_id, ticket, name)     the instance that took the request (replicas = N):
+                                         the conversation's stream and cached prompt are there
+    owner(conv_id)                       the model (or instance) to ask for GET /v1/stream,
+                                         /v1/streams/lookup, DELETE /v1/stream (None: unknown,
+                                         or forgotten); a conversation's next request prefers it
     forget(conv_id)                      DELETE /v1/stream (a stop)
 
 As llama-server's router does (its conv_model_tracker): best effort, the owner's
@@ -50,6 +53,14 @@ class Conversations:
         for fn in calls:
             fn()
         return ticket
+
+    def served_by(self, conv_id: str, ticket: int, instance: str) -> None:
+        """The instance of its model that took the request of ``ticket`` (an extra instance,
+        replicas = N): the conversation's stream is in that instance's engine."""
+        with self._lock:
+            entry = self._owners.get(conv_id)
+            if entry is not None and entry[1] == ticket:
+                self._owners[conv_id] = (instance, ticket)
 
     def alive(self, conv_id: str, ticket: int) -> bool:
         with self._lock:

@@ -14,12 +14,13 @@ and calls them under its lock; fitting itself runs in a masked worker.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from pyllmrouter import tables
+from pyllmrouter.devices import HOST
 from pyllmrouter.spec import ModelSpec
 
-__all__ = ["Fitted", "Fits", "mib"]
+__all__ = ["Fitted", "Fits", "mib", "fit_over"]
 
 KEEP = 8  # fits remembered per device set
 
@@ -72,3 +73,15 @@ class Fits:
         kept = self._by_set.setdefault(device_set, [])
         kept.append(fitted)
         del kept[:-KEEP]
+
+
+def fit_over(device_set: frozenset[str], local: dict[str, str], params: dict[str, Any]) -> tuple[str, ...]:
+    """The devices a fit may share a model over: the set's real devices and the host
+    (layers, experts, the context); where there are none (the host alone, emulated
+    devices), the set itself, whose context alone can shrink; none where llama-server's
+    fit is off for the model (--fit off)."""
+    if not params.get("fit", True):
+        return ()
+    if local:
+        return (*sorted(local), HOST)
+    return tuple(sorted(device_set)) if params.get("ctx_auto") else ()

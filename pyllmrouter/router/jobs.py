@@ -19,7 +19,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from pyllmrouter.errors import WorkerDied
+from pyllmrouter.errors import RouterError, WorkerDied
 from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, Progress, Unloaded, UnloadModel
 from pyllmrouter.router import placement
 from pyllmrouter.router.keep import identity
@@ -164,8 +164,9 @@ class Jobs:
             ident, keep_dir, restore = None, None, []
             if s.keep is not None and (ident := identity(cfg.name, spec)) is not None:
                 keep_dir, restore = str(s.keep.dir_for(ident, cfg.name)), s.keep.prepare(ident)
+            alias = rec.primary.name if rec.primary is not None else None  # an extra instance answers as its model
             pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, keep_dir, tuple(restore),
-                                                          s.options.stream_interval))
+                                                          s.options.stream_interval, alias))
             deadline = time.monotonic() + s.options.load_timeout
             try:
                 while isinstance(reply := pending.get(max(0.0, deadline - time.monotonic())), Progress):
@@ -216,6 +217,20 @@ class Jobs:
             s._cond.notify_all()
         if loaded:
             self.refresh_overhead(worker)
+
+    def replicate(self, rec: Record) -> None:
+        """An extra instance of a model whose requests wait: loaded where admission finds room
+        within a turn (it drains nothing: see Scheduler._admit), else given up (dropped)."""
+        s = self._s
+        try:
+            s.release(s.lease(rec.name, s.options.turn, autoload=True))
+        except RouterError as e:
+            with s._cond:
+                s.bus.publish("replica-not-loaded", rec.primary.name if rec.primary else rec.name, "",
+                              instance=rec.name, reason=str(e))
+                if rec.state is State.UNLOADED:
+                    s._registry.drop(rec)
+                s._cond.notify_all()
 
     def _load_timed_out(self, rec: Record, worker: WorkerHandle) -> None:
         """The worker is still loading after the load timeout: the load fails for its

@@ -55,6 +55,7 @@ class Record:
     replacement: ModelConfig | None = None  # the config that takes over (Fate.REPLACE)
     successor: "Record | None" = None  # the Record of that config, once this one is gone
     gone: bool = False  # no longer in the list: its waiters follow ``successor``, or fail
+    primary: "Record | None" = None  # an extra instance's model (replicas.py); None: the model's own
 
     @property
     def name(self) -> str:
@@ -89,6 +90,8 @@ class Record:
             "persistent": self.config.persistent, "ttl": self.config.ttl, "source": self.config.source,
             "projector": any(p.get("mmproj") for p in self.params.values()),
             "pending": self.fate.value if self.fate is not None else None,
+            "replica_of": self.primary.name if self.primary is not None else None,
+            "replicas": self.config.replicas,
             "kept": kept or {"ram": 0, "disk": 0, "files": 0},
         }
 

@@ -15,14 +15,16 @@ does I/O.  A model that is removed or changed takes no new request (a waiter of
 a removed model gets ModelRemoved; one of a changed model waits for the new
 config), finishes what it has, and unloads; only then does it go.
 
-    diff(current, new) (pure) ──▶ Changes(add, remove, replace): the reconciliation of
-        the sources' new list with the router's (models added through the API stay)
+    diff(current, new) (pure) ──▶ Changes(add, remove, replace, tune): the reconciliation
+        of the sources' new list with the router's (models added through the API stay);
+        a config whose only changes are how its requests are scheduled (TUNABLE: priority,
+        max-queue, replicas) is tuned in place: nothing unloads, nothing waiting is lost
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as with_fields
 from typing import Iterable, Mapping
 
 from pyllmrouter.config import ModelConfig
@@ -57,6 +59,15 @@ class Changes:
     add: tuple[ModelConfig, ...] = ()
     remove: tuple[str, ...] = ()
     replace: tuple[ModelConfig, ...] = ()
+    tune: tuple[ModelConfig, ...] = ()
+
+
+TUNABLE = ("priority", "max_queue", "replicas")  # a reload changes these in place
+
+
+def tuned_only(old: ModelConfig, new: ModelConfig) -> bool:
+    """Whether ``new`` differs from ``old`` in TUNABLE fields alone (and does differ)."""
+    return old != new and with_fields(old, **{f: getattr(new, f) for f in TUNABLE}) == new
 
 
 def diff(current: Mapping[str, ModelConfig], new: Iterable[ModelConfig]) -> Changes:
@@ -65,9 +76,11 @@ def diff(current: Mapping[str, ModelConfig], new: Iterable[ModelConfig]) -> Chan
     through the API, which no source lists)."""
     new_by_name = {c.name: c for c in new}
     add = tuple(c for n, c in new_by_name.items() if n not in current)
-    replace = tuple(c for n, c in new_by_name.items() if n in current and current[n] != c)
+    changed = [c for n, c in new_by_name.items() if n in current and current[n] != c]
+    replace = tuple(c for c in changed if not tuned_only(current[c.name], c))
+    tune = tuple(c for c in changed if tuned_only(current[c.name], c))
     remove = tuple(n for n, c in current.items() if n not in new_by_name and c.source != API)
-    return Changes(add, remove, replace)
+    return Changes(add, remove, replace, tune)
 
 
 class Registry:
@@ -88,8 +101,29 @@ class Registry:
         return list(self._records.values())
 
     def configs(self) -> dict[str, ModelConfig]:
-        """The config each name will have: a retiring model's new config, if it has one."""
-        return {n: (r.replacement or r.config) for n, r in self._records.items() if r.fate is not Fate.REMOVE}
+        """The config each name will have: a retiring model's new config, if it has one (a
+        model's extra instances are not models of the list)."""
+        return {n: (r.replacement or r.config) for n, r in self._records.items()
+                if r.fate is not Fate.REMOVE and r.primary is None}
+
+    def instances(self, rec: Record) -> list[Record]:
+        """A model's instances: its own record, then its extra ones (replicas.py)."""
+        return [rec, *(r for r in self._records.values() if r.primary is rec)]
+
+    def add_replica(self, cfg: ModelConfig, primary: Record) -> Record:
+        """An extra instance of ``primary``'s model, measured as it is (same file, same spec)."""
+        if cfg.name in self._records or cfg.name in self._aliases:
+            raise ValueError(f"model name {cfg.name!r} is used twice")
+        rec = Record(cfg, primary=primary, requirements=primary.requirements, components=primary.components,
+                     params=primary.params, fits=primary.fits)
+        self._records[cfg.name] = rec
+        return rec
+
+    def drop(self, rec: Record) -> None:
+        """An extra instance that unloaded goes from the list (its waiters, if any, fail)."""
+        if rec.primary is not None and self._records.get(rec.name) is rec:
+            del self._records[rec.name]
+            rec.gone = True
 
     def check(self, cfg: ModelConfig, replacing: Record | None = None) -> None:
         """ValueError if ``cfg`` cannot join: its name or an alias is taken, or it names a

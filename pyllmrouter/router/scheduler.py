@@ -10,9 +10,11 @@
         wait on the condition
     LOADED ──▶ leases += 1, return a Lease;  release(lease) ──▶ leases -= 1, notify
 
-    add_model / remove_model / replace_model / reconcile ──▶ the live list (registry.py):
-        a removed or changed model takes no new request, finishes what it has,
-        unloads, and goes (or makes room for its new config, which its waiters follow)
+    add_model / remove_model / replace_model / reconcile ──▶ the live list (roster.py,
+        registry.py): a removed or changed model takes no new request, finishes what it
+        has, unloads, and goes (or makes room for its new config, which its waiters follow)
+    a model with replicas = N: a request goes to one of its instances (replicas.pick),
+        and one more loads where its requests wait (roster.grow)
 
 Callers hold a ``Lease`` (the model's name and the worker captured when the lease
 was taken), never a ``Record``: records change under the lock only, and a
@@ -44,38 +46,29 @@ from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import HOST, Inventory
 from pyllmrouter.errors import (LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueFull, QueueTimeout,
                                 RouterClosed, UnknownModel, Withdrawn)
-from pyllmrouter.router import admission, parts, placement, queueing
+from pyllmrouter.router import admission, placement, queueing, replicas, report
+from pyllmrouter.router.fitbook import fit_over
 from pyllmrouter.router.events import EventBus
 from pyllmrouter.router.jobs import Jobs
 from pyllmrouter.router.keep import KeepStore
 from pyllmrouter.router.measure import Measurer, worker_spec
 from pyllmrouter.router.pool import WorkerHandle
 from pyllmrouter.router.records import Fate, Lease, Record, Ticket
-from pyllmrouter.router.registry import Registry, Step, diff, step
+from pyllmrouter.router.registry import Registry
+from pyllmrouter.router.roster import Roster
 from pyllmrouter.router.state import State, check_transition, evictable, holds_memory
 from pyllmrouter.router.workers import WORKER, WorkerSet
 
 __all__ = ["Scheduler", "Record", "Lease", "KEPT"]
 
 KEPT = "(kept prompt states)"  # a resident that holds host memory: the kept states in RAM
+_FIRST_TO_GO = -1e300  # an idle extra instance's place in the eviction order: after empty workers, before models
 _HISTORY = frozenset({"load", "evict", "unload", "load-failed", "load-retry", "worker-died", "fit", "no-fit",
                       "spill"})
 
 
 def budget_note(budget: int | None) -> str:
     return f", budget {budget / 2**20:.0f} MiB" if budget is not None else ""
-
-
-def _fit_over(device_set: frozenset[str], local: dict[str, str], params: dict[str, Any]) -> tuple[str, ...]:
-    """The devices a fit may share a model over: the set's real devices and the host
-    (layers, experts, the context); where there are none (the host alone, emulated
-    devices), the set itself, whose context alone can shrink; none where llama-server's
-    fit is off for the model (--fit off)."""
-    if not params.get("fit", True):
-        return ()
-    if local:
-        return (*sorted(local), HOST)
-    return tuple(sorted(device_set)) if params.get("ctx_auto") else ()
 
 
 class Scheduler:
@@ -108,6 +101,7 @@ class Scheduler:
             ram = inventory.free().get(HOST, 0) // 8
         self._keep = KeepStore(ram, options.kv_keep_dir, options.kv_keep_disk) if ram > 0 else None
         self._jobs = Jobs(self, measure)
+        self._roster = Roster(self, self._registry)
         self._spilling = False  # kept states are leaving RAM for host memory a load wants
 
     # -- lookup --------------------------------------------------------------
@@ -182,6 +176,9 @@ class Scheduler:
         return out
 
     def _candidates(self, rec: Record) -> list[frozenset[str]]:
+        if rec.primary is not None:  # an extra instance: where its model's others are not
+            others = {r.device_set for r in self._registry.instances(rec.primary) if r is not rec and r.device_set}
+            return [ds for ds in self._candidates(rec.primary) if ds not in others]
         if rec.config.devices:
             return [frozenset(rec.config.devices)]
         gpus = [n for n, d in self._devices.items() if d.kind != "cpu"]
@@ -205,7 +202,7 @@ class Scheduler:
         awaited = {t.rec.name for t in self._queue if self._rank(t, now) < me and self._may_lease(t.rec, t)}
         residents = [
             placement.Resident(
-                r.name, r.need, r.last_used,
+                r.name, r.need, r.last_used if r.primary is None else _FIRST_TO_GO,
                 (leaving and r.state is State.UNLOADING)
                 or (evictable(r.state, 0, r.config.persistent) if ignore_busy
                     else evictable(r.state, r.leases, r.config.persistent) and r.name not in awaited),
@@ -235,10 +232,11 @@ class Scheduler:
     # -- leases ----------------------------------------------------------------
 
     def lease(self, name: str, timeout: float | None = None, autoload: bool | None = None,
-              gone: threading.Event | None = None) -> Lease:
+              gone: threading.Event | None = None, prefer: str | None = None) -> Lease:
         """Block until ``name`` is LOADED and take a lease on it.  Once ``gone`` is set
         (``withdraw``) the wait ends with Withdrawn: the ticket leaves the queue, and what
-        it alone asked for (a load, a drain of a busy model) does not happen."""
+        it alone asked for (a load, a drain of a busy model) does not happen.  ``prefer``:
+        the instance of the model to take where it has a free slot (a conversation's last)."""
         timeout = self.options.queue_timeout if timeout is None else timeout
         autoload = self.options.autoload if autoload is None else autoload
         with self._cond:
@@ -264,8 +262,9 @@ class Scheduler:
                         raise Withdrawn(rec.name)
                     if rec.error_epoch > ticket.epoch:
                         raise LoadFailed(rec.name, rec.reason or "unknown reason")
-                    if rec.fate is None and rec.state is State.LOADED and self._may_lease(rec, ticket):
-                        return self._take(rec, ticket)
+                    ready = self._ready_instance(rec, ticket, prefer) if rec.fate is None else None
+                    if ready is not None:
+                        return self._take(ready, ticket)
                     stale = rec.fate is None and rec.state is State.UNLOADED and free is None
                     if not stale:
                         why = "waiting" if rec.fate is None else "waiting for its new configuration"
@@ -304,24 +303,48 @@ class Scheduler:
             gone.set()
             self._cond.notify_all()
 
-    def try_lease(self, name: str) -> Lease | None:
+    def try_lease(self, name: str, prefer: str | None = None) -> Lease | None:
         """A lease on ``name`` if it can be taken at once (LOADED, not draining for an
         earlier waiter, not retiring), else None; never waits, never starts a load."""
         with self._cond:
             rec = self._resolve(name)
-            if self._closed or rec.state is not State.LOADED or rec.fate is not None:
+            if self._closed or rec.fate is not None:
                 return None
             if self._queue_refusal(rec) is not None:
                 return None  # lease() says which limit
             ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic())
-            return self._take(rec, ticket) if self._may_lease(rec, ticket) else None
+            ready = self._ready_instance(rec, ticket, prefer)
+            return self._take(ready, ticket) if ready is not None else None
 
     def _take(self, rec: Record, ticket: Ticket) -> Lease:
         rec.leases += 1
         rec.last_used = time.monotonic()
         if self.on_wait is not None:
-            self.on_wait(rec.name, rec.last_used - ticket.created)
+            self.on_wait((rec.primary or rec).name, rec.last_used - ticket.created)
+        self._roster.grow(rec.primary or rec)
         return Lease(rec.name, rec.worker, rec)
+
+    # -- instances (replicas.py) ---------------------------------------------------
+
+    def _slots(self, rec: Record) -> int:
+        params = (rec.params.get(rec.device_set) or {}) if rec.device_set else {}
+        return int(params.get("n_parallel") or 1)
+
+    def _ready_instance(self, rec: Record, ticket: Ticket, prefer: str | None = None) -> Record | None:
+        """The loaded instance of ``rec``'s model a request goes to (lock held): ``prefer``
+        where it is one with a free slot (the instance that served the conversation last:
+        its prompt is in that engine's cache), else the fewest in flight; None where none
+        can take it now.  A name that is an extra instance's (a resumable stream's owner)
+        is that instance alone."""
+        candidates = [rec] if rec.primary is not None else self._registry.instances(rec)
+        ready = {r.name: r for r in candidates
+                 if r.state is State.LOADED and r.fate is None and not r.gone and self._may_lease(r, ticket)}
+        last = ready.get(prefer) if prefer is not None else None
+        if last is not None and last.leases < self._slots(last):
+            return last
+        name = replicas.pick([replicas.Instance(r.name, r.leases, self._slots(r), r.primary is None)
+                              for r in ready.values()])
+        return ready.get(name) if name is not None else None
 
     def release(self, lease: Lease) -> None:
         with self._cond:
@@ -348,31 +371,31 @@ class Scheduler:
                              time.monotonic() if now is None else now, self.options.priority_age)
 
     def _waiting(self, rec: Record) -> int:
-        """Requests of ``rec``'s model holding no slot: queued here, or past its slots (lock held)."""
+        """Requests on ``rec`` holding no slot: queued here, or past its slots (lock held)."""
         tickets = sum(1 for t in self._queue if t.rec is rec)
-        params = (rec.params.get(rec.device_set) or {}) if rec.device_set else {}
-        return queueing.waiting(tickets, rec.leases, int(params.get("n_parallel") or 1), rec.state is State.LOADED)
+        return queueing.waiting(tickets, rec.leases, self._slots(rec), rec.state is State.LOADED)
 
     def _queue_refusal(self, rec: Record) -> "queueing.Refusal | None":
-        """The limit one more request of ``rec``'s model would cross, if any (lock held)."""
+        """The limit one more request of ``rec``'s model (all its instances) would cross,
+        if any (lock held)."""
         if not (rec.config.max_queue or self.options.max_queue):
             return None
         total = sum(self._waiting(r) for r in self._registry.records())
-        return queueing.refusal(self._waiting(rec), rec.config.max_queue, total, self.options.max_queue)
+        mine = sum(self._waiting(r) for r in self._registry.instances(rec.primary or rec))
+        return queueing.refusal(mine, rec.config.max_queue, total, self.options.max_queue)
 
-    # -- the live model list -----------------------------------------------------
+    # -- the live model list (roster.py) ----------------------------------------
 
     def add_model(self, cfg: ModelConfig) -> None:
         """A new model, servable at once (ValueError: its name or an alias is taken)."""
         with self._cond:
-            self._registry.add(cfg)
-            self._event("added", cfg.name, source=cfg.source)
+            self._roster.add(cfg)
             self._cond.notify_all()
 
     def remove_model(self, name: str) -> None:
         """``name`` takes no new request, finishes those in flight, unloads and goes."""
         with self._cond:
-            self._retire(self._resolve(name), None)
+            self._roster.retire(self._resolve(name), None)
 
     def replace_model(self, cfg: ModelConfig) -> None:
         """``cfg`` replaces the model of its name once that one has finished its requests
@@ -380,53 +403,21 @@ class Scheduler:
         with self._cond:
             rec = self._resolve(cfg.name)
             if (rec.replacement or rec.config) != cfg:
-                self._retire(rec, cfg)
+                self._roster.retire(rec, cfg)
 
     def reconcile(self, configs: Iterable[ModelConfig]) -> dict[str, list[str]]:
         """Make the list the sources' new one (models added through the API stay): new
-        names added, changed configs replaced, names gone removed.  Each change is checked
-        first, so a bad list changes nothing (ValueError)."""
-        configs = list(configs)
+        names added, changed configs replaced (or tuned in place), names gone removed.
+        Each change is checked first, so a bad list changes nothing (ValueError)."""
         with self._cond:
-            changes = diff(self._registry.configs(), configs)
-            self._check_changes(changes)
-            for cfg in changes.add:
-                self._registry.add(cfg)
-                self._event("added", cfg.name, source=cfg.source)
-            for name in changes.remove:
-                self._retire(self._registry.get(name), None)
-            for cfg in changes.replace:
-                self._retire(self._registry.get(cfg.name), cfg)
+            changes = self._roster.reconcile(configs)
             self._event("models_reload", "*")
             self._cond.notify_all()
         return {"added": [c.name for c in changes.add], "removed": list(changes.remove),
-                "changed": [c.name for c in changes.replace]}
-
-    def _check_changes(self, changes) -> None:
-        """ValueError if the changes would clash (names, aliases, devices); lock held."""
-        probe = Registry(self._devices)
-        keep = {n: c for n, c in self._registry.configs().items() if n not in changes.remove}
-        keep.update({c.name: c for c in changes.replace})
-        for cfg in [*keep.values(), *changes.add]:
-            probe.add(cfg)
-
-    def _retire(self, rec: Record, replacement: ModelConfig | None) -> None:
-        self._registry.retire(rec, replacement)
-        self._event("remove" if replacement is None else "change", rec.name)
-        self._settle(rec)
-        self._cond.notify_all()
+                "changed": [c.name for c in (*changes.replace, *changes.tune)]}
 
     def _settle(self, rec: Record) -> None:
-        """A retiring model's next step (registry.step): unload once idle, go once unloaded."""
-        action = step(rec.state, rec.leases, rec.fate is not None)
-        if action is Step.UNLOAD:
-            self._begin_unload(rec)
-        elif action is Step.FINISH:
-            if self._keep is not None and rec.fate is Fate.REMOVE:
-                self._keep.forget(rec.name)  # its kept states can serve no one
-            new = self._registry.finish(rec)
-            self._event("model_remove" if new is None else "replaced", rec.name)
-            self._cond.notify_all()
+        self._roster.settle(rec)
 
     # -- admission (lock held) -----------------------------------------------
 
@@ -479,7 +470,7 @@ class Scheduler:
                 job = decision.fit
                 self._jobs.spawn(self._jobs.fit, rec, job.device_set, job.spec, dict(job.grant))
             deadline = ticket.created + self.options.turn
-            for v in decision.drain:
+            for v in (decision.drain if rec.primary is None else ()):  # an extra instance drains nothing
                 victim = self._registry.get(v)
                 owner = next((t for t in self._queue if victim.drain and t.seq == victim.drain[1]), None)
                 if victim.drain is None or owner is None or self._rank(ticket) < self._rank(owner):
@@ -510,7 +501,7 @@ class Scheduler:
             for ds in self._candidates(rec):
                 local = self.inventory.to_local(ds)  # a fit can only move bytes off real devices
                 spec = worker_spec(rec.config.spec, ds, local)
-                options.append(admission.Option(ds, rec.requirements[ds], spec, _fit_over(ds, local, rec.params[ds])))
+                options.append(admission.Option(ds, rec.requirements[ds], spec, fit_over(ds, local, rec.params[ds])))
             options = tuple(options)
         return admission.Request(rec.name, options, rec.fits, self._earlier_loader_blocks(rec, ticket),
                                  rec.probing, rec.fitting)
@@ -633,39 +624,5 @@ class Scheduler:
     # -- status ----------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        free = self.inventory.free()
-        kept = self._keep.report() if self._keep is not None else {"enabled": False, "models": {}}
-        with self._cond:
-            available = self._available(free)
-            held = self._held()
-            models, now = {}, time.monotonic()
-            for r in self._registry.records():
-                models[r.name] = m = r.report(kept["models"].get(r.name))
-                pools = r.components.get(r.device_set, {}) if m["held"] else {}
-                m["parts"] = parts.split(m["held"], parts.by_device(
-                    pools, lambda p, ds=r.device_set: self.inventory.to_inventory(ds, p)))
-                m["idle_seconds"] = round(now - r.last_used, 1) if r.last_used and not r.leases else None
-                waiting = [t for t in self._queue if t.rec is r]
-                m["waiting"] = {"requests": len(waiting), "why": waiting[0].why if waiting else None,
-                                "short": dict(waiting[0].short) if waiting else {}}
-            overhead: dict[str, int] = {}
-            for w in self.workers.all():
-                for d, n in w.overhead.items():
-                    overhead[d] = overhead.get(d, 0) + n
-            kept_ram = self._keep.held_ram() if self._keep is not None else 0
-            devices = {
-                n: {"kind": d.kind, "total": d.total, "free": free.get(n), "capacity": self._capacity(n),
-                    "held": held.get(n, 0), "available": available.get(n),
-                    # the parts of held that are no model's, and what is not ours to give
-                    "overhead": overhead.get(n, 0), "kept": kept_ram if n == HOST else 0,
-                    "external": max(0, d.total - free.get(n, d.total) - held.get(n, 0)),
-                    "margin": self.options.margin}
-                for n, d in self._devices.items()
-            }
-            idle = self.workers.idle(time.monotonic())
-            workers = [{"devices": sorted(w.devices), "pid": w.pid, "alive": w.alive, "overhead": dict(w.overhead),
-                        "idle_seconds": round(idle[w], 1) if w in idle else None,
-                        "stopping": self.workers.get(w.devices) is not w}
-                       for w in self.workers.all()]
-            return {"models": models, "devices": devices, "workers": workers, "counters": dict(self.counters),
-                    "queue": len(self._queue), "kept": {k: v for k, v in kept.items() if k != "models"}}
+        """Every model, device and worker as plain values (report.py)."""
+        return report.status(self)

@@ -122,7 +122,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
     async def forward(request: Request, model: str, raw: bytes, autoload: bool | None = None,
                       gone: Callable[[], Awaitable[Any]] | None = None,
-                      files: dict[str, tuple[str, str, bytes]] | None = None) -> Response:
+                      files: dict[str, tuple[str, str, bytes]] | None = None,
+                      leased: Callable[[str], None] | None = None, prefer: str | None = None) -> Response:
         """The request to ``model``'s engine, with its client's headers; its reply unchanged.
         ``gone``: what withdraws the request before it reaches the engine (default: the
         client's disconnect)."""
@@ -134,7 +135,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             reply, stream = await router.acall(model, request.method, endpoint, raw, query,
                                                autoload=autoload_param(request) if autoload is None else autoload,
                                                gone=gone or (lambda: _disconnected(request)), headers=headers,
-                                               files=files)
+                                               files=files, leased=leased, prefer=prefer)
         except RouterError as e:
             err = from_router_error(e)
             metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
@@ -242,10 +243,13 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         def stop() -> None:
             loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
 
+        last = router.conversations.owner(conv_id)  # the instance that served it last: its prompt is cached there
         ticket = router.conversations.remember(conv_id, listed)
         off = router.conversations.on_end(conv_id, ticket, stop)
         try:
-            return await forward(request, model, raw, gone=lambda: asyncio.shield(stopped), files=files)
+            return await forward(request, model, raw, gone=lambda: asyncio.shield(stopped), files=files,
+                                 leased=lambda instance: router.conversations.served_by(conv_id, ticket, instance),
+                                 prefer=last)
         except ApiError as e:
             if e.status == 499 and stopped.done():
                 raise ApiError(400, "request cancelled by a stop while the model was loading") from None
@@ -266,7 +270,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     async def v1_models():
         hidden = {c.name for c in router.models() if c.hidden}  # cache models a preset deduplicates
         return {"object": "list", "data": [_openai_model(n, m) for n, m in router.status()["models"].items()
-                                           if n not in hidden]}
+                                           if n not in hidden and not m.get("replica_of")]}
 
     @app.get("/v1/models/{name:path}")
     async def v1_model(name: str):

@@ -37,7 +37,14 @@ LOOKUP_IDS = 1024
 LOOKUP_BYTES = LOOKUP_IDS * 260 + 1024
 
 
-def _model_entry(name: str, m: dict[str, Any], cfg, created: int) -> dict[str, Any]:
+def _instances(name: str, models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """A model's instances (its own and its extra ones, replicas = N): where, what, how busy."""
+    return [{"id": n, "state": m["state"], "devices": m["devices"], "held": m["held"], "in_flight": m["leases"]}
+            for n, m in models.items() if n == name or m.get("replica_of") == name]
+
+
+def _model_entry(name: str, m: dict[str, Any], cfg, created: int,
+                 instances: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     status: dict[str, Any] = {"value": m["state"], "args": cfg.spec.to_args()}
     if m["reason"]:
         status.update(failed=True, exit_code=1, reason=m["reason"])
@@ -56,6 +63,7 @@ def _model_entry(name: str, m: dict[str, Any], cfg, created: int) -> dict[str, A
         "context": m["context"],
         "in_flight": m["leases"], "loads": m["loads"], "persistent": m["persistent"], "ttl": m["ttl"],
         "idle_seconds": m["idle_seconds"], "waiting": m["waiting"],
+        "replicas": cfg.replicas, "instances": instances or [],
         # seconds before the ttl unloads it (idle and loaded only)
         "ttl_left": max(0.0, round(m["ttl"] - m["idle_seconds"], 1))
         if m["ttl"] and m["idle_seconds"] is not None and m["state"] == "loaded" else None,
@@ -107,7 +115,7 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
                 raise ApiError(400, f"the model list was not read again: {e}", code="bad_preset") from None
         st = router.status()
         configs = {c.name: c for c in router.models()}
-        data = [_model_entry(n, m, configs[n], created) for n, m in st["models"].items()
+        data = [_model_entry(n, m, configs[n], created, _instances(n, st["models"])) for n, m in st["models"].items()
                 if n in configs and not configs[n].hidden]  # hidden: a preset deduplicates it
         data += [_download_entry(n, d, created) for n, d in st["downloads"].items() if n not in configs]
         return {"object": "list", "data": data, "devices": st["devices"]}

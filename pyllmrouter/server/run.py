@@ -68,6 +68,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="most requests that may wait at once, all models together (for a load, or past a model's "
                         "parallel slots); past it, 503 with Retry-After (0: no bound; a model's own: preset key "
                         "max-queue, past it 429)")
+    p.add_argument("--priority-age", type=float, default=RouterOptions.priority_age, metavar="S",
+                   help="seconds of waiting that lift a request one priority level (a preset's priority key), "
+                        "so a low priority never waits forever (0: no lift)")
     p.add_argument("--worker-idle-timeout", type=float, default=300.0, metavar="S",
                    help="a worker with no model stops after S seconds and gives its devices back "
                         "(0: at once; -1: kept; admission stops an empty worker sooner when that makes room)")
@@ -128,6 +131,7 @@ def router_from_args(a: argparse.Namespace) -> Router:
                                                                                                       1024 * MiB),
         budgets=parse_budgets(a.device_budget) if a.device_budget else {},
         max_models=a.models_max, queue_timeout=a.queue_timeout, max_queue=max(0, a.max_queue), turn=a.turn,
+        priority_age=max(0.0, a.priority_age),
         autoload=a.autoload,
         heartbeat=a.heartbeat, worker_idle_timeout=a.worker_idle_timeout, kv_keep_ram=None if a.kv_keep_ram is None else a.kv_keep_ram * MiB,
         kv_keep_dir=a.kv_keep_dir, kv_keep_disk=a.kv_keep_disk * MiB, stream_interval=a.stream_interval_ms / 1e3,

@@ -195,6 +195,17 @@
       word.textContent = (m.status || {}).value + ((m.status || {}).pending ? " (" + m.status.pending + ")" : "");
       st.appendChild(word);
       if (stateOf(m) === "loading" && view.progress[m.id]) showProgress(st, view.progress[m.id]);
+      if ((m.instances || []).length > 1) {  // replicas = N: each instance, where it is and how busy
+        const list = document.createElement("div");
+        list.className = "instances";
+        for (const i of m.instances) {
+          const line = document.createElement("div");
+          const on = Object.keys(i.held || {}).length ? bytesOn(i.held) : (i.devices || []).join("+");
+          line.textContent = i.id + ": " + i.state + (on ? " on " + on : "") + ", " + (i.in_flight || 0) + " in flight";
+          list.appendChild(line);
+        }
+        st.appendChild(list);
+      }
       if (m.status && m.status.reason) {
         const r = document.createElement("div");
         r.className = "reason";
