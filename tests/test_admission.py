@@ -233,3 +233,27 @@ def test_a_queue_limit_refuses_exactly_the_request_that_would_cross_it(tickets, 
     assert (refused is not None) == (crosses_mine or crosses_all)
     if refused is not None:
         assert refused.scope == ("model" if crosses_mine else "router") and refused.waiting == mine
+
+
+# -- which instance, and when one more (router/replicas.py) ----------------------------------
+
+from pyllmrouter.router import replicas  # noqa: E402
+
+instances = st.lists(st.tuples(st.integers(0, 10), st.integers(1, 4)), min_size=1, max_size=5).map(
+    lambda xs: [replicas.Instance(f"m#{i + 1}" if i else "m", leases, slots, i == 0)
+                for i, (leases, slots) in enumerate(xs)])
+
+
+@given(instances)
+def test_a_request_goes_to_an_instance_with_the_fewest_in_flight(xs):
+    chosen = next(i for i in xs if i.name == replicas.pick(xs))
+    assert chosen.leases == min(i.leases for i in xs)
+    if xs[0].leases == chosen.leases:
+        assert chosen.primary  # the model's own instance first among equals
+
+
+@given(st.integers(1, 4), instances, st.integers(0, 2), st.integers(0, 3))
+def test_one_more_instance_only_while_requests_wait_below_the_limit(limit, running, loading, free_sets):
+    wants = replicas.wants_more(limit, running, loading, free_sets)
+    waits = sum(i.leases for i in running) > sum(i.slots for i in running)
+    assert wants == (waits and len(running) + loading < limit and loading == 0 and free_sets > 0)

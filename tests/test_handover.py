@@ -161,3 +161,26 @@ def test_a_worker_killed_under_a_native_stream_ends_it_and_the_next_request_is_s
     assert time.monotonic() - t0 < 10
     r = httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}, timeout=120)
     assert r.status_code == 200
+
+
+def test_a_worker_that_dies_before_it_writes_leaves_the_client_a_503(base):
+    """A request handed to a worker that is stopped (it cannot read it), then killed: nothing
+    was written on the connection, so the router answers it as a relay would (503 and
+    Retry-After), not with a dropped connection; the connection then takes the next request."""
+    assert httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2},
+                      timeout=120).status_code == 200  # m loaded, its worker running
+    pid = next(w["pid"] for w in httpx.get(base + "/devices", timeout=30).json()["workers"] if w["alive"])
+    sock = connect(base)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        sock.sendall(request("POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}))
+        time.sleep(0.5)  # handed over, unread
+        os.kill(pid, signal.SIGKILL)
+        status, headers, body = Reader(sock).response()
+        assert status == 503 and headers.get("retry-after"), body
+        assert b"worker" in body
+        sock.sendall(request("POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}))
+        again = Reader(sock).response()
+        assert again[0] == 200, again  # a new worker, the same connection
+    finally:
+        sock.close()

@@ -27,6 +27,7 @@ from pyllmrouter.errors import WorkerDied
 __all__ = ["Conduit", "Connection", "Served", "MAX_MESSAGE", "channel"]
 
 MAX_MESSAGE = 256 * 1024  # one datagram: the worker's receive buffer (csrc/conduit.h)
+EOF_GRACE = 5.0  # seconds the reader waits, after the worker's end closed, for the pool to say it died
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Conduit:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._closed = False
+        self._gone = threading.Event()  # close() was called
         self._reader = threading.Thread(target=self._read, name=f"conduit-{name}", daemon=True)
         self._reader.start()
 
@@ -122,13 +124,18 @@ class Conduit:
                 waiter = self._pending.pop(int(done["id"]), None)
             if waiter is not None:
                 _settle(waiter, served)
-        self.close()
+        # the worker's end closed: its process is ending, and the pool's reader fails what it
+        # held once the router has moved its models (close(), after on_death), so a request
+        # that sees the failure sees the new state; failed here only if that never comes
+        if not self._gone.wait(EOF_GRACE):
+            self.close()
 
     def close(self) -> None:
         """The worker is gone: every request it held fails (WorkerDied)."""
         with self._lock:
             self._closed = True
             orphans, self._pending = list(self._pending.values()), {}
+        self._gone.set()
         for waiter in orphans:
             _settle(waiter, WorkerDied(f"worker {self._name} ended while it answered a request"))
         try:

@@ -299,8 +299,6 @@ class WorkerHandle:
         self._died()
 
     def _died(self) -> None:
-        if self.conduit is not None:  # the requests it answered natively fail too
-            self.conduit.close()
         with self._lock:
             was_alive, self.alive = self.alive, False
             orphans, self._pending = list(self._pending.values()), {}
@@ -309,6 +307,8 @@ class WorkerHandle:
         why = self._last_words() if code else ""
         if was_alive:  # the router learns first, so whoever sees the failure sees the new state
             self.on_death(self)
+        if self.conduit is not None:  # the requests it answered natively fail too
+            self.conduit.close()
         _deliver([(p, Failed(p.req_id, ErrorKind.WORKER_DIED, f"worker {self.name} (pid {self.pid}) exited with code {code}{why}"))
                   for p in orphans])
 

@@ -35,7 +35,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from pyllmrouter.errors import RouterError, UnknownModel
+from pyllmrouter.errors import RouterError, UnknownModel, WorkerDied
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage, page
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
@@ -213,6 +213,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             out = await router.aserve(model, "POST", endpoint, raw, query, headers, connection,
                                       autoload=autoload_param(request), gone=lambda: _disconnected(request))
         except (RouterError, asyncio.CancelledError) as e:
+            if began and isinstance(e, WorkerDied) and handover.untouched():
+                undo()  # the worker died before it wrote a byte: the client gets the 503 a relay gives
             if began:  # handed over: nothing can be written on the connection any more
                 metrics.observe(model, endpoint, "502", time.perf_counter() - t0)
                 handover.finish(False)

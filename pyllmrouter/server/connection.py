@@ -5,6 +5,8 @@ uvicorn has), whose connections a request can hand over to a worker.
         begin()    the router stops reading the connection and will write nothing on it
                    (uvicorn marks the response started: its error paths close, never write)
         undo()     not handed over after all: the app answers as usual
+        untouched() nothing written since begin (TCP's own counters): a worker that died
+                   before writing leaves a connection the app may still answer (a 503)
         finish(k)  the worker has answered on it: the request is complete, and the
                    connection reads the client's next request (keep-alive) or closes
 
@@ -17,6 +19,9 @@ written as the app or the worker spells them; HTTP compares them without regard 
 
 from __future__ import annotations
 
+import socket
+import struct
+
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 __all__ = ["HttpProtocol", "Handover", "HANDOVER"]
@@ -28,6 +33,8 @@ class Handover:
     def __init__(self, protocol: HttpToolsProtocol, cycle):
         self._protocol, self._cycle = protocol, cycle
         sock = protocol.transport.get_extra_info("socket")
+        self._sock = sock
+        self._sent: tuple[int, int] | None = None
         self.fd: int = sock.fileno() if sock is not None else -1
 
     @property
@@ -43,8 +50,17 @@ class Handover:
                 and p.cycle is self._cycle)
 
     def begin(self) -> None:
+        self._sent = _sent_mark(self._sock)  # before the worker can write a byte
         self._cycle.response_started = True
         self._protocol.flow.pause_reading()
+
+    def untouched(self) -> bool:
+        """Nothing was written on the connection since ``begin`` (TCP's count of data
+        segments sent is the same, and nothing waits in its send queue): a worker that died
+        before it wrote leaves a connection the router may still answer (False where the
+        kernel cannot say: not TCP, or too old)."""
+        now = _sent_mark(self._sock)
+        return self._sent is not None and now is not None and now[0] == self._sent[0] and now[1] == 0
 
     def undo(self) -> None:
         self._cycle.response_started = False
@@ -57,6 +73,21 @@ class Handover:
         if not (keep and cycle.keep_alive):
             cycle.transport.close()
         cycle.on_response()  # uvicorn's: the pipeline, the keep-alive timer, reading again
+
+
+_TCP_INFO_LEN = 160  # struct tcp_info up to tcpi_data_segs_out (Linux 4.6)
+
+
+def _sent_mark(sock) -> tuple[int, int] | None:
+    """(data segments sent, bytes not yet sent) of a TCP socket (linux/tcp.h, struct
+    tcp_info: tcpi_notsent_bytes at 144, tcpi_data_segs_out at 156); None where unknown."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+    except (OSError, AttributeError):
+        return None
+    if len(info) < _TCP_INFO_LEN:
+        return None
+    return struct.unpack_from("=I", info, 156)[0], struct.unpack_from("=I", info, 144)[0]
 
 
 class HttpProtocol(HttpToolsProtocol):
