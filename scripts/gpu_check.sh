@@ -17,6 +17,8 @@
 #   concurrency  bench/concurrency_bench.py --gpu against llama-server and its router
 #                mode (and ours relaying every response, --relay): tiny, 100M and (when
 #                installed) Gemma 3 270M; 1, 16, 64 clients
+#   replicas     bench/replica_bench.py --gpu: one hot model with replicas = 1 and 2
+#                (two GPUs or more; skipped on one)
 # A step that fails is reported and the next runs; the summary is DIR/summary.txt.
 #
 # --dry-run rehearses on a machine without a GPU: the same steps with a CPU build;
@@ -140,6 +142,19 @@ if [ -n "$server" ] && [ -x "$server" ]; then
 else
   results+=("concurrency: skipped (no llama-server)")
   say "== concurrency: skipped, no llama-server"
+fi
+
+# replicas = 1 against 2 of one hot model: a device per instance needs two GPUs
+gpus=0
+[ "$dry" = 1 ] || gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$dry" = 1 ]; then
+  step replicas 120 "$py" bench/replica_bench.py --clients 8 --rounds 1 --requests-per-client 1 --tokens 16 \
+    --out "$out/replicas.json"
+elif [ "$gpus" -ge 2 ]; then
+  step replicas 150 "$py" bench/replica_bench.py --gpu --clients 16 --rounds 3 --out "$out/replicas.json"
+else
+  results+=("replicas: skipped (one GPU: a second instance needs a second device)")
+  say "== replicas: skipped, one GPU"
 fi
 
 # -- the summary ------------------------------------------------------------------------

@@ -4,7 +4,8 @@
     python scripts/gpu_summary.py DIR
 
 junit.xml (pytest -m gpu): each test and its outcome; gpu_bench.json: probe against
-load, the residual; concurrency-*.json: ours against llama-server and its router mode.
+load, the residual; concurrency-*.json: ours against llama-server and its router mode;
+replicas.json: one hot model with replicas = 1 and 2.
 """
 
 from __future__ import annotations
@@ -63,10 +64,26 @@ def concurrency(path: Path) -> str:
                       "CPU s/1k tok outside decode, ours / peer"], rows))
 
 
+def replicas(path: Path) -> str:
+    data = json.loads(path.read_text())
+    rows = []
+    for n, runs in sorted(data["runs"].items()):
+        rows.append([n, f"{sum(r['req_s'] for r in runs) / len(runs):.2f}",
+                     f"{sorted(r['p50_s'] for r in runs)[len(runs) // 2] * 1e3:.0f}",
+                     f"{max(r['p99_s'] for r in runs) * 1e3:.0f}", runs[-1]["loads"], runs[-1]["evictions"],
+                     sum(r["errors"] for r in runs)])
+    g, lo, hi = data["ratio"]
+    where = "GPUs" if data.get("gpu") else "emulated devices"
+    return (f"replicas, {data['clients']} clients on {where}: requests/s with 2 over 1: {g:.2f} [{lo:.2f}, {hi:.2f}]\n"
+            + render(["replicas", "req/s", "p50 ms", "p99 ms (max)", "loads", "evictions", "failed"], rows))
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     parts = [tests(out / "junit.xml"), gpu_bench(out / "gpu_bench.json")]
     parts += [concurrency(p) for p in sorted(out.glob("concurrency-*.json"))]
+    if (out / "replicas.json").exists():
+        parts.append(replicas(out / "replicas.json"))
     print("\n\n".join(parts))
 
 
