@@ -66,14 +66,19 @@ struct Writer {
         return ok;
     }
 
-    bool chunk(const std::string & data) {  // one HTTP/1.1 chunk
-        if (data.empty()) return ok;
+    static void frame(std::string & into, const std::string & data) {  // one HTTP/1.1 chunk
+        if (data.empty()) return;
         char size[24];
         std::snprintf(size, sizeof(size), "%zx\r\n", data.size());
+        into.append(size).append(data).append("\r\n");
+    }
+
+    bool chunk(const std::string & data, bool last = false) {  // the last with the stream's end
         std::string framed;
         framed.reserve(data.size() + 32);
-        framed.append(size).append(data).append("\r\n");
-        return write(framed);
+        frame(framed, data);
+        if (last) framed += "0\r\n\r\n";
+        return framed.empty() ? ok : write(framed);
     }
 };
 
@@ -277,15 +282,15 @@ void Conduit::serve(std::string message, int client) {
                 if (awaited > 0) seen = cache_n(data);
             } else {
                 head += "Transfer-Encoding: chunked\r\n\r\n";
-                if (out.write(head) && out.chunk(reply->data())) {
+                Writer::frame(head, reply->data());  // the head and the first chunk in one write
+                if (out.write(head)) {
                     std::string chunk;
                     bool more = true;
                     while (more && out.ok) {
                         more = reply->next(chunk);
                         if (awaited > 0) seen = std::max(seen, cache_n(chunk));
-                        out.chunk(chunk);
+                        out.chunk(chunk, !more);  // the last chunk and the end in one write
                     }
-                    if (out.ok) out.write("0\r\n\r\n");
                 }
             }
             keep = keep_alive && out.ok && !stop->stopped();  // before the reply goes: it sets the flag
