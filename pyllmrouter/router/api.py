@@ -273,10 +273,11 @@ class Router:
         ``files``: a multipart request's files (its fields are ``body``, as JSON); ``leased``
         gets the name of the instance that takes the request (the model's, or an extra one's);
         ``prefer``: the instance to take where it has a free slot (a conversation's last)."""
-        watch = asyncio.ensure_future(gone()) if gone is not None else None
+        watch = None  # the caller's departure, watched only while this waits (a task: not free)
         try:
             lease = self._sched.try_lease(model, prefer)
             if lease is None:
+                watch = _watch(gone)
                 lease = await self._await_lease(model, timeout, autoload, watch, prefer)
             if leased is not None:
                 leased(lease.name)
@@ -289,6 +290,7 @@ class Router:
             pending = self._send(lease, method, path, body, query, headers, files)
             try:
                 while (first := pending.get_nowait()) is None:
+                    watch = watch or _watch(gone)
                     await unless_gone(pending.wait_async(), watch, model)
             except BaseException:
                 self._abandon(lease, pending)
@@ -308,10 +310,11 @@ class Router:
         for one datagram, its channel full), the request is relayed as ``acall`` relays it:
         (reply, stream).  ``gone`` withdraws a wait for the model, as in ``acall``; once
         handed over, a client that leaves is the worker's to notice."""
-        watch = asyncio.ensure_future(gone()) if gone is not None else None
+        watch = None
         try:
             lease = self._sched.try_lease(model)
             if lease is None:
+                watch = _watch(gone)
                 lease = await self._await_lease(model, timeout, autoload, watch)
             if self.options.debug_fake_timing > 0:
                 try:  # busy on the model meanwhile (the lease is held)
@@ -478,3 +481,8 @@ async def _aevents(model: str, stream: Stream) -> AsyncIterator[dict[str, Any]]:
                     yield event
     finally:
         stream.abandon()
+
+
+def _watch(gone: Callable[[], Awaitable[Any]] | None) -> "asyncio.Future | None":
+    """A task that ends when the caller has left (None: nothing to watch)."""
+    return asyncio.ensure_future(gone()) if gone is not None else None
