@@ -3,8 +3,9 @@
     hand(request, client fd) ──sendmsg, one SOCK_SEQPACKET datagram with the fd──▶ worker
         the worker's C++ answers on the client's socket itself (llama-server's handler,
         the reply's bytes written there), then
-    reader thread ◀── done {id, status, bytes, keep, error} ── worker: the future resolves
-        (in the event loop that handed it over: one wake-up per request, never per token)
+    the loop's reader ◀── done {id, status, bytes, keep, error} ── worker: the future
+        resolves (read in the event loop that handed it over, add_reader: one wake-up per
+        request, never per token, and no thread between)
 
 A request is handed over whole or not at all: a datagram too big, or a worker whose
 channel is full (it stopped reading), is refused at once (``hand`` returns None) and the
@@ -66,31 +67,42 @@ def channel() -> tuple[socket.socket, socket.socket]:
 
 
 class Conduit:
+    """One worker's channel.  Its ``done`` messages are read in the event loop that hands
+    requests over (``loop.add_reader``, bound at the first hand-over): no reader thread, no
+    cross-thread wake-up per request.  A hand-over from another loop is refused (None: the
+    caller relays it)."""
+
     def __init__(self, sock: socket.socket, name: str):
-        self._sock = sock  # blocking: the reader waits on it; sends never wait (MSG_DONTWAIT)
+        sock.setblocking(False)  # sends never wait (a full channel relays); reads are the loop's
+        self._sock = sock
         self._name = name
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._lock = threading.Lock()  # _pending, _closed, _loop: hand (loop) and close (any thread)
+        self._pending: dict[int, asyncio.Future] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self._gone = threading.Event()  # close() was called
-        self._reader = threading.Thread(target=self._read, name=f"conduit-{name}", daemon=True)
-        self._reader.start()
+        self._detached = False  # the socket left the loop and is closed
 
     def hand(self, header: dict, body: bytes, fd: int) -> "asyncio.Future[Served] | None":
         """Hand the request and the client's connection ``fd`` over; the future of what the
-        worker did with it, or None where it cannot take it now (too big, its channel full):
-        nothing was sent then.  WorkerDied if the worker is gone."""
+        worker did with it, or None where it cannot take it now (too big, its channel full,
+        a loop other than the one bound): nothing was sent then.  WorkerDied if the worker
+        is gone."""
         rid = next(self._ids)
         message = json.dumps({**header, "id": rid}).encode() + b"\0" + body
         if len(message) > MAX_MESSAGE:
             return None
         loop = asyncio.get_running_loop()
-        fut = loop.create_future()
         with self._lock:
             if self._closed:
                 raise WorkerDied(f"worker {self._name} is not running")
-            self._pending[rid] = (loop, fut)
+            if self._loop is None:
+                self._loop = loop
+                loop.add_reader(self._sock.fileno(), self._read)
+            elif self._loop is not loop:
+                return None
+            fut = loop.create_future()
+            self._pending[rid] = fut
         try:
             socket.send_fds(self._sock, [message], [fd], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
@@ -108,57 +120,73 @@ class Conduit:
             return len(self._pending)
 
     def _read(self) -> None:
+        """In the bound loop: every ``done`` that has come."""
         while True:
             try:
                 data = self._sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                return
             except OSError:
                 data = b""
             if not data:
-                break
+                # the worker's end closed: its process is ending, and the pool's reader fails
+                # what it held once the router has moved its models (close(), after on_death),
+                # so a request that sees the failure sees the new state; failed here only if
+                # that never comes
+                loop = self._loop
+                loop.remove_reader(self._sock.fileno())
+                loop.call_later(EOF_GRACE, self.close)
+                return
             try:
                 done = json.loads(data)
                 served = Served(int(done["status"]), int(done["bytes"]), bool(done["keep"]), done.get("error") or "")
             except (ValueError, KeyError, TypeError):
                 continue
             with self._lock:
-                waiter = self._pending.pop(int(done["id"]), None)
-            if waiter is not None:
-                _settle(waiter, served)
-        # the worker's end closed: its process is ending, and the pool's reader fails what it
-        # held once the router has moved its models (close(), after on_death), so a request
-        # that sees the failure sees the new state; failed here only if that never comes
-        if not self._gone.wait(EOF_GRACE):
-            self.close()
+                fut = self._pending.pop(int(done["id"]), None)
+            if fut is not None and not fut.done():
+                fut.set_result(served)
 
     def close(self) -> None:
-        """The worker is gone: every request it held fails (WorkerDied)."""
+        """The worker is gone (any thread): every request it held fails (WorkerDied), and the
+        socket leaves the loop and closes (in the loop, where it was registered)."""
         with self._lock:
             self._closed = True
             orphans, self._pending = list(self._pending.values()), {}
-        self._gone.set()
-        for waiter in orphans:
-            _settle(waiter, WorkerDied(f"worker {self._name} ended while it answered a request"))
+            loop = self._loop
+        for fut in orphans:
+            _settle(fut, WorkerDied(f"worker {self._name} ended while it answered a request"))
+        if loop is None:
+            self._detach()
+            return
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+            loop.call_soon_threadsafe(self._detach)
+        except RuntimeError:  # that loop is closed: its selector is gone with it
+            self._detach()
 
-    def join(self, timeout: float) -> None:
-        if self._reader is not threading.current_thread():
-            self._reader.join(timeout)
+    def _detach(self) -> None:
+        if self._detached:
+            return
+        self._detached = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.remove_reader(self._sock.fileno())
+            except (ValueError, OSError):
+                pass
         self._sock.close()
 
+    def join(self, timeout: float) -> None:
+        """Nothing to wait for (no thread): kept for the pool's stop()."""
 
-def _settle(waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future], outcome) -> None:
-    loop, fut = waiter
+
+def _settle(fut: asyncio.Future, outcome: BaseException) -> None:
+    """``fut`` fails with ``outcome``, from any thread (in its own loop)."""
 
     def done() -> None:
         if not fut.done():
-            if isinstance(outcome, BaseException):
-                fut.set_exception(outcome)
-            else:
-                fut.set_result(outcome)
+            fut.set_exception(outcome)
     try:
-        loop.call_soon_threadsafe(done)
+        fut.get_loop().call_soon_threadsafe(done)
     except RuntimeError:
         pass  # that loop is closed: nobody waits any more
