@@ -28,7 +28,7 @@ from pyllmrouter.errors import WorkerDied
 __all__ = ["Conduit", "Connection", "Served", "MAX_MESSAGE", "channel"]
 
 MAX_MESSAGE = 256 * 1024  # one datagram: the worker's receive buffer (csrc/conduit.h)
-EOF_GRACE = 5.0  # seconds the reader waits, after the worker's end closed, for the pool to say it died
+EOF_GRACE = 5.0  # seconds after the worker's end closed before its requests fail here, if the pool has not said it died
 
 
 @dataclass(frozen=True)
