@@ -47,11 +47,23 @@ def worker_pids() -> list[int]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _empty_llama_cache(tmp_path_factory):
-    """llama.cpp's cache of downloads (which the router lists) is the tests' own, empty at
-    the start: the user's downloads never show up in a test."""
-    os.environ["LLAMA_CACHE"] = str(tmp_path_factory.mktemp("llama-cache"))
+def _session_llama_cache(tmp_path_factory):
+    """llama.cpp's cache of downloads (which the router lists) is the tests' own: the user's
+    downloads never show up in a test. Servers that outlive one test (module fixtures) see
+    this one, which stays empty."""
+    cache = tmp_path_factory.mktemp("llama-cache")
+    os.environ["LLAMA_CACHE"] = str(cache)
+    yield cache
+
+
+@pytest.fixture(autouse=True)
+def _empty_llama_cache(_session_llama_cache, tmp_path_factory, monkeypatch):
+    """Each test starts with an empty cache of its own, so a model one test pulls is never
+    listed in another's; and no test may leave anything in the shared one."""
+    monkeypatch.setenv("LLAMA_CACHE", str(tmp_path_factory.mktemp("llama-cache")))
     yield
+    left = sorted(p.name for p in _session_llama_cache.iterdir())
+    assert not left, f"this test left {left} in the llama.cpp cache other tests list"
 
 
 @pytest.fixture(scope="session")
