@@ -100,6 +100,33 @@ std::vector<std::string> split_names(const std::string & value) {
     return out;
 }
 
+// llama-server's argv for `args`: the program name first, null-terminated (common's
+// parsers take argc and argv).
+struct ServerArgv {
+    explicit ServerArgv(const std::vector<std::string> & args) : words{"llama-server"} {
+        words.insert(words.end(), args.begin(), args.end());
+        for (auto & w : words) pointers.push_back(w.data());
+        pointers.push_back(nullptr);
+    }
+    int argc() const { return static_cast<int>(words.size()); }
+    char ** argv() { return pointers.data(); }
+
+  private:
+    std::vector<std::string> words;
+    std::vector<char *> pointers;
+};
+
+// llama.cpp's preset of a command line (its own parser); a refusal is engine_args_error.
+common_preset preset_from_args(const std::vector<std::string> & args) {
+    static const common_preset_context ctx(LLAMA_EXAMPLE_SERVER);
+    ServerArgv argv(args);
+    try {
+        return ctx.load_from_args(argv.argc(), argv.argv());
+    } catch (const std::exception & e) {
+        throw engine_args_error(e.what());
+    }
+}
+
 common_preset preset_of(const std::vector<std::pair<std::string, std::string>> & keys) {
     static const common_preset_context ctx(LLAMA_EXAMPLE_SERVER);
     common_preset preset;
@@ -123,15 +150,10 @@ common_preset preset_of(const std::vector<std::pair<std::string, std::string>> &
 }  // namespace
 
 common_params parse_server_args(const std::vector<std::string> & args, bool * ctx_auto, bool resolve_ctx) {
-    std::vector<std::string> full = {"llama-server"};
-    full.insert(full.end(), args.begin(), args.end());
-    std::vector<char *> argv;
-    for (auto & a : full) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    const int argc = static_cast<int>(full.size());
-    check_args(argc, argv.data());
+    ServerArgv argv(args);
+    check_args(argv.argc(), argv.argv());
     common_params params;
-    if (!common_params_parse(argc, argv.data(), params, LLAMA_EXAMPLE_SERVER)) {
+    if (!common_params_parse(argv.argc(), argv.argv(), params, LLAMA_EXAMPLE_SERVER)) {
         throw engine_args_error("llama.cpp's parser refused the arguments");
     }
     // what llama_server() does to params before it builds the context (server.cpp)
@@ -255,18 +277,7 @@ PresetModel preset_model(const std::vector<std::pair<std::string, std::string>> 
 }
 
 std::vector<std::pair<std::string, std::string>> args_to_preset(const std::vector<std::string> & args) {
-    static const common_preset_context ctx(LLAMA_EXAMPLE_SERVER);
-    std::vector<std::string> full = {"llama-server"};
-    full.insert(full.end(), args.begin(), args.end());
-    std::vector<char *> argv;
-    for (auto & a : full) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    common_preset preset;
-    try {
-        preset = ctx.load_from_args(static_cast<int>(full.size()), argv.data());
-    } catch (const std::exception & e) {
-        throw engine_args_error(e.what());
-    }
+    const common_preset preset = preset_from_args(args);
     std::vector<std::pair<std::string, std::string>> out;
     for (const auto & [opt, value] : preset.options) {
         std::string key = opt.args.back();
@@ -294,20 +305,16 @@ std::vector<std::string> model_base_args(const std::vector<std::string> & args) 
     if (args.empty()) {
         return {};
     }
-    static const common_preset_context ctx(LLAMA_EXAMPLE_SERVER);
-    std::vector<std::string> full = {"llama-server"};
-    full.insert(full.end(), args.begin(), args.end());
-    std::vector<char *> argv;
-    for (auto & a : full) argv.push_back(a.data());
-    argv.push_back(nullptr);
+    common_preset preset = preset_from_args(args);
+    // server-models.cpp's unset_reserved_args(preset, true), a static function there (not
+    // callable from here), and the log file, which is the router's own too
+    for (const char * env : {"LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE", "LLAMA_API_KEY",
+                             "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_MODELS_DIR", "LLAMA_ARG_MODELS_MAX",
+                             "LLAMA_ARG_MODELS_PRESET", "LLAMA_ARG_MODELS_AUTOLOAD", "LLAMA_ARG_MODEL",
+                             "LLAMA_ARG_MMPROJ", "LLAMA_ARG_ALIAS", "LLAMA_ARG_HF_REPO", "LLAMA_ARG_LOG_FILE"}) {
+        preset.unset_option(env);
+    }
     try {
-        common_preset preset = ctx.load_from_args(static_cast<int>(full.size()), argv.data());
-        for (const char * env : {"LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE", "LLAMA_API_KEY",
-                                 "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_MODELS_DIR", "LLAMA_ARG_MODELS_MAX",
-                                 "LLAMA_ARG_MODELS_PRESET", "LLAMA_ARG_MODELS_AUTOLOAD", "LLAMA_ARG_MODEL",
-                                 "LLAMA_ARG_MMPROJ", "LLAMA_ARG_ALIAS", "LLAMA_ARG_HF_REPO", "LLAMA_ARG_LOG_FILE"}) {
-            preset.unset_option(env);
-        }
         return preset.to_args();
     } catch (const std::exception & e) {
         throw engine_args_error(e.what());
