@@ -32,7 +32,6 @@ from pyllmrouter.router.conduit import Connection, Served
 from pyllmrouter.router.conversations import Conversations
 from pyllmrouter.router.downloads import Downloads
 from pyllmrouter.router.sources import Sources
-from pyllmrouter.spec import ModelSpec
 from pyllmrouter.protocol import Call, Chunk, HttpReply
 from pyllmrouter.router.scheduler import Lease, Scheduler
 from pyllmrouter.router.streams import Stream, unless_gone, value_of
@@ -258,6 +257,30 @@ class Router:
             raise
         return self._opened(lease, pending, first)
 
+    async def _alease(self, model: str, timeout: float | None, autoload: bool | None,
+                      gone: Callable[[], Awaitable[Any]] | None,
+                      prefer: str | None = None) -> "tuple[Lease, asyncio.Future | None]":
+        """The model's lease, taken in the event loop where it can be now, else waited for
+        with the caller's departure watched (a task: made only for a wait).  The watch comes
+        back with the lease, for the caller to go on with or to cancel."""
+        watch = None
+        try:
+            lease = self._sched.try_lease(model, prefer)
+            if lease is None:
+                watch = _departure(gone)
+                lease = await self._await_lease(model, timeout, autoload, watch, prefer)
+            if self.options.debug_fake_timing > 0:
+                try:  # busy on the model meanwhile (the lease is held)
+                    await asyncio.sleep(self.options.debug_fake_timing)
+                except BaseException:
+                    self._sched.release(lease)
+                    raise
+        except BaseException:
+            if watch is not None:
+                watch.cancel()
+            raise
+        return lease, watch
+
     async def acall(self, model: str, method: str, path: str, body: bytes = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
                     autoload: bool | None = None, gone: Callable[[], Awaitable[Any]] | None = None,
@@ -273,24 +296,14 @@ class Router:
         ``files``: a multipart request's files (its fields are ``body``, as JSON); ``leased``
         gets the name of the instance that takes the request (the model's, or an extra one's);
         ``prefer``: the instance to take where it has a free slot (a conversation's last)."""
-        watch = None  # the caller's departure, watched only while this waits (a task: not free)
+        lease, watch = await self._alease(model, timeout, autoload, gone, prefer)
         try:
-            lease = self._sched.try_lease(model, prefer)
-            if lease is None:
-                watch = _watch(gone)
-                lease = await self._await_lease(model, timeout, autoload, watch, prefer)
             if leased is not None:
                 leased(lease.name)
-            if self.options.debug_fake_timing > 0:
-                try:  # busy on the model meanwhile (the lease is held)
-                    await asyncio.sleep(self.options.debug_fake_timing)
-                except BaseException:
-                    self._sched.release(lease)
-                    raise
             pending = self._send(lease, method, path, body, query, headers, files)
             try:
                 while (first := pending.get_nowait()) is None:
-                    watch = watch or _watch(gone)
+                    watch = watch or _departure(gone)
                     await unless_gone(pending.wait_async(), watch, model)
             except BaseException:
                 self._abandon(lease, pending)
@@ -310,21 +323,9 @@ class Router:
         for one datagram, its channel full), the request is relayed as ``acall`` relays it:
         (reply, stream).  ``gone`` withdraws a wait for the model, as in ``acall``; once
         handed over, a client that leaves is the worker's to notice."""
-        watch = None
-        try:
-            lease = self._sched.try_lease(model)
-            if lease is None:
-                watch = _watch(gone)
-                lease = await self._await_lease(model, timeout, autoload, watch)
-            if self.options.debug_fake_timing > 0:
-                try:  # busy on the model meanwhile (the lease is held)
-                    await asyncio.sleep(self.options.debug_fake_timing)
-                except BaseException:
-                    self._sched.release(lease)
-                    raise
-        finally:
-            if watch is not None:
-                watch.cancel()
+        lease, watch = await self._alease(model, timeout, autoload, gone)
+        if watch is not None:
+            watch.cancel()
         served = self._hand(lease, method, path, body, query, headers, connection, query_string)
         if served is not None:
             return await asyncio.shield(served)  # the worker's answer; the lease ends with it
@@ -483,6 +484,6 @@ async def _aevents(model: str, stream: Stream) -> AsyncIterator[dict[str, Any]]:
         stream.abandon()
 
 
-def _watch(gone: Callable[[], Awaitable[Any]] | None) -> "asyncio.Future | None":
+def _departure(gone: Callable[[], Awaitable[Any]] | None) -> "asyncio.Future | None":
     """A task that ends when the caller has left (None: nothing to watch)."""
     return asyncio.ensure_future(gone()) if gone is not None else None

@@ -176,9 +176,6 @@ class Conduit:
                 pass
         self._sock.close()
 
-    def join(self, timeout: float) -> None:
-        """Nothing to wait for (no thread): kept for the pool's stop()."""
-
 
 def _settle(fut: asyncio.Future, outcome: BaseException) -> None:
     """``fut`` fails with ``outcome``, from any thread (in its own loop)."""

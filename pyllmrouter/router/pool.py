@@ -334,4 +334,3 @@ class WorkerHandle:
             self._relay.join(5)
         if self.conduit is not None:
             self.conduit.close()
-            self.conduit.join(5)

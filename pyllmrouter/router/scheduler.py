@@ -37,6 +37,7 @@ request.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -370,18 +371,19 @@ class Scheduler:
         return queueing.rank(ticket.rec.config.priority, ticket.created, ticket.seq,
                              time.monotonic() if now is None else now, self.options.priority_age)
 
-    def _waiting(self, rec: Record) -> int:
-        """Requests on ``rec`` holding no slot: queued here, or past its slots (lock held)."""
-        tickets = sum(1 for t in self._queue if t.rec is rec)
-        return queueing.waiting(tickets, rec.leases, self._slots(rec), rec.state is State.LOADED)
-
     def _queue_refusal(self, rec: Record) -> "queueing.Refusal | None":
         """The limit one more request of ``rec``'s model (all its instances) would cross,
-        if any (lock held)."""
+        if any (lock held).  Requests holding no slot: queued here, or past a model's slots;
+        the queue is read once."""
         if not (rec.config.max_queue or self.options.max_queue):
             return None
-        total = sum(self._waiting(r) for r in self._registry.records())
-        mine = sum(self._waiting(r) for r in self._registry.instances(rec.primary or rec))
+        tickets = collections.Counter(t.rec.name for t in self._queue)
+        model = rec.primary or rec
+        total = mine = 0
+        for r in self._registry.records():
+            n = queueing.waiting(tickets[r.name], r.leases, self._slots(r), r.state is State.LOADED)
+            total += n
+            mine += n if (r.primary or r) is model else 0
         return queueing.refusal(mine, rec.config.max_queue, total, self.options.max_queue)
 
     # -- the live model list (roster.py) ----------------------------------------

@@ -128,9 +128,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         ``gone``: what withdraws the request before it reaches the engine (default: the
         client's disconnect)."""
         t0 = time.perf_counter()
-        endpoint = request.scope["path"]
-        query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        endpoint, query, headers = _for_engine(request)
         try:
             reply, stream = await router.acall(model, request.method, endpoint, raw, query,
                                                autoload=autoload_param(request) if autoload is None else autoload,
@@ -193,18 +191,22 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         has: the native data path, router/conduit.py), or relayed where the worker cannot take
         the connection now (the response to write)."""
         t0 = time.perf_counter()
-        endpoint = request.scope["path"]
-        query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
-        began: list[bool] = []
+        endpoint, query, headers = _for_engine(request)
+        began = False  # the connection is the worker's (until undone)
 
         def begin() -> None:
+            nonlocal began
             handover.begin()
-            began.append(True)
+            began = True
 
         def undo() -> None:
-            began.clear()
+            nonlocal began
+            began = False
             handover.undo()
+
+        def lost() -> None:  # handed over, and no answer: nothing can be written on the connection any more
+            metrics.observe(model, endpoint, "502", time.perf_counter() - t0)
+            handover.finish(False)
 
         extra = tuple((k.decode("latin-1"), v.decode("latin-1"))
                       for k, v in request.scope.get("extensions", {}).get(CORS_HEADERS, ()))
@@ -212,17 +214,16 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         try:
             out = await router.aserve(model, "POST", endpoint, raw, query, headers, connection,
                                       autoload=autoload_param(request), gone=lambda: _disconnected(request))
-        except (RouterError, asyncio.CancelledError) as e:
+        except asyncio.CancelledError:
+            if began:
+                lost()
+            raise
+        except RouterError as e:
             if began and isinstance(e, WorkerDied) and handover.untouched():
                 undo()  # the worker died before it wrote a byte: the client gets the 503 a relay gives
-            if began:  # handed over: nothing can be written on the connection any more
-                metrics.observe(model, endpoint, "502", time.perf_counter() - t0)
-                handover.finish(False)
-                if isinstance(e, asyncio.CancelledError):
-                    raise
+            if began:
+                lost()
                 return None
-            if isinstance(e, asyncio.CancelledError):
-                raise
             err = from_router_error(e)
             metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
             raise err from None
@@ -301,6 +302,14 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     return _Guard(app, keys, max_body, engine_post, cors, gate)
+
+
+def _for_engine(request: Request) -> tuple[str, dict[str, str], dict[str, str]]:
+    """(path, query, headers) of a request as its model's engine gets it: the router's own
+    query parameters and the headers that stay here left out."""
+    query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+    return request.scope["path"], query, headers
 
 
 def _relay(reply: HttpReply, stream: Stream | None, ended: Callable[[str], None]) -> Response:
@@ -426,7 +435,7 @@ class _Guard:
                 if extra:  # and on a response a worker writes itself (the native data path)
                     scope.setdefault("extensions", {})[CORS_HEADERS] = extra
         if refused is None and path not in PUBLIC:
-            refused = self.gate.origin(origin, host, has_valid_key(headers, self.api_keys))
+            refused = self.gate.origin(origin, host, lambda: has_valid_key(headers, self.api_keys))
         if refused is None:
             refused = self.gate.body(scope["method"], path, origin, headers.get("content-type", ""),
                                      headers.get("content-length", "0") != "0" or "transfer-encoding" in headers)

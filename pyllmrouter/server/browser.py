@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from typing import Callable
 from urllib.parse import urlsplit
 
 __all__ = ["Gate", "Refusal", "LOCAL_ORIGINS", "is_loopback_bind"]
@@ -112,9 +113,10 @@ class Gate:
             return False
         return not self.allows_origin(origin)
 
-    def origin(self, origin: str | None, host_header: str | None, has_valid_key: bool) -> Refusal | None:
-        """The Origin check: None where the request may go on."""
-        if has_valid_key or not self.foreign(origin, host_header):
+    def origin(self, origin: str | None, host_header: str | None, has_valid_key: Callable[[], bool]) -> Refusal | None:
+        """The Origin check: None where the request may go on (the key is looked at only
+        for a foreign page's request)."""
+        if not self.foreign(origin, host_header) or has_valid_key():
             return None
         return Refusal(403, f"a request from the web page at {origin} is refused: pages of other origins may not use "
                             f"this router without its API key; allow that origin with --cors-origins "
