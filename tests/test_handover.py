@@ -90,9 +90,20 @@ def connect(url: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=60)
 
 
+def written(base: str) -> dict[str, float]:
+    """The router's count of model responses by who wrote them (/metrics): native, relayed."""
+    out = {"native": 0.0, "relayed": 0.0}
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("pyllmrouter_responses_total{"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split('"')[1]] = float(value)
+    return out
+
+
 def test_one_connection_carries_native_and_router_answers_in_turn(base):
     """Keep-alive across the hand-over: a model's answers (written by its worker) and the
     router's own (written by the router) alternate on one connection, framed right."""
+    before = written(base)
     with connect(base) as sock:
         r = Reader(sock)
         for i in range(3):
@@ -107,6 +118,8 @@ def test_one_connection_carries_native_and_router_answers_in_turn(base):
             status, headers, body = r.response()
             assert status == 200 and headers["content-type"].startswith("text/event-stream")
             assert body.rstrip().endswith(b"data: [DONE]")
+    after = written(base)  # every model answer went out from its worker, none through the router
+    assert after["native"] - before["native"] == 6 and after["relayed"] == before["relayed"]
 
 
 def test_pipelined_requests_are_answered_in_order(base):
@@ -121,8 +134,11 @@ def test_pipelined_requests_are_answered_in_order(base):
 
 def test_a_body_too_big_to_hand_over_is_relayed(base):
     content = "word " * (MAX_MESSAGE // 4)  # over one datagram
+    before = written(base)
     r = httpx.post(base + "/tokenize", json={"model": "m", "content": content}, timeout=120)
     assert r.status_code == 200 and len(r.json()["tokens"]) > 10_000
+    after = written(base)
+    assert after["relayed"] - before["relayed"] == 1 and after["native"] == before["native"]
 
 
 def test_a_browser_answer_written_by_the_worker_carries_the_cors_header(base):

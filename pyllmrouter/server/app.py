@@ -138,6 +138,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             err = from_router_error(e)
             metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
             raise err from None
+        metrics.relayed.inc()
         return _relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0))
 
     async def service(request: Request) -> Response:
@@ -229,9 +230,11 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             raise err from None
         if isinstance(out, Served):
             metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
+            metrics.native.inc()
             handover.finish(out.keep)
             return None
         reply, stream = out
+        metrics.relayed.inc()
         return _relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0))
 
     async def session(request: Request, model: str, listed: str, conv_id: str, raw: bytes,

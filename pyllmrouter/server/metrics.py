@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["Metrics"]
@@ -70,6 +70,9 @@ class Metrics:
                                  ["model", "endpoint", "status"], registry=self.registry)
         self.queue_wait = Histogram("pyllmrouter_queue_wait_seconds", "Time a request waited for its model",
                                     ["model"], registry=self.registry)
+        written = Counter("pyllmrouter_responses", "Model responses by who wrote them: the worker, on the "
+                          "client's connection (native), or this process (relayed)", ["path"], registry=self.registry)
+        self.native, self.relayed = written.labels("native"), written.labels("relayed")
 
     def observe(self, model: str, endpoint: str, status: str, seconds: float) -> None:
         """A request's latency, labelled by its listed model and route."""
