@@ -200,3 +200,24 @@ def test_a_worker_that_dies_before_it_writes_leaves_the_client_a_503(base):
         assert again[0] == 200, again  # a new worker, the same connection
     finally:
         sock.close()
+
+
+def test_no_native_relays_every_answer(tiny):
+    """``serve --no-native``: every model answer goes out through the router process."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        preset = Path(d) / "models.ini"
+        preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 512\n")
+        proc, url = start_serve(["--models-preset", str(preset), "--no-models-cache", "--models-memory-margin", "0",
+                                 "--emulate-devices", "GPU0=4GiB", "--no-native"])
+        try:
+            for stream in (False, True):
+                r = httpx.post(url + "/v1/completions", timeout=120,
+                               json={"model": "m", "prompt": "hi", "max_tokens": 3, "stream": stream})
+                assert r.status_code == 200
+            assert written(url) == {"native": 0.0, "relayed": 2.0}
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -178,7 +178,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             if listed is not None:  # its stream survives the connection: GET /v1/stream finds it at this model
                 response = await session(request, model, listed, conv_id, raw, files)
             elif native and handover is not None and not files and handover.usable:
-                response = await native(request, model, raw, handover)
+                response = await hand_over(request, model, raw, handover)
                 if response is None:
                     return  # the worker answered on the connection itself
             else:  # a model nobody lists remembers nothing: the request's 404 is all it gets
@@ -187,7 +187,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             response = error_response(e)
         await response(scope, receive, send)
 
-    async def native(request: Request, model: str, raw: bytes, handover: Handover) -> Response | None:
+    async def hand_over(request: Request, model: str, raw: bytes, handover: Handover) -> Response | None:
         """The request answered by its model's worker on the client's connection (None once it
         has: the native data path, router/conduit.py), or relayed where the worker cannot take
         the connection now (the response to write)."""
