@@ -10,29 +10,12 @@
 #include <chrono>
 #include <cstring>
 
+#include "cpp-httplib/httplib.h"  // status_message: the reason phrases llama-server's HTTP layer writes
 #include "engine.h"
 #include "server-common.h"
 
 namespace pyllmrouter {
 namespace {
-
-const char * reason(int status) {
-    switch (status) {
-        case 200: return "OK";
-        case 201: return "Created";
-        case 204: return "No Content";
-        case 400: return "Bad Request";
-        case 401: return "Unauthorized";
-        case 403: return "Forbidden";
-        case 404: return "Not Found";
-        case 405: return "Method Not Allowed";
-        case 413: return "Payload Too Large";
-        case 500: return "Internal Server Error";
-        case 501: return "Not Implemented";
-        case 503: return "Service Unavailable";
-        default:  return status < 400 ? "OK" : "Error";
-    }
-}
 
 // Writes to the client's socket, which is non-blocking (the router's event loop shares
 // its file description): a full buffer is waited out with poll, a stopped request or a
@@ -270,7 +253,7 @@ void Conduit::serve(std::string message, int client) {
                                         string_map(h.value("headers", json::object())), body,
                                         h.value("query_string", std::string()), stop);
             status = reply->status();
-            std::string head = "HTTP/1.1 " + std::to_string(status) + " " + reason(status) + "\r\n" +
+            std::string head = "HTTP/1.1 " + std::to_string(status) + " " + httplib::status_message(status) + "\r\n" +
                                "Content-Type: " + reply->content_type() + "\r\n";
             for (const auto & [k, v] : reply->headers()) head += k + ": " + v + "\r\n";
             head += extra + connection;
