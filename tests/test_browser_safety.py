@@ -165,13 +165,11 @@ async function attempt(name, url, opts) {
 
 
 def test_a_page_of_another_origin_in_chromium_gets_nothing_through(tiny, tmp_path):
-    from test_page import CHROMIUM, DRIVER, _why_no_browser
+    from test_page import _why_no_browser, chromium
 
     why = _why_no_browser()
     if why:
         pytest.skip(why)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
 
     with serving(tiny, tmp_path) as base:
         page = ATTACK.replace("ROUTER", base).encode()
@@ -189,12 +187,7 @@ def test_a_page_of_another_origin_in_chromium_gets_nothing_through(tiny, tmp_pat
 
         site = ThreadingHTTPServer(("127.0.0.1", free_port()), Attack)
         threading.Thread(target=site.serve_forever, daemon=True).start()
-        opts = webdriver.ChromeOptions()
-        opts.binary_location = CHROMIUM
-        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                    "--host-resolver-rules=MAP evil.test 127.0.0.1"):  # a site of its own name
-            opts.add_argument(arg)
-        driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+        driver = chromium("--host-resolver-rules=MAP evil.test 127.0.0.1")  # a site of its own name
         try:
             driver.get(f"http://evil.test:{site.server_address[1]}/")
             wait_for(lambda: driver.execute_script("return window.done === true"), what="the page's attempts")

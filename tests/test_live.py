@@ -234,7 +234,8 @@ def hub(tiny, projector, monkeypatch):
         yield endpoint
 
 
-def _sse_events(base: str, stop: threading.Event, into: list) -> threading.Thread:
+def sse_events(base: str, stop: threading.Event, into: list) -> threading.Thread:
+    """A thread that reads /models/sse into ``into`` (each event's JSON) until ``stop`` is set."""
     def run():
         with httpx.stream("GET", base + "/models/sse", timeout=None) as r:
             for line in r.iter_lines():
@@ -255,7 +256,7 @@ def test_pull_lists_serves_and_deletes_a_model_of_llama_cpps_cache(tiny, hub):
                 sources=Sources(cache=True)) as r, serving(r) as base, httpx.Client(base_url=base, timeout=120) as http:
         events: list = []
         stop = threading.Event()
-        _sse_events(base, stop, events)
+        sse_events(base, stop, events)
         r.load("a")
         assert http.post("/models", json={"model": "test/tiny:Q8_0"}).json() == {"success": True}
         listed = wait_for(lambda: {m["id"]: m for m in http.get("/models").json()["data"]}.get("test/tiny:Q8_0"),
@@ -306,7 +307,7 @@ def test_models_sse_says_loads_evictions_and_waits_and_drops_clients_that_leave(
     with Router([a, b], inventory=EmulatedInventory({"GPU0": room}), margin=0) as r, serving(r) as base:
         events: list = []
         stop = threading.Event()
-        reader = _sse_events(base, stop, events)
+        reader = sse_events(base, stop, events)
         wait_for(lambda: r.scheduler.bus.listeners() == 1, what="the SSE client")
         r.load("a")
         r.load("b")  # a is idle: evicted for b

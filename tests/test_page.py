@@ -84,17 +84,23 @@ device = GPU0
         proc.wait(30)
 
 
-@pytest.fixture(scope="module")
-def browser(server):
+def chromium(*args: str):
+    """Debian's chromium, headless, under chromedriver, with ``args`` added; its console
+    logged (``driver.get_log("browser")``)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1400,1100"):
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", *args):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    return webdriver.Chrome(service=Service(DRIVER), options=opts)
+
+
+@pytest.fixture(scope="module")
+def browser(server):
+    driver = chromium("--window-size=1400,1100")
     try:
         yield driver
     finally:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
+from test_live import sse_events
 
 pytestmark = pytest.mark.slow  # real servers
 
@@ -188,16 +189,7 @@ def test_a_pull_with_no_network_ends_as_llama_servers_router_ends_it(models_dir,
         for base in (theirs, ours):
             events: list = []
             stop = threading.Event()
-
-            def listen(base=base, events=events):
-                with httpx.stream("GET", base + "/models/sse", timeout=None) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: "):
-                            events.append(json.loads(line[6:]))
-                        if stop.is_set():
-                            return
-
-            threading.Thread(target=listen, daemon=True).start()
+            sse_events(base, stop, events)
             time.sleep(0.5)
             assert httpx.post(base + "/models", json={"model": name}, timeout=30).status_code == 200
             deadline = time.monotonic() + 60
