@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import threading
 import time
@@ -106,3 +107,20 @@ def ratio_interval(ours: list[float], theirs: list[float]) -> tuple[float, float
     t = _T95[max(k for k in _T95 if k <= df)]
     half = t * statistics.stdev(logs) / math.sqrt(len(logs))
     return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def thread_cpu(pid: int) -> dict[tuple[int, int], float]:
+    """User + system CPU seconds of every thread of a process and its descendants (/proc)."""
+    out, stack, tick = {}, [pid], os.sysconf("SC_CLK_TCK")
+    while stack:
+        p = stack.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[(p, int(task))] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack += [int(c) for c in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            pass  # gone meanwhile
+    return out

@@ -23,10 +23,12 @@ seconds; the range of the per-round ratios, and their geometric mean with a 95 %
 confidence interval: the rounds are paired), p50/p99 time to first token over
 all rounds' requests (and the per-round p50 ratios, likewise), and CPU seconds
 per 1000 tokens of each server's process tree (ours includes its workers),
-split into its decode threads (the --threads busiest) and the others, and of
+split into its decode threads (the --threads busiest) and the others (and, of
+those, a router's own process: ours, or llama-server's proxying parent), and of
 the benchmark's own clients; and from each engine's /metrics (both are
 llama-server's engine, with --metrics; ours at /metrics?model=) how it
-batched: llama_decode calls per 1000 tokens and busy slots per call.  Both
+batched: llama_decode calls per 1000 tokens and busy slots per call; and each
+server's CPU while idle (warm, nothing asked: 5 s before the rounds).  Both
 servers run the same engine, so the difference is the path around it: our
 HTTP layer, the router and the worker pipe.  Writes JSON (default
 bench/results/concurrency_bench.json).
@@ -47,15 +49,14 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-from _load import percentile, ratio_interval, run_clients, stream_sse
+from _load import percentile, ratio_interval, run_clients, stream_sse, thread_cpu
 
 from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
 from pyllmrouter.tables import render
 
-SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048, n_ctx_train=4096)
 # --model tiny: a step costs little more than its serving (sampling, text, HTTP): the overhead-bound case
-SHAPES = {"100m": SHAPE, "tiny": replace(tinymodels.LLAMA, n_ctx_train=4096)}
+SHAPES = {"100m": tinymodels.LLAMA_100M, "tiny": replace(tinymodels.LLAMA, n_ctx_train=4096)}
 PROMPT = "hello world the model is a fast router of memory and tokens " * 3
 
 
@@ -100,28 +101,25 @@ def one_request(client: httpx.Client, model: str, tokens: int, retries: list[int
     return ttft, usage["completion_tokens"]
 
 
-def thread_cpu(pid: int) -> dict[tuple[int, int], float]:
-    """User + system CPU seconds of every thread of a process and its descendants (/proc)."""
-    out, stack, tick = {}, [pid], os.sysconf("SC_CLK_TCK")
-    while stack:
-        p = stack.pop()
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                out[(p, int(task))] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    stack += [int(c) for c in f.read().split()]
-        except (OSError, ValueError, IndexError):
-            pass  # gone meanwhile
-    return out
-
-
 def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, float]:
     """(CPU seconds of the ``compute_threads`` busiest threads: the decode, CPU seconds
     of all the others: HTTP, routing) between two ``thread_cpu``."""
     used = sorted((after[k] - before.get(k, 0.0) for k in after), reverse=True)
     return sum(used[:compute_threads]), sum(used[compute_threads:])
+
+
+def own_cpu(before: dict, after: dict, pid: int) -> float:
+    """CPU seconds of process ``pid`` itself (its children aside) between two ``thread_cpu``:
+    a router's own process (ours, or llama-server's router, which proxies)."""
+    return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == pid)
+
+
+def idle_cpu(pid: int, seconds: float = 5.0) -> float:
+    """CPU milliseconds per second of a server's process tree while nothing is asked of it."""
+    before = thread_cpu(pid)
+    time.sleep(seconds)
+    after = thread_cpu(pid)
+    return 1e3 * sum(v - before.get(k, 0.0) for k, v in after.items()) / seconds
 
 
 def decode_counters(base: str, server: str, model: str) -> dict[str, float]:
@@ -149,11 +147,13 @@ def run_level(base: str, model: str, clients: int, per_client: int, tokens: int,
     cpu0, client0 = thread_cpu(pid), sum(os.times()[:2])
     run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError, RuntimeError))
     client = sum(os.times()[:2]) - client0
-    compute, other = cpu_split(cpu0, thread_cpu(pid), compute_threads)
+    cpu1 = thread_cpu(pid)
+    compute, other = cpu_split(cpu0, cpu1, compute_threads)
     decode = {k: v - counters0[k] for k, v in decode_counters(base, server, model).items()}
     ttfts, counts = [v[0] for v in run.values], [v[1] for v in run.values]
     return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "retries": len(retries),
             "tokens": sum(counts), "cpu_s": compute + other, "compute_cpu_s": compute, "other_cpu_s": other,
+            "router_cpu_s": own_cpu(cpu0, cpu1, pid) if server != "llama-server" else 0.0,
             "client_cpu_s": client, "decode": decode,
             "seconds": run.wall, "tok_s": sum(counts) / run.wall, "ttft_s": ttfts}
 
@@ -169,7 +169,7 @@ def summary(rounds: list[dict]) -> dict:
             "round_tok_s": [r["tok_s"] for r in rounds], "retries": sum(r["retries"] for r in rounds),
             "round_ttft_p50_ms": [percentile(r["ttft_s"], 0.5) * 1e3 for r in rounds],
             **{f"{k}_per_1k_tokens": 1e3 * sum(r[k] for r in rounds) / max(1, sum(r["tokens"] for r in rounds))
-               for k in ("cpu_s", "compute_cpu_s", "other_cpu_s", "client_cpu_s")},
+               for k in ("cpu_s", "compute_cpu_s", "other_cpu_s", "router_cpu_s", "client_cpu_s")},
             "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3,
             "ttft_p99_ms": percentile(ttfts, 0.99) * 1e3}
 
@@ -256,6 +256,7 @@ def main() -> None:
                             except httpx.HTTPStatusError:
                                 time.sleep(0.1)
                 run_level(base, "m", max(levels), 1, args.tokens, procs[name].pid, args.threads, prompt, name)
+            idle_ms = {name: idle_cpu(procs[name].pid) for name in bases}  # warm, nothing asked
             for rnd in range(args.rounds):
                 for clients in levels:
                     k = (clients + rnd) % len(servers)
@@ -289,14 +290,17 @@ def main() -> None:
             r = results[name][i]
             batch_rows.append([r["clients"], name, f"{r['decodes_per_1k_tokens']:.0f}",
                                f"{r['busy_slots_per_decode']:.2f}"])
-            cpu_rows.append([r["clients"], name] + [f"{r[k]:.2f}" for k in (
-                "compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens", "client_cpu_s_per_1k_tokens")])
+            cpu_rows.append([r["clients"], name] + [f"{r[k]:.3f}" for k in (
+                "compute_cpu_s_per_1k_tokens", "other_cpu_s_per_1k_tokens", "router_cpu_s_per_1k_tokens",
+                "client_cpu_s_per_1k_tokens")])
     print(render(["clients", "peer", "ours tok/s", "peer tok/s", "round mean ratio [95% CI]",
                   "ours TTFT p50 ms", "peer TTFT p50 ms", "TTFT ratio [95% CI]", "ours TTFT p99 ms",
                   "peer TTFT p99 ms"], rows))
     print("\nCPU seconds per 1000 tokens: the server's decode threads (its --threads busiest), its other threads "
           "(HTTP, routing, and for routers their children's), and the benchmark's clients")
-    print(render(["clients", "server", "decode", "other", "clients"], cpu_rows))
+    print(render(["clients", "server", "decode", "other", "of which the router process", "clients"], cpu_rows))
+    print("\nIdle, the model loaded and nothing asked (CPU ms per second, the whole process tree): " +
+          ", ".join(f"{name} {ms:.1f}" for name, ms in idle_ms.items()))
     print("\nBatching, from each engine's llama-server /metrics (routers: /metrics?model=): llama_decode calls "
           "per 1000 generated tokens, busy slots per call")
     print(render(["clients", "server", "decodes/1k tok", "slots/decode"], batch_rows))
@@ -306,7 +310,7 @@ def main() -> None:
                                     "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,
                                     "threads": args.threads, "gpu": args.gpu, "rounds": args.rounds,
                                     "requests_per_client": args.requests_per_client, "results": results,
-                                    "runs": runs}, indent=2))
+                                    "idle_cpu_ms_per_s": idle_ms, "runs": runs}, indent=2))
     print(f"\nwrote {args.out}")
 
 

@@ -11,7 +11,8 @@ arguments everywhere (4 slots), at 1 and 16 concurrent clients; each path is
 measured in every round, in an order that rotates, so all paths see the same
 machine.  HTTP clients use one httpx connection each.  Prints a table (p50/p99
 per request and requests/s, and the ratio of our HTTP p50 to each llama-server's,
-per round and as a geometric mean) and writes JSON (default
+per round and as a geometric mean; and for the routers, the CPU their own process
+spent per request, engines aside) and writes JSON (default
 bench/results/http_bench.json).
 """
 
@@ -21,12 +22,13 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import tempfile
 from pathlib import Path
 
 import httpx
-from _load import percentile, ratio_interval, run_clients
+from _load import percentile, ratio_interval, run_clients, thread_cpu
 
 from pyllmrouter import ModelSpec
 from pyllmrouter.tools import tinymodels
@@ -41,14 +43,21 @@ BODY = {"prompt": "hello", "max_tokens": 8, "temperature": 0.0}
 # "HTTP": ours (a worker writes the response on the client's connection); "HTTP relay": ours
 # with --no-native (every response relayed through the router process, the path before)
 PATHS = ("engine in-process", "python API", "HTTP", "HTTP relay", "llama-server", "llama-server router")
-SHAPES = {"tiny": None, "100m": tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048,
-                                                 n_ctx_train=4096)}
+SHAPES = {"tiny": None, "100m": tinymodels.LLAMA_100M}
 
 
-def measure(fn, clients: int, per_client: int) -> dict:
+def measure(fn, clients: int, per_client: int, router_pid: int | None = None) -> dict:
+    """Latency and rate; with ``router_pid``, the CPU that process itself (its children
+    aside: a router's, not its engines') spent per request."""
+    before = thread_cpu(router_pid) if router_pid else {}
     run = run_clients(fn, clients, per_client, errors=(httpx.HTTPError,))
-    return {"p50_ms": percentile(run.seconds, 0.5) * 1e3, "p99_ms": percentile(run.seconds, 0.99) * 1e3,
-            "req_s": len(run.seconds) / run.wall, "errors": len(run.errors), "first_errors": run.errors[:3]}
+    out = {"p50_ms": percentile(run.seconds, 0.5) * 1e3, "p99_ms": percentile(run.seconds, 0.99) * 1e3,
+           "req_s": len(run.seconds) / run.wall, "errors": len(run.errors), "first_errors": run.errors[:3]}
+    if router_pid:
+        after = thread_cpu(router_pid)
+        own = sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == router_pid)
+        out["router_cpu_us"] = 1e6 * own / max(1, len(run.seconds))
+    return out
 
 
 def http_calls(base: str):
@@ -101,6 +110,8 @@ def main() -> None:
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             bases = {"HTTP": ours_base, "HTTP relay": relay_base, "llama-server": f"http://127.0.0.1:{single_port}",
                      "llama-server router": f"http://127.0.0.1:{router_port}"}
+            # the process that routes (its engines are its children): CPU per request is counted for it
+            router_pids = {"HTTP": ours.pid, "HTTP relay": relay.pid, "llama-server router": procs[3].pid}
             wait_healthy(bases["llama-server"], procs[2])
             wait_healthy(bases["llama-server router"], procs[3])
             calls = {
@@ -115,7 +126,8 @@ def main() -> None:
                     per = max(1, args.requests // clients)
                     order = PATHS[rnd % len(PATHS):] + PATHS[:rnd % len(PATHS)]
                     for name in order:
-                        results.setdefault((clients, name), []).append(measure(calls[name], clients, per))
+                        results.setdefault((clients, name), []).append(
+                            measure(calls[name], clients, per, router_pids.get(name)))
         finally:
             for p in procs:
                 p.terminate()
@@ -132,12 +144,15 @@ def main() -> None:
                "req_s": gmean([r["req_s"] for r in rounds]), "errors": sum(r["errors"] for r in rounds),
                "our_http_p50_ratio": gmean([o["p50_ms"] / r["p50_ms"] for o, r in zip(ours, rounds)]),
                "our_http_req_s_ratio": list(rate), "rounds": rounds}
+        cpu = [r["router_cpu_us"] for r in rounds if "router_cpu_us" in r]
+        row["router_cpu_us"] = statistics.median(cpu) if cpu else None
         rows.append(row)
         table.append([name, clients, f"{row['p50_ms']:.2f}", f"{row['p99_ms']:.2f}", f"{row['req_s']:.1f}",
                       f"{row['our_http_p50_ratio']:.2f}", f"{rate[0]:.2f} [{rate[1]:.2f}, {rate[2]:.2f}]",
-                      row["errors"]])
+                      "-" if row["router_cpu_us"] is None else f"{row['router_cpu_us']:.0f}", row["errors"]])
     print(render(["path", "clients", "p50 ms", "p99 ms (max)", "req/s", "our HTTP p50 / this p50",
-                  "our HTTP req/s / this [95% CI]", "failed requests"], table))
+                  "our HTTP req/s / this [95% CI]", "router process CPU us/request (median)", "failed requests"],
+                 table))
     for row in rows:
         for e in sorted({e for r in row["rounds"] for e in r["first_errors"]})[:3]:
             print(f"  {row['path']}, {row['clients']} clients: {e}")

@@ -31,7 +31,6 @@ from pyllmrouter.tables import render
 from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import start_serve
 
-SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048, n_ctx_train=4096)
 
 
 def main() -> None:
@@ -47,7 +46,7 @@ def main() -> None:
     args = ap.parse_args()
     runs: dict[int, list[dict]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
-        model = tinymodels.write_llama(Path(tmp) / "hot.gguf", SHAPE)
+        model = tinymodels.write_llama(Path(tmp) / "hot.gguf", tinymodels.LLAMA_100M)
         servers = {}
         try:
             for n in (1, 2):

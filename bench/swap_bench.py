@@ -29,6 +29,7 @@ import random
 import statistics
 import subprocess
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -38,7 +39,7 @@ from pyllmrouter.tables import render
 from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
 
-SHAPE = tinymodels.Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048, n_ctx_train=16384)
+SHAPE = replace(tinymodels.LLAMA_100M, n_ctx_train=16384)
 WORDS = "the sea ship sail wind storm harbour light night star rope deck crew captain wave shore".split()
 SERVERS = ("ours, kept", "ours, not kept", "llama-server router")
 

@@ -75,6 +75,8 @@ MOE = Shape(
     "qwen3moe", n_embd=128, n_layer=2, n_head=4, n_head_kv=2, n_ff=256,
     n_expert=4, n_expert_used=2, n_ff_exp=64,
 )
+# the benchmarks' "100M" llama: a step that costs what a small real model's does on a CPU
+LLAMA_100M = Shape("llama", n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2048, n_ctx_train=4096)
 DRAFT = Shape("llama", n_embd=64, n_layer=1, n_head=2, n_head_kv=1, n_ff=128)  # a draft for LLAMA (its vocabulary)
 BERT = Shape("bert", n_embd=64, n_layer=2, n_head=4, n_head_kv=4, n_ff=128, n_ctx_train=512)
 SHAPE_7B = Shape(
