@@ -25,7 +25,8 @@ all rounds' requests (and the per-round p50 ratios, likewise), and CPU seconds
 per 1000 tokens of each server's process tree (ours includes its workers),
 split into its decode threads (the --threads busiest) and the others (and, of
 those, a router's own process: ours, or llama-server's proxying parent), and of
-the benchmark's own clients; and from each engine's /metrics (both are
+the benchmark's own clients (threads by the scheduler's nanosecond count), with
+the per-round ratio of the CPU outside decode, ours / each peer; and from each engine's /metrics (both are
 llama-server's engine, with --metrics; ours at /metrics?model=) how it
 batched: llama_decode calls per 1000 tokens and busy slots per call; and each
 server's CPU while idle (warm, nothing asked: 5 s before the rounds).  Both
@@ -168,6 +169,7 @@ def summary(rounds: list[dict]) -> dict:
     return {**batching, "clients": rounds[0]["clients"], "tok_s": sum(r["tokens"] for r in rounds) / sum(r["seconds"] for r in rounds),
             "round_tok_s": [r["tok_s"] for r in rounds], "retries": sum(r["retries"] for r in rounds),
             "round_ttft_p50_ms": [percentile(r["ttft_s"], 0.5) * 1e3 for r in rounds],
+            "round_other_cpu_s_per_1k_tokens": [1e3 * r["other_cpu_s"] / max(1, r["tokens"]) for r in rounds],
             **{f"{k}_per_1k_tokens": 1e3 * sum(r[k] for r in rounds) / max(1, sum(r["tokens"] for r in rounds))
                for k in ("cpu_s", "compute_cpu_s", "other_cpu_s", "router_cpu_s", "client_cpu_s")},
             "ttft_p50_ms": percentile(ttfts, 0.5) * 1e3,
@@ -274,13 +276,19 @@ def main() -> None:
             if errors:
                 print(f"{name}, {clients} clients: {len(errors)} failed requests: {errors[0]}")
     results = {name: [summary(rs) for rs in by_level.values()] for name, by_level in runs.items()}
-    rows, cpu_rows, batch_rows = [], [], []
+    rows, cpu_rows, batch_rows, other_rows = [], [], [], []
     for i, ours_r in enumerate(results["pyllmrouter"]):
         for peer in servers[1:]:
             theirs_r = results[peer][i]
             gmean, low, high = ratio_interval(ours_r["round_tok_s"], theirs_r["round_tok_s"])
             ttft = ratio_interval(ours_r["round_ttft_p50_ms"], theirs_r["round_ttft_p50_ms"])
-            ours_r.setdefault("vs", {})[peer] = {"tok_s_ratio": [gmean, low, high], "ttft_p50_ratio": list(ttft)}
+            other = ratio_interval(*([max(1e-9, x) for x in r["round_other_cpu_s_per_1k_tokens"]]
+                                     for r in (ours_r, theirs_r)))
+            ours_r.setdefault("vs", {})[peer] = {"tok_s_ratio": [gmean, low, high], "ttft_p50_ratio": list(ttft),
+                                                 "other_cpu_ratio": list(other)}
+            other_rows.append([ours_r["clients"], peer, f"{ours_r['other_cpu_s_per_1k_tokens']:.3f}",
+                               f"{theirs_r['other_cpu_s_per_1k_tokens']:.3f}",
+                               f"{other[0]:.2f} [{other[1]:.2f}, {other[2]:.2f}]"])
             rows.append([ours_r["clients"], peer, f"{ours_r['tok_s']:.1f}", f"{theirs_r['tok_s']:.1f}",
                          f"{gmean:.2f} [{low:.2f}, {high:.2f}]",
                          f"{ours_r['ttft_p50_ms']:.0f}", f"{theirs_r['ttft_p50_ms']:.0f}",
@@ -299,6 +307,9 @@ def main() -> None:
     print("\nCPU seconds per 1000 tokens: the server's decode threads (its --threads busiest), its other threads "
           "(HTTP, routing, and for routers their children's), and the benchmark's clients")
     print(render(["clients", "server", "decode", "other", "of which the router process", "clients"], cpu_rows))
+    print("\nCPU seconds per 1000 tokens outside decode, ours against each peer: the per-round ratio's "
+          "geometric mean [95% CI] (below 1: ours spends less)")
+    print(render(["clients", "peer", "ours", "peer", "round mean ratio [95% CI]"], other_rows))
     print("\nIdle, the model loaded and nothing asked (CPU ms per second, the whole process tree): " +
           ", ".join(f"{name} {ms:.1f}" for name, ms in idle_ms.items()))
     print("\nBatching, from each engine's llama-server /metrics (routers: /metrics?model=): llama_decode calls "

@@ -200,3 +200,20 @@ def test_a_page_of_another_origin_in_chromium_gets_nothing_through(tiny, tmp_pat
         for name, (status, text) in seen.items():
             assert status in ("blocked", 0), (name, status, text)
         assert state(base) == "unloaded"  # and nothing it sent took effect
+
+
+def test_the_host_check_remembers_only_what_it_accepted():
+    """Every acceptable Host is accepted however often it comes, a rebound name is refused
+    every time (the memo of the check never holds a refusal), and however many distinct Host
+    headers come, the memo stays bounded."""
+    from pyllmrouter.server.browser import Gate  # noqa: PLC0415
+
+    gate = Gate("localhost", frozenset({"router.lan"}))
+    for _ in range(2):
+        assert gate.host("127.0.0.1:8080") is None
+        assert gate.host("Router.LAN:80") is None
+        assert gate.host("evil.example:8080").status == 403
+    for n in range(1000):
+        assert gate.host(f"127.0.{n // 250}.{n % 250 + 1}:{n}") is None
+        assert gate.host("evil.example") is not None
+    assert len(gate._accepted) <= 64

@@ -31,6 +31,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -117,8 +118,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         return json_object(await request.body())  # the guard has read it, within the limit
 
     def autoload_param(request: Request) -> bool | None:
-        v = request.query_params.get("autoload")
-        return None if v is None else v.lower() in ("1", "true", "yes", "on")
+        return _autoload(request.query_params.get("autoload"))
 
     async def forward(request: Request, model: str, raw: bytes, autoload: bool | None = None,
                       gone: Callable[[], Awaitable[Any]] | None = None,
@@ -157,42 +157,44 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     for path in ("/tools", "/cors-proxy"):
         app.add_api_route(path, service, methods=["GET", "POST"], include_in_schema=False)
 
-    async def engine_post(scope, receive, send) -> None:
+    async def engine_post(scope, receive, send, headers: dict[str, str], raw: bytes) -> None:
         """A POST to one of a model's llama-server endpoints, in plain ASGI: the hot path
-        takes no routing or dependency solving (the guard has checked key and length)."""
-        request = Request(scope, receive)
+        takes no routing, dependency solving or request object (the guard has checked key
+        and length, and gives the headers by lower-case name and the body it read)."""
+        query = _query(scope)
         try:
-            raw, files, data = _engine_body(request.headers.get("content-type", ""), await request.body())
+            raw, files, data = _engine_body(headers.get("content-type", ""), raw)
             model = data.get("model") if isinstance(data, dict) else None
             if not isinstance(model, str) or not model:  # a body that names none (an array): ?model=
-                model = request.query_params.get("model")
+                model = query.get("model")
             if not model:
                 raise ApiError(400, "'model' is required (a model id from GET /v1/models), in the body or as "
                                     "?model=", param="model")
-            conv_id = request.headers.get("x-conversation-id")
+            conv_id = headers.get("x-conversation-id")
             if conv_id and len(conv_id) > MAX_CONVERSATION_ID:
                 raise ApiError(400, f"X-Conversation-Id is {len(conv_id)} characters long, more than the "
                                     f"{MAX_CONVERSATION_ID} a conversation id may have", param="X-Conversation-Id")
             listed = router.scheduler.canonical(model) if conv_id else None
             handover = scope.get("extensions", {}).get(HANDOVER)
             if listed is not None:  # its stream survives the connection: GET /v1/stream finds it at this model
-                response = await session(request, model, listed, conv_id, raw, files)
+                response = await session(Request(scope, replay(raw, receive)), model, listed, conv_id, raw, files)
             elif native and handover is not None and not files and handover.usable:
-                response = await hand_over(request, model, raw, handover)
+                response = await hand_over(scope, receive, model, raw, headers, query, handover)
                 if response is None:
                     return  # the worker answered on the connection itself
             else:  # a model nobody lists remembers nothing: the request's 404 is all it gets
-                response = await forward(request, model, raw, files=files)
+                response = await forward(Request(scope, replay(raw, receive)), model, raw, files=files)
         except ApiError as e:
             response = error_response(e)
         await response(scope, receive, send)
 
-    async def hand_over(request: Request, model: str, raw: bytes, handover: Handover) -> Response | None:
+    async def hand_over(scope, receive, model: str, raw: bytes, headers: dict[str, str], query: dict[str, str],
+                        handover: Handover) -> Response | None:
         """The request answered by its model's worker on the client's connection (None once it
         has: the native data path, router/conduit.py), or relayed where the worker cannot take
         the connection now (the response to write)."""
         t0 = time.perf_counter()
-        endpoint, query, headers = _for_engine(request)
+        endpoint = scope["path"]
         began = False  # the connection is the worker's (until undone)
 
         def begin() -> None:
@@ -210,11 +212,12 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             handover.finish(False)
 
         extra = tuple((k.decode("latin-1"), v.decode("latin-1"))
-                      for k, v in request.scope.get("extensions", {}).get(CORS_HEADERS, ()))
+                      for k, v in scope.get("extensions", {}).get(CORS_HEADERS, ()))
         connection = Connection(handover.fd, handover.keep_alive, extra, begin, undo)
         try:
-            out = await router.aserve(model, "POST", endpoint, raw, query, headers, connection,
-                                      autoload=autoload_param(request), gone=lambda: _disconnected(request))
+            out = await router.aserve(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
+                                      connection, autoload=_autoload(query.get("autoload")),
+                                      gone=lambda: _departed(receive))
         except asyncio.CancelledError:
             if began:
                 lost()
@@ -310,9 +313,31 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 def _for_engine(request: Request) -> tuple[str, dict[str, str], dict[str, str]]:
     """(path, query, headers) of a request as its model's engine gets it: the router's own
     query parameters and the headers that stay here left out."""
-    query = {k: v for k, v in request.query_params.items() if k not in ("model", "autoload")}
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
-    return request.scope["path"], query, headers
+    return (request.scope["path"], _engine_query(dict(request.query_params.items())),
+            _engine_headers(dict(request.headers.items())))
+
+
+def _engine_query(query: dict[str, str]) -> dict[str, str]:
+    """A request's query parameters as its model's engine gets them: the router's own left out."""
+    return {k: v for k, v in query.items() if k not in ("model", "autoload")} if query else query
+
+
+def _engine_headers(headers: dict[str, str]) -> dict[str, str]:
+    """A request's headers (by lower-case name) as its model's engine gets them: those that
+    stay here left out."""
+    return {k: v for k, v in headers.items() if k not in _NOT_FORWARDED}
+
+
+def _query(scope) -> dict[str, str]:
+    """A request's query parameters, as Starlette reads them (latin-1, blank values kept, the
+    last of a name given twice)."""
+    raw = scope.get("query_string", b"")
+    return dict(parse_qsl(raw.decode("latin-1"), keep_blank_values=True)) if raw else {}
+
+
+def _autoload(value: str | None) -> bool | None:
+    """?autoload= as llama-server's router reads it (absent: None, the router's default)."""
+    return None if value is None else value.lower() in ("1", "true", "yes", "on")
 
 
 def _relay(reply: HttpReply, stream: Stream | None, ended: Callable[[str], None]) -> Response:
@@ -341,7 +366,12 @@ def _relay(reply: HttpReply, stream: Stream | None, ended: Callable[[str], None]
 
 async def _disconnected(request: Request) -> None:
     """Returns once the client has closed its connection (the body is read by then)."""
-    while (await request.receive())["type"] != "http.disconnect":
+    await _departed(request.receive)
+
+
+async def _departed(receive) -> None:
+    """Returns once ``receive`` says the client has closed its connection."""
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
@@ -451,9 +481,9 @@ class _Guard:
             raw = await read_or_refuse(scope, receive, send, self.max_body)
             if raw is None:
                 return  # answered (413), or the client left before its body had come
+            if scope["method"] == "POST" and _engine_post_path(scope["path"]):
+                return await self.engine_post(scope, receive, send, headers, raw)
             receive = replay(raw, receive)
-        if scope["method"] == "POST" and _engine_post_path(scope["path"]):
-            return await self.engine_post(scope, receive, send)
         return await self.app(scope, receive, send)
 
 

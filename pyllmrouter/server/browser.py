@@ -41,6 +41,9 @@ class Refusal:
     code: str
 
 
+_ACCEPTED_MEMO = 64  # distinct acceptable Host headers remembered
+
+
 def _host_of(authority: str) -> str:
     """'Example.COM:8080' -> 'example.com'; '[::1]:8080' -> '::1'."""
     authority = authority.strip().lower()
@@ -82,13 +85,18 @@ class Gate:
         self.cors_origins = cors_origins.strip()
         self._listed = frozenset(o.strip().lower().rstrip("/") for o in self.cors_origins.split(",") if o.strip())
         self.allowed_hosts = None if allowed_hosts is None else frozenset(_host_of(h) for h in allowed_hosts)
+        # Host headers found acceptable (a client sends the same one with every request): a
+        # memo of this pure check, bounded, since a client may send any Host
+        self._accepted: set[str] = set()
 
     def host(self, host_header: str | None) -> Refusal | None:
         """The Host check (DNS rebinding): None where the Host is acceptable."""
-        if self.allowed_hosts is None or not host_header:
+        if self.allowed_hosts is None or not host_header or host_header in self._accepted:
             return None
         host = _host_of(host_header)
         if _is_local(host) or host in self.allowed_hosts:
+            if len(self._accepted) < _ACCEPTED_MEMO:
+                self._accepted.add(host_header)
             return None
         return Refusal(403, f"the host {host!r} is not allowed: a request to this router (listening on loopback) "
                             f"must name it by a local name or address (localhost, 127.0.0.1, [::1]); another name "

@@ -30,10 +30,9 @@ HANDOVER = "pyllmrouter.handover"  # the ASGI scope extension's name
 
 
 class Handover:
-    def __init__(self, protocol: HttpToolsProtocol, cycle):
+    def __init__(self, protocol: "HttpProtocol", cycle):
         self._protocol, self._cycle = protocol, cycle
-        sock = protocol.transport.get_extra_info("socket")
-        self._sock = sock
+        self._sock = sock = protocol.socket
         self._sent: tuple[int, int] | None = None
         self.fd: int = sock.fileno() if sock is not None else -1
 
@@ -91,6 +90,12 @@ def _sent_mark(sock) -> tuple[int, int] | None:
 
 
 class HttpProtocol(HttpToolsProtocol):
+    socket = None  # the connection's socket, once made (asked of the transport once, not per request)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.socket = transport.get_extra_info("socket")
+
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.scope is self.scope and self.scope.get("method") == "POST":
