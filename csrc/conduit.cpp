@@ -6,6 +6,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -76,6 +77,17 @@ int cache_n(const std::string & data) {
     return best;
 }
 
+// llama-server's endpoints whose requests take a slot of the engine (a generation, an
+// embedding, a rerank) for as long as they run; the others (tokenize, templates, props,
+// slot actions...) are answered without waiting for one.
+bool takes_slot(const std::string & path) {
+    static const std::set<std::string> paths = {
+        "/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions",
+        "/infill", "/responses", "/v1/responses", "/v1/messages", "/embedding", "/embeddings",
+        "/v1/embeddings", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking"};
+    return paths.count(path) > 0;
+}
+
 std::map<std::string, std::string> string_map(const json & j) {
     std::map<std::string, std::string> out;
     if (j.is_object()) {
@@ -97,6 +109,7 @@ Conduit::~Conduit() { close(); }
 void Conduit::attach(const std::string & name, std::shared_ptr<Engine> engine, int awaited) {
     std::lock_guard<std::mutex> lock(mutex_);
     Model & m = models_[name];
+    m.slots = std::max(1, engine->n_parallel());
     m.engine = std::move(engine);
     m.awaited = awaited;
     m.hits = 0;
@@ -109,6 +122,7 @@ int Conduit::detach(const std::string & name) {
     if (it == models_.end()) return 0;
     it->second.closing = true;
     for (const auto & stop : it->second.requests) stop->set();
+    turns_.notify_all();  // those waiting for a slot end too
     done_.wait(lock, [&] { return it->second.requests.empty(); });
     const int hits = it->second.hits;
     models_.erase(it);
@@ -129,6 +143,7 @@ void Conduit::close() {
         m.closing = true;
         for (const auto & stop : m.requests) stop->set();
     }
+    turns_.notify_all();
     done_.wait(lock, [this] { return in_flight_ == 0; });
     lock.unlock();
     std::unique_lock<std::mutex> pool(pool_mutex_);
@@ -205,6 +220,34 @@ void Conduit::run() {
     pool_cv_.notify_all();  // close() waits for the last one
 }
 
+bool Conduit::enter(Model & m, StopFlag & stop, std::unique_lock<std::mutex> & lock) {
+    if (m.in_engine < m.slots && m.waiting.empty()) {
+        ++m.in_engine;
+        return true;
+    }
+    Turn turn;
+    m.waiting.push_back(&turn);
+    while (!turn.granted) {
+        // a client that leaves is seen within a second, as llama.cpp's handler sees it
+        if (m.closing || stop.stopped()) {
+            m.waiting.erase(std::find(m.waiting.begin(), m.waiting.end(), &turn));
+            return false;
+        }
+        turns_.wait_for(lock, std::chrono::seconds(1));
+    }
+    return true;
+}
+
+void Conduit::leave(Model & m) {
+    --m.in_engine;
+    while (m.in_engine < m.slots && !m.waiting.empty()) {
+        m.waiting.front()->granted = true;
+        m.waiting.pop_front();
+        ++m.in_engine;
+    }
+    turns_.notify_all();
+}
+
 void Conduit::serve(std::string message, int client) {
     long long id = -1;
     int status = 0;
@@ -215,6 +258,14 @@ void Conduit::serve(std::string message, int client) {
     Writer out{client, *stop};
     std::string name;
     bool registered = false;
+    Model * model = nullptr;  // while registered: detach() waits for its requests before it erases
+    bool holds_slot = false;
+    auto release_slot = [&] {  // as soon as the engine is done with the request
+        if (!holds_slot) return;
+        std::lock_guard<std::mutex> lock(mutex_);
+        leave(*model);
+        holds_slot = false;
+    };
     try {
         const size_t nul = message.find('\0');
         const json h = json::parse(message.substr(0, nul));
@@ -238,9 +289,22 @@ void Conduit::serve(std::string message, int client) {
                 awaited = it->second.awaited;
                 it->second.requests.insert(stop);
                 registered = true;
+                model = &it->second;
             }
         }
-        if (!engine) {  // unloaded meanwhile: what llama-server says of a model not ready
+        bool left = false;  // the client left while its request waited for a slot
+        if (engine && takes_slot(h.at("path").get<std::string>())) {
+            std::unique_lock<std::mutex> lock(mutex_);
+            holds_slot = enter(*model, *stop, lock);
+            if (!holds_slot && model->closing) {
+                engine.reset();  // unloading: the 503 below
+            } else if (!holds_slot) {
+                left = true;
+            }
+        }
+        if (left) {
+            status = 499;  // nothing written: the client is gone
+        } else if (!engine) {  // unloaded meanwhile: what llama-server says of a model not ready
             status = 503;
             const std::string data = safe_json_to_str(
                 {{"error", format_error_response("Loading model", ERROR_TYPE_UNAVAILABLE)}});
@@ -259,6 +323,7 @@ void Conduit::serve(std::string message, int client) {
             head += extra + connection;
             int seen = 0;
             if (!reply->is_stream()) {
+                release_slot();  // the whole reply is here: its slot is free
                 const std::string & data = reply->data();
                 head += "Content-Length: " + std::to_string(data.size()) + "\r\n\r\n";
                 out.write(head + data);
@@ -271,6 +336,7 @@ void Conduit::serve(std::string message, int client) {
                     bool more = true;
                     while (more && out.ok) {
                         more = reply->next(chunk);
+                        if (!more) release_slot();  // the stream's end: its slot is free
                         if (awaited > 0) seen = std::max(seen, cache_n(chunk));
                         out.chunk(chunk, !more);  // the last chunk and the end in one write
                     }
@@ -278,6 +344,7 @@ void Conduit::serve(std::string message, int client) {
             }
             keep = keep_alive && out.ok && !stop->stopped();  // before the reply goes: it sets the flag
             reply.reset();  // on_complete, as llama-server's connection ends
+            release_slot();  // a stream that ended early: cancelled by now
             if (seen > 0) {
                 std::lock_guard<std::mutex> lock(mutex_);
                 auto it = models_.find(name);
@@ -287,8 +354,9 @@ void Conduit::serve(std::string message, int client) {
                 }
             }
         }
-        if (!engine) keep = keep_alive && out.ok;
+        if (!engine && !left) keep = keep_alive && out.ok;
     } catch (const std::exception & e) {
+        release_slot();
         error = e.what();
         if (out.written == 0 && id >= 0) {  // nothing written yet: say it, as llama-server's ex_wrapper
             status = 500;
@@ -298,6 +366,7 @@ void Conduit::serve(std::string message, int client) {
         }
         keep = false;
     }
+    release_slot();
     ::close(client);  // the router's descriptor stays: the connection is its own again
     {
         std::lock_guard<std::mutex> lock(mutex_);

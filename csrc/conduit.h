@@ -11,10 +11,19 @@
 // up, or a write fails): the request's should_stop turns true and llama.cpp ends it.
 // The router gets the connection back when done() says so (keep-alive) and reads the
 // client's next request itself.
+//
+// A request that takes a slot (a completion, an embedding...) goes into llama.cpp's hands
+// only while the model has fewer such requests there than slots; the others wait here,
+// first come first served, each on a thread that sleeps until its turn.  llama-server
+// defers them in its own queue instead, with their threads waiting for results: every
+// result the engine sends (a token of any stream) wakes every waiting thread
+// (server_response::send's notify_all), so requests past the slots cost CPU per token
+// there, and nothing here.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -50,13 +59,26 @@ class Conduit {
     void close();
 
   private:
+    struct Turn {  // a request waiting for a slot: granted by the one that leaves before it
+        bool granted = false;
+    };
     struct Model {
         std::shared_ptr<Engine> engine;
         std::set<std::shared_ptr<StopFlag>> requests;
         int awaited = 0;
         int hits = 0;
         bool closing = false;
+        int slots = 1;  // the engine's parallel slots
+        int in_engine = 0;  // requests that take a slot, in llama.cpp's hands
+        std::deque<Turn *> waiting;  // those waiting for a slot, in order
     };
+
+    // A slot for a request of `name` (mutex_ held by `lock`): at once where the model has
+    // one free and nobody waits, else in turn.  False: the request stopped (its client
+    // left) or the model is closing while it waited.
+    bool enter(Model & m, StopFlag & stop, std::unique_lock<std::mutex> & lock);
+    // The slot back (mutex_ held): the next waiting request has it.
+    void leave(Model & m);
 
     void receive();
     void run();  // a pool thread: serves what the receiver queues, kept for the next request
@@ -68,6 +90,7 @@ class Conduit {
     std::atomic<bool> closed_{false};
     mutable std::mutex mutex_;  // models_, in_flight_
     std::condition_variable done_;
+    std::condition_variable turns_;  // a turn granted, or a model closing
     std::map<std::string, Model> models_;
     int in_flight_ = 0;
     std::mutex send_mutex_;

@@ -17,6 +17,7 @@ import pytest
 from pyllmrouter.router.conduit import MAX_MESSAGE
 from pyllmrouter.tools import scripted
 from pyllmrouter.tools.loopback import start_serve
+from test_live import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -221,3 +222,54 @@ def test_no_native_relays_every_answer(tiny):
         finally:
             proc.terminate()
             proc.wait(30)
+
+
+def _metric(base: str, name: str, model: str | None = None) -> float:
+    """A value of the router's /metrics, or of a model's llama-server counters (``model``)."""
+    text = httpx.get(base + "/metrics" + (f"?model={model}" if model else ""), timeout=30).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_requests_past_the_slots_wait_in_the_worker_and_a_client_that_leaves_meanwhile_costs_nothing(tiny, tmp_path):
+    """One slot, one endless stream in it: a second stream waits in the worker, never deferred
+    in llama.cpp's queue (whose waiting threads every token wakes); a request that takes no
+    slot is answered meanwhile; a waiting client that leaves ends its request within seconds,
+    before the slot frees (the router's lease back); the second stream runs once the first
+    ends."""
+    story = scripted.write_scripted(tmp_path / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT,
+                                    loop=True)
+    preset = tmp_path / "models.ini"
+    preset.write_text(f"[one]\nmodel = {story}\nc = 4096\nnp = 1\nmetrics = true\nload-on-startup = true\n")
+    proc, url = start_serve(["--models-preset", str(preset), "--no-models-cache", "--models-memory-margin", "0",
+                             "--emulate-devices", "GPU0=4GiB"])
+    chat = {"model": "one", "messages": [{"role": "user", "content": "a story"}], "stream": True}
+    try:
+        first = connect(url)
+        first.sendall(request("POST", "/v1/chat/completions", {**chat, "max_tokens": 100000}))
+        assert first.recv(1 << 16).startswith(b"HTTP/1.1 200")  # in the slot, streaming
+        second_out: list = []
+        second = threading.Thread(target=lambda: second_out.append(httpx.post(
+            url + "/v1/chat/completions", json={**chat, "max_tokens": 5}, timeout=120)))
+        second.start()
+        leaving = connect(url)
+        leaving.sendall(request("POST", "/v1/chat/completions", {**chat, "max_tokens": 5}))
+        wait_for(lambda: _metric(url, "pyllmrouter_model_requests_in_flight") == 3, 30)
+        assert _metric(url, "llamacpp:requests_processing", "one") == 1
+        assert _metric(url, "llamacpp:requests_deferred", "one") == 0  # llama-server's own queue: empty
+        r = httpx.post(url + "/tokenize", json={"model": "one", "content": "a b c"}, timeout=30)
+        assert r.status_code == 200 and r.json()["tokens"]  # no slot needed: not behind the stream
+        leaving.close()
+        wait_for(lambda: _metric(url, "pyllmrouter_model_requests_in_flight") == 2, 30)
+        assert second.is_alive() and not second_out  # the slot is still the first stream's
+        first.close()  # the first stream ends: the second takes the slot
+        second.join(120)
+        assert second_out and second_out[0].status_code == 200
+        done = [line for line in second_out[0].text.splitlines() if line.startswith("data: ")]
+        assert done[-1] == "data: [DONE]"
+        wait_for(lambda: _metric(url, "pyllmrouter_model_requests_in_flight") == 0, 30)
+    finally:
+        proc.terminate()
+        proc.wait(30)
