@@ -133,6 +133,27 @@ def test_pipelined_requests_are_answered_in_order(base):
         assert len(json.loads(first[2])["tokens"]) < len(json.loads(second[2])["tokens"])
 
 
+def test_bodies_that_come_chunked_or_after_100_continue_are_answered_too(base):
+    """A body uvicorn does not read ahead whole (chunked, or sent once the server says 100
+    Continue) goes through the app's task; a plain one is offered whole first: all three
+    are answered on the same connection, in turn."""
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+    with connect(base) as sock:
+        r = Reader(sock)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(body):x}\r\n".encode() + body + b"\r\n0\r\n\r\n")
+        status, _, data = r.response()
+        assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 2
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Expect: 100-continue\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode())
+        assert r._line().startswith(b"HTTP/1.1 100") and r._line() == b""
+        sock.sendall(body)
+        status, _, data = r.response()
+        assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 2
+        sock.sendall(request("POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2}))
+        assert r.response()[0] == 200
+
+
 def test_a_body_too_big_to_hand_over_is_relayed(base):
     content = "word " * (MAX_MESSAGE // 4)  # over one datagram
     before = written(base)

@@ -338,6 +338,28 @@ class Router:
             raise
         return self._opened(lease, pending, first)
 
+    def serve_now(self, model: str, method: str, path: str, body: bytes, query: dict[str, str],
+                  headers: dict[str, str], connection: Connection) -> "asyncio.Future | None":
+        """``aserve`` where nothing need wait, in the event loop without a coroutine: the
+        request and its connection handed over at once where the model can take it now and
+        its worker the connection (the future of the worker's answer, the lease released when
+        it comes); None where not (nothing taken, nothing sent: ``aserve`` says why)."""
+        if self.options.debug_fake_timing > 0:
+            return None
+        try:
+            lease = self._sched.try_lease(model)
+        except RouterError:
+            return None
+        if lease is None:
+            return None
+        try:
+            served = self._hand(lease, method, path, body, query, headers, connection, "")
+        except RouterError:
+            return None  # the lease is released, the connection undone
+        if served is None:
+            self._sched.release(lease)
+        return served
+
     def _hand(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str],
               headers: dict[str, str], connection: Connection, query_string: str) -> "asyncio.Future | None":
         """The request and its connection handed to the lease's worker: the future of its

@@ -240,6 +240,51 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         metrics.relayed.inc()
         return _relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0))
 
+    def take(scope, headers: dict[str, str], raw: bytes, handover: Handover,
+             answer: Callable[[Callable], None]) -> bool:
+        """``engine_post`` and ``hand_over`` where nothing need wait, without a coroutine or
+        a task (server/connection.py): a JSON body naming its model, no conversation id, a
+        model that can take the request now and a worker that takes the connection: handed
+        over (True).  Anything else is the task's (False: nothing was done).  The worker's
+        answer completes the request in a callback; a worker that died before it wrote has
+        ``answer`` write the error a relay would give."""
+        if not native or not handover.usable or "x-conversation-id" in headers or \
+                headers.get("content-type", "").lower().startswith("multipart/form-data"):
+            return False
+        try:
+            data = json.loads(raw or b"{}")
+        except (ValueError, RecursionError):
+            return False
+        query = _query(scope)
+        model = data.get("model") if isinstance(data, dict) else None
+        if not isinstance(model, str) or not model:
+            model = query.get("model")
+        if not model:
+            return False
+        t0, endpoint = time.perf_counter(), scope["path"]
+        served = router.serve_now(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
+                                  Connection(handover.fd, handover.keep_alive, (), handover.begin, handover.undo))
+        if served is None:
+            return False
+
+        def done(fut: asyncio.Future) -> None:
+            err = fut.exception() if not fut.cancelled() else WorkerDied("the request was cancelled")
+            if err is None:
+                out = fut.result()
+                metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
+                metrics.native.inc()
+                handover.finish(out.keep)
+            elif isinstance(err, WorkerDied) and handover.untouched():
+                handover.undo()  # the worker died before it wrote a byte: the 503 a relay gives
+                error = from_router_error(err)
+                metrics.observe(model, endpoint, str(error.status), time.perf_counter() - t0)
+                answer(error_response(error))
+            else:  # handed over, and no answer: nothing can be written on the connection any more
+                metrics.observe(model, endpoint, "502", time.perf_counter() - t0)
+                handover.finish(False)
+        served.add_done_callback(done)
+        return True
+
     async def session(request: Request, model: str, listed: str, conv_id: str, raw: bytes,
                       files: dict[str, tuple[str, str, bytes]]) -> Response:
         """A request of a resumable stream, as llama-server's router takes it: its model (by
@@ -307,7 +352,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return await engine_get(request)  # llama-server's own counters (needs --metrics)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    return _Guard(app, keys, max_body, engine_post, cors, gate)
+    return _Guard(app, keys, max_body, engine_post, cors, gate, take)
 
 
 def _for_engine(request: Request) -> tuple[str, dict[str, str], dict[str, str]]:
@@ -445,10 +490,24 @@ class _Guard:
     the FastAPI app's."""
 
     def __init__(self, app, api_keys: tuple[str, ...], max_body: int, engine_post, cors: Cors | None = None,
-                 gate: Gate | None = None):
+                 gate: Gate | None = None, take=None):
         self.app, self.api_keys, self.max_body, self.engine_post = app, api_keys, max_body, engine_post
         self.cors = cors
         self.gate = gate or Gate(LOCAL_ORIGINS, None)
+        self._take = take
+
+    def take_whole(self, scope, body: bytes, handover: Handover, answer: Callable[[Callable], None]) -> bool:
+        """The hot path without a task (server/connection.py): a POST to a model's endpoint,
+        its body whole, from a program (no Origin: no CORS, no origin rules), that passes the
+        Host, key and length checks, offered to ``take``.  False: the ASGI app takes it as
+        any request (and answers whatever these checks refused)."""
+        if self._take is None or scope["method"] != "POST" or not _engine_post_path(scope["path"]):
+            return False
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if "origin" in headers or self.gate.host(headers.get("host")) is not None or len(body) > self.max_body \
+                or guard_error(scope["path"], headers, self.api_keys, self.max_body) is not None:
+            return False
+        return self._take(scope, headers, body, handover, answer)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -15,6 +15,14 @@ whole response to the socket (router/conduit.py, csrc/conduit.h), and ``finish``
 uvicorn's request cycle as its own ``send`` would after the last body chunk (the
 pipelined requests it holds start, or the keep-alive timer runs).  Header names are
 written as the app or the worker spells them; HTTP compares them without regard to case.
+
+The hot path takes no task: a POST whose body is small enough to come whole (a
+Content-Length up to uvicorn's read-ahead limit, no 100-continue) waits for it before its
+ASGI task is made, and is then offered to the app's ``take_whole(scope, body, handover,
+answer)``.  True: the app has handed it over in that call (no coroutine, no task: the
+worker answers, and ``finish`` completes the cycle); False: the task runs as it would
+have, the body there already.  ``answer(app)`` runs an ASGI app on the request later (a
+task): the app's way to answer it after all (a worker that died before it wrote).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import socket
 import struct
 
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 __all__ = ["HttpProtocol", "Handover", "HANDOVER"]
@@ -91,12 +100,49 @@ def _sent_mark(sock) -> tuple[int, int] | None:
 
 class HttpProtocol(HttpToolsProtocol):
     socket = None  # the connection's socket, once made (asked of the transport once, not per request)
+    _heading = False  # in on_headers_complete: a task started now may wait for its body
+    _held = None  # (cycle, app): a request whose task waits until its body has come whole
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.socket = transport.get_extra_info("socket")
 
     def on_headers_complete(self) -> None:
-        super().on_headers_complete()
+        self._heading = True
+        try:
+            super().on_headers_complete()
+        finally:
+            self._heading = False
         if self.cycle is not None and self.cycle.scope is self.scope and self.scope.get("method") == "POST":
             self.scope.setdefault("extensions", {})[HANDOVER] = Handover(self, self.cycle)
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        if self._heading and self._held is None and _whole_soon(cycle, self.expect_100_continue) \
+                and getattr(app, "take_whole", None) is not None:
+            self._held = (cycle, app)  # offered whole first (on_message_complete)
+            return
+        super()._start_asgi_task(cycle, app)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        held, self._held = self._held, None
+        if held is None:
+            return
+        cycle, app = held
+        handover = cycle.scope.get("extensions", {}).get(HANDOVER)
+        if handover is None or not app.take_whole(cycle.scope, cycle.body, handover,
+                                                  lambda answer: self._start_task(cycle, answer)):
+            self._start_task(cycle, app)
+
+    def _start_task(self, cycle, app) -> None:
+        super()._start_asgi_task(cycle, app)
+
+
+def _whole_soon(cycle, expect_100_continue: bool) -> bool:
+    """A POST whose body comes whole without the app reading it: a Content-Length that
+    uvicorn reads ahead (no pause for the app), and no 100-continue for the app to send."""
+    if expect_100_continue or cycle.scope.get("method") != "POST":
+        return False
+    length = next((v for k, v in cycle.scope["headers"] if k == b"content-length"), None)
+    chunked = any(k == b"transfer-encoding" for k, _ in cycle.scope["headers"])
+    return length is not None and not chunked and length.isdigit() and int(length) <= HIGH_WATER_LIMIT
