@@ -109,7 +109,7 @@ Conduit::~Conduit() { close(); }
 void Conduit::attach(const std::string & name, std::shared_ptr<Engine> engine, int awaited) {
     std::lock_guard<std::mutex> lock(mutex_);
     Model & m = models_[name];
-    m.slots = std::max(1, engine->n_parallel());
+    m.room = 2 * std::max(1, engine->n_parallel());
     m.engine = std::move(engine);
     m.awaited = awaited;
     m.hits = 0;
@@ -221,7 +221,7 @@ void Conduit::run() {
 }
 
 bool Conduit::enter(Model & m, StopFlag & stop, std::unique_lock<std::mutex> & lock) {
-    if (m.in_engine < m.slots && m.waiting.empty()) {
+    if (m.in_engine < m.room && m.waiting.empty()) {
         ++m.in_engine;
         return true;
     }
@@ -240,7 +240,7 @@ bool Conduit::enter(Model & m, StopFlag & stop, std::unique_lock<std::mutex> & l
 
 void Conduit::leave(Model & m) {
     --m.in_engine;
-    while (m.in_engine < m.slots && !m.waiting.empty()) {
+    while (m.in_engine < m.room && !m.waiting.empty()) {
         m.waiting.front()->granted = true;
         m.waiting.pop_front();
         ++m.in_engine;

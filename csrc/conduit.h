@@ -13,12 +13,14 @@
 // client's next request itself.
 //
 // A request that takes a slot (a completion, an embedding...) goes into llama.cpp's hands
-// only while the model has fewer such requests there than slots; the others wait here,
-// first come first served, each on a thread that sleeps until its turn.  llama-server
-// defers them in its own queue instead, with their threads waiting for results: every
-// result the engine sends (a token of any stream) wakes every waiting thread
-// (server_response::send's notify_all), so requests past the slots cost CPU per token
-// there, and nothing here.
+// only while the model has fewer such requests there than twice its slots: a slot's worth
+// deferred in llama.cpp's own queue, so that every slot that frees is taken at once, even
+// all of them in one step (one let in only then would miss the next decode step); the
+// others wait here, first come first served, each on a thread that sleeps until its turn.
+// llama-server defers them all in its own queue, with their threads waiting for results:
+// every result the engine sends (a token of any stream) wakes every waiting thread
+// (server_response::send's notify_all), so each request past the slots costs CPU per
+// token there, however many come; here, never more than a slot's worth.
 #pragma once
 
 #include <atomic>
@@ -68,7 +70,9 @@ class Conduit {
         int awaited = 0;
         int hits = 0;
         bool closing = false;
-        int slots = 1;  // the engine's parallel slots
+        // requests that take a slot which llama.cpp may have at once: twice its slots (as many
+        // waiting in its own queue as may free in one step)
+        int room = 2;
         int in_engine = 0;  // requests that take a slot, in llama.cpp's hands
         std::deque<Turn *> waiting;  // those waiting for a slot, in order
     };

@@ -108,7 +108,8 @@ def test_one_connection_carries_native_and_router_answers_in_turn(base):
     with connect(base) as sock:
         r = Reader(sock)
         for i in range(3):
-            sock.sendall(request("POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3}))
+            sock.sendall(request("POST", "/v1/completions",
+                                 {"model": "m", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}))
             status, headers, body = r.response()
             assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 3
             sock.sendall(request("GET", "/v1/models"))
@@ -137,7 +138,7 @@ def test_bodies_that_come_chunked_or_after_100_continue_are_answered_too(base):
     """A body uvicorn does not read ahead whole (chunked, or sent once the server says 100
     Continue) goes through the app's task; a plain one is offered whole first: all three
     are answered on the same connection, in turn."""
-    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}).encode()
     with connect(base) as sock:
         r = Reader(sock)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -255,11 +256,12 @@ def _metric(base: str, name: str, model: str | None = None) -> float:
 
 
 def test_requests_past_the_slots_wait_in_the_worker_and_a_client_that_leaves_meanwhile_costs_nothing(tiny, tmp_path):
-    """One slot, one endless stream in it: a second stream waits in the worker, never deferred
-    in llama.cpp's queue (whose waiting threads every token wakes); a request that takes no
-    slot is answered meanwhile; a waiting client that leaves ends its request within seconds,
-    before the slot frees (the router's lease back); the second stream runs once the first
-    ends."""
+    """One slot, one endless stream in it: a second stream is deferred in llama.cpp's queue
+    (a slot's worth, ready for the slot), a third waits in the worker, not there too
+    (llama.cpp's waiting threads are woken by every token); a request that takes no slot is
+    answered meanwhile;
+    the waiting client that leaves ends its request within seconds, before the slot frees
+    (the router's lease back); the second stream runs once the first ends."""
     story = scripted.write_scripted(tmp_path / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT,
                                     loop=True)
     preset = tmp_path / "models.ini"
@@ -275,11 +277,14 @@ def test_requests_past_the_slots_wait_in_the_worker_and_a_client_that_leaves_mea
         second = threading.Thread(target=lambda: second_out.append(httpx.post(
             url + "/v1/chat/completions", json={**chat, "max_tokens": 5}, timeout=120)))
         second.start()
+        wait_for(lambda: _metric(url, "pyllmrouter_model_requests_in_flight") == 2, 30)
+        wait_for(lambda: _metric(url, "llamacpp:requests_deferred", "one") == 1, 30)  # llama.cpp's queue
         leaving = connect(url)
         leaving.sendall(request("POST", "/v1/chat/completions", {**chat, "max_tokens": 5}))
         wait_for(lambda: _metric(url, "pyllmrouter_model_requests_in_flight") == 3, 30)
+        time.sleep(0.5)  # long enough for llama.cpp to have it, were it let in
         assert _metric(url, "llamacpp:requests_processing", "one") == 1
-        assert _metric(url, "llamacpp:requests_deferred", "one") == 0  # llama-server's own queue: empty
+        assert _metric(url, "llamacpp:requests_deferred", "one") == 1  # the third waits in the worker
         r = httpx.post(url + "/tokenize", json={"model": "one", "content": "a b c"}, timeout=30)
         assert r.status_code == 200 and r.json()["tokens"]  # no slot needed: not behind the stream
         leaving.close()

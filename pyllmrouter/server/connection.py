@@ -130,8 +130,13 @@ class HttpProtocol(HttpToolsProtocol):
             return
         cycle, app = held
         handover = cycle.scope.get("extensions", {}).get(HANDOVER)
-        if handover is None or not app.take_whole(cycle.scope, cycle.body, handover,
-                                                  lambda answer: self._start_task(cycle, answer)):
+        try:
+            taken = handover is not None and app.take_whole(cycle.scope, cycle.body, handover,
+                                                            lambda answer: self._start_task(cycle, answer))
+        except Exception:  # a fault of the hot path: nothing was handed over, the task answers
+            self.logger.exception("the request could not be handed over")
+            taken = False
+        if not taken:
             self._start_task(cycle, app)
 
     def _start_task(self, cycle, app) -> None:
