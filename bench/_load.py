@@ -10,6 +10,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import httpx
@@ -130,3 +131,16 @@ def thread_cpu(pid: int) -> dict[tuple[int, int], float]:
         except (OSError, ValueError, IndexError):
             pass  # gone meanwhile
     return out
+
+
+def own_cpu(before: dict, after: dict, pid: int) -> float:
+    """CPU seconds of process ``pid`` itself (its children aside) between two ``thread_cpu``:
+    a router's own process (ours, or llama-server's router, which proxies)."""
+    return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == pid)
+
+
+def save(out: Path, data: dict) -> None:
+    """A bench's results as JSON at ``out`` (its folder made), and where they went."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=2))
+    print(f"\nwrote {out}")

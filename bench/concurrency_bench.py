@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import random
 import subprocess
@@ -50,7 +49,7 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
-from _load import percentile, ratio_interval, run_clients, stream_sse, thread_cpu
+from _load import own_cpu, percentile, ratio_interval, run_clients, save, stream_sse, thread_cpu
 
 from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
@@ -107,12 +106,6 @@ def cpu_split(before: dict, after: dict, compute_threads: int) -> tuple[float, f
     of all the others: HTTP, routing) between two ``thread_cpu``."""
     used = sorted((after[k] - before.get(k, 0.0) for k in after), reverse=True)
     return sum(used[:compute_threads]), sum(used[compute_threads:])
-
-
-def own_cpu(before: dict, after: dict, pid: int) -> float:
-    """CPU seconds of process ``pid`` itself (its children aside) between two ``thread_cpu``:
-    a router's own process (ours, or llama-server's router, which proxies)."""
-    return sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == pid)
 
 
 def idle_cpu(pid: int, seconds: float = 5.0) -> float:
@@ -315,14 +308,12 @@ def main() -> None:
     print("\nBatching, from each engine's llama-server /metrics (routers: /metrics?model=): llama_decode calls "
           "per 1000 generated tokens, busy slots per call")
     print(render(["clients", "server", "decodes/1k tok", "slots/decode"], batch_rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "concurrency", "model": args.model, "loaded": args.loaded,
-                                    "parallel": args.parallel, "tokens": args.tokens,
-                                    "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,
-                                    "threads": args.threads, "gpu": args.gpu, "rounds": args.rounds,
-                                    "requests_per_client": args.requests_per_client, "results": results,
-                                    "idle_cpu_ms_per_s": idle_ms, "runs": runs}, indent=2))
-    print(f"\nwrote {args.out}")
+    save(args.out, {"bench": "concurrency", "model": args.model, "loaded": args.loaded,
+                    "parallel": args.parallel, "tokens": args.tokens,
+                    "kv_unified": args.kv_unified, "prompt_words": args.prompt_words, "ctx": args.ctx,
+                    "threads": args.threads, "gpu": args.gpu, "rounds": args.rounds,
+                    "requests_per_client": args.requests_per_client, "results": results,
+                    "idle_cpu_ms_per_s": idle_ms, "runs": runs})
 
 
 if __name__ == "__main__":

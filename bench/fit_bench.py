@@ -17,11 +17,12 @@ wall time; writes JSON (default bench/results/fit_bench.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 from pathlib import Path
+
+from _load import save
 
 from pyllmrouter import ModelSpec, probe
 from pyllmrouter.tools import tinymodels
@@ -119,9 +120,7 @@ def main() -> None:
         for who in ("ours", "llama.cpp"):
             if r[who]["over"]:
                 print(f"  {r['case']}: {who} exceeds a grant: {r[who]['over']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "fit", "rows": rows}, indent=2))
-    print(f"\nwrote {args.out}")
+    save(args.out, {"bench": "fit", "rows": rows})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ bench/results/http_bench.json).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
@@ -28,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 import httpx
-from _load import percentile, ratio_interval, run_clients, thread_cpu
+from _load import own_cpu, percentile, ratio_interval, run_clients, save, thread_cpu
 
 from pyllmrouter import ModelSpec
 from pyllmrouter.tools import tinymodels
@@ -54,8 +53,7 @@ def measure(fn, clients: int, per_client: int, router_pid: int | None = None) ->
     out = {"p50_ms": percentile(run.seconds, 0.5) * 1e3, "p99_ms": percentile(run.seconds, 0.99) * 1e3,
            "req_s": len(run.seconds) / run.wall, "errors": len(run.errors), "first_errors": run.errors[:3]}
     if router_pid:
-        after = thread_cpu(router_pid)
-        own = sum(v - before.get(k, 0.0) for k, v in after.items() if k[0] == router_pid)
+        own = own_cpu(before, thread_cpu(router_pid), router_pid)
         out["router_cpu_us"] = 1e6 * own / max(1, len(run.seconds))
     return out
 
@@ -156,9 +154,7 @@ def main() -> None:
     for row in rows:
         for e in sorted({e for r in row["rounds"] for e in r["first_errors"]})[:3]:
             print(f"  {row['path']}, {row['clients']} clients: {e}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "http", "model": args.model, "rows": rows}, indent=2))
-    print(f"\nwrote {args.out}")
+    save(args.out, {"bench": "http", "model": args.model, "rows": rows})
 
 
 if __name__ == "__main__":

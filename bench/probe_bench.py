@@ -20,12 +20,13 @@ the bytes the process read through read() while probing (from /proc/self/io).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from _load import save
 
 from pyllmrouter import ModelSpec, probe
 from pyllmrouter.tools import tinymodels
@@ -140,9 +141,7 @@ def main() -> None:
           ms(r["probe_cached_ms_p50"]),
           f"{r['probe_read_bytes'] / 1024:.1f}", ms(r["load_ms_p50"]), mib(r["total_bytes"])] for r in rows],
     ))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "probe", "repeat": args.repeat, "rows": rows}, indent=2))
-    print(f"\nwrote {args.out}")
+    save(args.out, {"bench": "probe", "repeat": args.repeat, "rows": rows})
 
 
 if __name__ == "__main__":

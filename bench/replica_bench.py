@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from _load import percentile, ratio_interval, run_clients, stream_sse
+from _load import percentile, ratio_interval, run_clients, save, stream_sse
 
 from pyllmrouter.tables import render
 from pyllmrouter.tools import tinymodels
@@ -94,10 +93,8 @@ def main() -> None:
     gm, lo, hi = ratio_interval([r["req_s"] for r in runs[2]], [r["req_s"] for r in runs[1]])
     print(render(["replicas", "req/s", "p50 ms", "p99 ms (max)", "loads", "evictions", "failed"], rows))
     print(f"\nreplicas = 2 over replicas = 1, requests/s per round: {gm:.2f} [{lo:.2f}, {hi:.2f}] (95% CI)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "replicas", "clients": args.clients, "threads": args.threads,
-                                    "gpu": args.gpu, "runs": runs, "ratio": [gm, lo, hi]}, indent=2))
-    print(f"\nwrote {args.out}")
+    save(args.out, {"bench": "replicas", "clients": args.clients, "threads": args.threads,
+                    "gpu": args.gpu, "runs": runs, "ratio": [gm, lo, hi]})
 
 
 if __name__ == "__main__":

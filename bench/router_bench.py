@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from _load import percentile
+from _load import percentile, save
 
 from pyllmrouter import ModelSpec, probe
 from pyllmrouter.tools import tinymodels
@@ -158,9 +158,7 @@ def main() -> None:
     print(f"\nalternating two models, models-max 1: sequential {alt['sequential_loads_per_request']:.2f} "
           f"loads/request; {alt['concurrent_clients_per_model']} clients per model "
           f"({alt['concurrent_requests']} requests): {alt['concurrent_loads_per_request']:.3f} loads/request")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "router", "sizes": rows, "alternating": alt}, indent=2))
-    print(f"wrote {args.out}")
+    save(args.out, {"bench": "router", "sizes": rows, "alternating": alt})
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from _load import save
+
 from pyllmrouter.tables import render
 from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import start_serve
@@ -98,9 +100,7 @@ def main() -> None:
                  [[name, status, allow or "-"] for name, status, allow in requests]))
     print(f"\nPOST /v1/streams/lookup, {lookup['ids']:,} ids ({lookup['bytes'] / 2**20:.1f} MiB): "
           f"{lookup['status']} in {lookup['seconds']:.2f} s; slowest /health meanwhile {lookup['health_worst_ms']:.0f} ms")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "safety", "drive_by": requests, "lookup": lookup}, indent=2))
-    print(f"\nwrote {args.out}")
+    save(args.out, {"bench": "safety", "drive_by": requests, "lookup": lookup})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import random
 import signal
@@ -39,6 +38,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from _load import save  # noqa: E402
 
 from pyllmrouter.tables import render  # noqa: E402
 from pyllmrouter.tools import tinymodels  # noqa: E402
@@ -196,14 +197,12 @@ def main() -> None:
             ["router RSS start (MiB)", f"{rss_start:.1f}"], ["router RSS end (MiB)", f"{rss_end:.1f}"],
             ["/health at the end", health]]
     print(render(["", "value"], rows))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    save(args.out, {
         "bench": "soak", "minutes": args.minutes, "clients": args.clients, "heartbeat": args.heartbeat,
         "max_queue": args.max_queue, "model_max_queue": args.model_max_queue,
         "answered": answered, "errors": errors, "hung": hung, "stops": log, "counters": counters,
         "rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1)}, "health_at_end": health,
-        "workers_at_end": status["workers"]}, indent=2))
-    print(f"\nwrote {args.out}")
+        "workers_at_end": status["workers"]})
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-from _load import stream_sse
+from _load import save, stream_sse
 
 from pyllmrouter.tables import render
 from pyllmrouter.tools import tinymodels
@@ -120,11 +120,9 @@ def main() -> None:
     print(render(["server", "TTFT after swap p50 s", "x faster than llama-server router",
                   "x faster than ours not kept", "each swap's TTFT s", "cached tokens", "first prompt tokens"], rows))
     print(f"\nkept at the end (bytes in RAM / on disk, files): {json.dumps(kept.get('ours, kept', {}))}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bench": "swap", "prompt_words": args.prompt_words, "swaps": args.swaps,
-                                    "ctx": args.ctx, "runs": results, "ttft_after_swap_p50_s": p50,
-                                    "kept": kept}, indent=2))
-    print(f"wrote {args.out}")
+    save(args.out, {"bench": "swap", "prompt_words": args.prompt_words, "swaps": args.swaps,
+                    "ctx": args.ctx, "runs": results, "ttft_after_swap_p50_s": p50,
+                    "kept": kept})
 
 
 if __name__ == "__main__":

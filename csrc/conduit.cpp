@@ -260,7 +260,7 @@ void Conduit::serve(std::string message, int client) {
     bool registered = false;
     Model * model = nullptr;  // while registered: detach() waits for its requests before it erases
     bool holds_slot = false;
-    auto release_slot = [&] {  // as soon as the engine is done with the request
+    auto release_slot = [&] {  // as soon as the engine is done with the request, once
         if (!holds_slot) return;
         std::lock_guard<std::mutex> lock(mutex_);
         leave(*model);
@@ -344,7 +344,6 @@ void Conduit::serve(std::string message, int client) {
             }
             keep = keep_alive && out.ok && !stop->stopped();  // before the reply goes: it sets the flag
             reply.reset();  // on_complete, as llama-server's connection ends
-            release_slot();  // a stream that ended early: cancelled by now
             if (seen > 0) {
                 std::lock_guard<std::mutex> lock(mutex_);
                 auto it = models_.find(name);
@@ -356,7 +355,6 @@ void Conduit::serve(std::string message, int client) {
         }
         if (!engine && !left) keep = keep_alive && out.ok;
     } catch (const std::exception & e) {
-        release_slot();
         error = e.what();
         if (out.written == 0 && id >= 0) {  // nothing written yet: say it, as llama-server's ex_wrapper
             status = 500;
@@ -366,7 +364,7 @@ void Conduit::serve(std::string message, int client) {
         }
         keep = false;
     }
-    release_slot();
+    release_slot();  // where the reply did not end (a stream cut short, an error): after it
     ::close(client);  // the router's descriptor stays: the connection is its own again
     {
         std::lock_guard<std::mutex> lock(mutex_);

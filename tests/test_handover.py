@@ -91,14 +91,19 @@ def connect(url: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=60)
 
 
+def metric(base: str, name: str, model: str | None = None) -> float:
+    """A series of the router's /metrics (a name, with its labels where it has them), or of a
+    model's llama-server counters (``model``)."""
+    text = httpx.get(base + "/metrics" + (f"?model={model}" if model else ""), timeout=30).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
 def written(base: str) -> dict[str, float]:
     """The router's count of model responses by who wrote them (/metrics): native, relayed."""
-    out = {"native": 0.0, "relayed": 0.0}
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("pyllmrouter_responses_total{"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split('"')[1]] = float(value)
-    return out
+    return {path: metric(base, f'pyllmrouter_responses_total{{path="{path}"}}') for path in ("native", "relayed")}
 
 
 def test_one_connection_carries_native_and_router_answers_in_turn(base):
@@ -246,15 +251,6 @@ def test_no_native_relays_every_answer(tiny):
             proc.wait(30)
 
 
-def _metric(base: str, name: str, model: str | None = None) -> float:
-    """A value of the router's /metrics, or of a model's llama-server counters (``model``)."""
-    text = httpx.get(base + "/metrics" + (f"?model={model}" if model else ""), timeout=30).text
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
 def test_requests_past_the_slots_wait_in_the_worker_and_a_client_that_leaves_meanwhile_costs_nothing(tiny, tmp_path):
     """One slot, one endless stream in it: a second stream is deferred in llama.cpp's queue
     (a slot's worth, ready for the slot), a third waits in the worker, not there too
@@ -277,25 +273,25 @@ def test_requests_past_the_slots_wait_in_the_worker_and_a_client_that_leaves_mea
         second = threading.Thread(target=lambda: second_out.append(httpx.post(
             url + "/v1/chat/completions", json={**chat, "max_tokens": 5}, timeout=120)))
         second.start()
-        wait_for(lambda: _metric(url, "pyllmrouter_model_requests_in_flight") == 2, 30)
-        wait_for(lambda: _metric(url, "llamacpp:requests_deferred", "one") == 1, 30)  # llama.cpp's queue
+        wait_for(lambda: metric(url, "pyllmrouter_model_requests_in_flight") == 2, 30)
+        wait_for(lambda: metric(url, "llamacpp:requests_deferred", "one") == 1, 30)  # llama.cpp's queue
         leaving = connect(url)
         leaving.sendall(request("POST", "/v1/chat/completions", {**chat, "max_tokens": 5}))
-        wait_for(lambda: _metric(url, "pyllmrouter_model_requests_in_flight") == 3, 30)
+        wait_for(lambda: metric(url, "pyllmrouter_model_requests_in_flight") == 3, 30)
         time.sleep(0.5)  # long enough for llama.cpp to have it, were it let in
-        assert _metric(url, "llamacpp:requests_processing", "one") == 1
-        assert _metric(url, "llamacpp:requests_deferred", "one") == 1  # the third waits in the worker
+        assert metric(url, "llamacpp:requests_processing", "one") == 1
+        assert metric(url, "llamacpp:requests_deferred", "one") == 1  # the third waits in the worker
         r = httpx.post(url + "/tokenize", json={"model": "one", "content": "a b c"}, timeout=30)
         assert r.status_code == 200 and r.json()["tokens"]  # no slot needed: not behind the stream
         leaving.close()
-        wait_for(lambda: _metric(url, "pyllmrouter_model_requests_in_flight") == 2, 30)
+        wait_for(lambda: metric(url, "pyllmrouter_model_requests_in_flight") == 2, 30)
         assert second.is_alive() and not second_out  # the slot is still the first stream's
         first.close()  # the first stream ends: the second takes the slot
         second.join(120)
         assert second_out and second_out[0].status_code == 200
         done = [line for line in second_out[0].text.splitlines() if line.startswith("data: ")]
         assert done[-1] == "data: [DONE]"
-        wait_for(lambda: _metric(url, "pyllmrouter_model_requests_in_flight") == 0, 30)
+        wait_for(lambda: metric(url, "pyllmrouter_model_requests_in_flight") == 0, 30)
     finally:
         proc.terminate()
         proc.wait(30)

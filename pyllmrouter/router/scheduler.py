@@ -343,8 +343,6 @@ class Scheduler:
         last = ready.get(prefer) if prefer is not None else None
         if last is not None and last.leases < self._slots(last):
             return last
-        if len(ready) <= 1:  # the model's one instance (the usual case), or none
-            return next(iter(ready.values()), None)
         name = replicas.pick([replicas.Instance(r.name, r.leases, self._slots(r), r.primary is None)
                               for r in ready.values()])
         return ready.get(name) if name is not None else None

@@ -164,9 +164,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         query = _query(scope)
         try:
             raw, files, data = _engine_body(headers.get("content-type", ""), raw)
-            model = data.get("model") if isinstance(data, dict) else None
-            if not isinstance(model, str) or not model:  # a body that names none (an array): ?model=
-                model = query.get("model")
+            model = _model_named(data, query)
             if not model:
                 raise ApiError(400, "'model' is required (a model id from GET /v1/models), in the body or as "
                                     "?model=", param="model")
@@ -207,10 +205,6 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             began = False
             handover.undo()
 
-        def lost() -> None:  # handed over, and no answer: nothing can be written on the connection any more
-            metrics.observe(model, endpoint, "502", time.perf_counter() - t0)
-            handover.finish(False)
-
         extra = tuple((k.decode("latin-1"), v.decode("latin-1"))
                       for k, v in scope.get("extensions", {}).get(CORS_HEADERS, ()))
         connection = Connection(handover.fd, handover.keep_alive, extra, begin, undo)
@@ -220,21 +214,19 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
                                       gone=lambda: _departed(receive))
         except asyncio.CancelledError:
             if began:
-                lost()
+                handed_back(model, endpoint, t0, handover, None, None)
             raise
         except RouterError as e:
-            if began and isinstance(e, WorkerDied) and handover.untouched():
-                undo()  # the worker died before it wrote a byte: the client gets the 503 a relay gives
-            if began:
-                lost()
-                return None
-            err = from_router_error(e)
-            metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
-            raise err from None
+            if not began:
+                err = from_router_error(e)
+                metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
+                raise err from None
+            err = handed_back(model, endpoint, t0, handover, None, e)
+            if err is not None:
+                raise err from None
+            return None
         if isinstance(out, Served):
-            metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
-            metrics.native.inc()
-            handover.finish(out.keep)
+            handed_back(model, endpoint, t0, handover, out, None)
             return None
         reply, stream = out
         metrics.relayed.inc()
@@ -252,13 +244,11 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
                 headers.get("content-type", "").lower().startswith("multipart/form-data"):
             return False
         try:
-            data = json.loads(raw or b"{}")
-        except (ValueError, RecursionError):
-            return False
+            data = json_value(raw)
+        except ApiError:
+            return False  # the task answers the 400
         query = _query(scope)
-        model = data.get("model") if isinstance(data, dict) else None
-        if not isinstance(model, str) or not model:
-            model = query.get("model")
+        model = _model_named(data, query)
         if not model:
             return False
         t0, endpoint = time.perf_counter(), scope["path"]
@@ -268,22 +258,34 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return False
 
         def done(fut: asyncio.Future) -> None:
-            err = fut.exception() if not fut.cancelled() else WorkerDied("the request was cancelled")
-            if err is None:
-                out = fut.result()
-                metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
-                metrics.native.inc()
-                handover.finish(out.keep)
-            elif isinstance(err, WorkerDied) and handover.untouched():
-                handover.undo()  # the worker died before it wrote a byte: the 503 a relay gives
-                error = from_router_error(err)
-                metrics.observe(model, endpoint, str(error.status), time.perf_counter() - t0)
-                answer(error_response(error))
-            else:  # handed over, and no answer: nothing can be written on the connection any more
-                metrics.observe(model, endpoint, "502", time.perf_counter() - t0)
-                handover.finish(False)
+            failed = None if fut.cancelled() else fut.exception()
+            out = fut.result() if not fut.cancelled() and failed is None else None
+            err = handed_back(model, endpoint, t0, handover, out, failed)
+            if err is not None:
+                answer(error_response(err))
         served.add_done_callback(done)
         return True
+
+    def handed_back(model: str, endpoint: str, t0: float, handover: Handover, out: Served | None,
+                    failed: BaseException | None) -> ApiError | None:
+        """The end of a request handed over to a worker (``hand_over``, ``take``): its answer
+        counted and the connection the router's again (None); or, for a worker that died
+        before it wrote a byte, the connection taken back unused and the error a relay gives,
+        for the caller to write.  Anything else (no answer, or one cut short): 502, and the
+        connection closes, since the worker may have written part of a response."""
+        if out is not None:
+            metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
+            metrics.native.inc()
+            handover.finish(out.keep)
+            return None
+        if isinstance(failed, WorkerDied) and handover.untouched():
+            handover.undo()
+            err = from_router_error(failed)
+            metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
+            return err
+        metrics.observe(model, endpoint, "502", time.perf_counter() - t0)
+        handover.finish(False)
+        return None
 
     async def session(request: Request, model: str, listed: str, conv_id: str, raw: bytes,
                       files: dict[str, tuple[str, str, bytes]]) -> Response:
@@ -364,13 +366,25 @@ def _for_engine(request: Request) -> tuple[str, dict[str, str], dict[str, str]]:
 
 def _engine_query(query: dict[str, str]) -> dict[str, str]:
     """A request's query parameters as its model's engine gets them: the router's own left out."""
-    return {k: v for k, v in query.items() if k not in ("model", "autoload")} if query else query
+    return {k: v for k, v in query.items() if k not in ("model", "autoload")}
 
 
 def _engine_headers(headers: dict[str, str]) -> dict[str, str]:
     """A request's headers (by lower-case name) as its model's engine gets them: those that
     stay here left out."""
     return {k: v for k, v in headers.items() if k not in _NOT_FORWARDED}
+
+
+def _model_named(data: Any, query: dict[str, str]) -> str | None:
+    """The model a request names: its JSON object's "model", else ?model= (a body that names
+    none, an array), as llama-server's router reads it."""
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else query.get("model") or None
+
+
+def _header_dict(scope) -> dict[str, str]:
+    """A request's headers by lower-case name (the last of a name given twice)."""
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
 
 
 def _query(scope) -> dict[str, str]:
@@ -503,16 +517,16 @@ class _Guard:
         any request (and answers whatever these checks refused)."""
         if self._take is None or scope["method"] != "POST" or not _engine_post_path(scope["path"]):
             return False
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if "origin" in headers or self.gate.host(headers.get("host")) is not None or len(body) > self.max_body \
+        headers = _header_dict(scope)
+        if "origin" in headers or self.gate.host(headers.get("host")) is not None \
                 or guard_error(scope["path"], headers, self.api_keys, self.max_body) is not None:
-            return False
+            return False  # its Content-Length is its body's: the length checked is the body's
         return self._take(scope, headers, body, handover, answer)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        headers = _header_dict(scope)
         host, origin, path = headers.get("host"), headers.get("origin"), scope["path"]
         refused = self.gate.host(host)  # before anything else: DNS rebinding
         if refused is None and self.cors is not None:

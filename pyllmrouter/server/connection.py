@@ -100,7 +100,6 @@ def _sent_mark(sock) -> tuple[int, int] | None:
 
 class HttpProtocol(HttpToolsProtocol):
     socket = None  # the connection's socket, once made (asked of the transport once, not per request)
-    _heading = False  # in on_headers_complete: a task started now may wait for its body
     _held = None  # (cycle, app): a request whose task waits until its body has come whole
 
     def connection_made(self, transport) -> None:
@@ -108,16 +107,13 @@ class HttpProtocol(HttpToolsProtocol):
         self.socket = transport.get_extra_info("socket")
 
     def on_headers_complete(self) -> None:
-        self._heading = True
-        try:
-            super().on_headers_complete()
-        finally:
-            self._heading = False
+        super().on_headers_complete()
         if self.cycle is not None and self.cycle.scope is self.scope and self.scope.get("method") == "POST":
             self.scope.setdefault("extensions", {})[HANDOVER] = Handover(self, self.cycle)
 
     def _start_asgi_task(self, cycle, app) -> None:
-        if self._heading and self._held is None and _whole_soon(cycle, self.expect_100_continue) \
+        # a body still to come (more_body: its message is not complete) is waited for
+        if cycle.more_body and self._held is None and _whole_soon(cycle, self.expect_100_continue) \
                 and getattr(app, "take_whole", None) is not None:
             self._held = (cycle, app)  # offered whole first (on_message_complete)
             return
