@@ -5,6 +5,9 @@ behind one address, one hop to the engine).
 
     scripts/build_llama_tools.sh llama-server    # once: llama.cpp of the pinned sdist
     python bench/http_bench.py [--requests N] [--rounds R] [--clients 1,8,16,64] [--model tiny|100m] [--out FILE]
+    python bench/http_bench.py --gpu     # every layer on the GPU (CUDA builds of both); the
+                                         # Python API's path is left out (its router would
+                                         # need the real devices beside the HTTP servers)
 
 Short completions (8 tokens, greedy) on the tiny llama, with the same llama-server
 arguments everywhere (4 slots), at 1 and 16 concurrent clients; each path is
@@ -76,9 +79,11 @@ def main() -> None:
     ap.add_argument("--clients", default="1,16", help="concurrency levels, comma-separated")
     ap.add_argument("--model", choices=sorted(SHAPES), default="tiny",
                     help="tiny (2 layers: the path around the engine is what is measured) or 100m")
+    ap.add_argument("--gpu", action="store_true", help="every layer on the GPU, in every path")
     ap.add_argument("--llama-server", type=Path, default=llama_tool("llama-server"))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "http_bench.json")
     args = ap.parse_args()
+    paths = tuple(p for p in PATHS if not (args.gpu and p == "python API"))
     if not args.llama_server.exists():
         raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
     results: dict[tuple[int, str], list[dict]] = {}
@@ -87,17 +92,18 @@ def main() -> None:
         os.environ["PYLLMROUTER_CACHE"] = str(Path(tmp) / "cache")
         path = (tinymodels.write_tiny_set(Path(tmp) / "models")["tiny-llama"] if SHAPES[args.model] is None
                 else tinymodels.write_llama(Path(tmp) / "m.gguf", SHAPES[args.model]))
-        spec = ModelSpec(path, n_ctx=1024)
+        spec = ModelSpec(path, n_ctx=1024, n_gpu_layers=-1 if args.gpu else None)
         preset = Path(tmp) / "p.ini"
         preset.write_text(f"[m]\nmodel = {path}\nc = 1024\nnp = 4\nkv-unified = true\nfit = off\n"
-                          "load-on-startup = true\n")
+                          + ("ngl = all\n" if args.gpu else "") + "load-on-startup = true\n")
+        devices = [] if args.gpu else ["--emulate-devices", "GPU0=1TiB"]
         engine = load(spec, name="m")
-        router = Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 1 << 40}), margin=0)
+        router = None if args.gpu else Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 1 << 40}),
+                                              margin=0)
         try:
-            ours, ours_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB"])
+            ours, ours_base = start_serve(["--models-preset", str(preset), *devices])
             procs.append(ours)
-            relay, relay_base = start_serve(["--models-preset", str(preset), "--emulate-devices", "GPU0=1TiB",
-                                             "--no-native"])
+            relay, relay_base = start_serve(["--models-preset", str(preset), *devices, "--no-native"])
             procs.append(relay)
             single_port, router_port = free_port(), free_port()
             procs.append(subprocess.Popen([str(args.llama_server), *engine_args(spec, "m"), "--host", "127.0.0.1",
@@ -114,7 +120,8 @@ def main() -> None:
             wait_healthy(bases["llama-server router"], procs[3])
             calls = {
                 "engine in-process": lambda _i: lambda: request(engine, "/v1/completions", BODY),
-                "python API": lambda _i: lambda: router.complete("m", "hello", max_tokens=8, temperature=0.0),
+                **({} if router is None else
+                   {"python API": lambda _i: lambda: router.complete("m", "hello", max_tokens=8, temperature=0.0)}),
                 **{name: http_calls(base) for name, base in bases.items()},
             }
             for name, make in calls.items():  # warm: models loaded, slots used once
@@ -122,7 +129,7 @@ def main() -> None:
             for rnd in range(args.rounds):
                 for clients in [int(c) for c in args.clients.split(",")]:
                     per = max(1, args.requests // clients)
-                    order = PATHS[rnd % len(PATHS):] + PATHS[:rnd % len(PATHS)]
+                    order = paths[rnd % len(paths):] + paths[:rnd % len(paths)]
                     for name in order:
                         results.setdefault((clients, name), []).append(
                             measure(calls[name], clients, per, router_pids.get(name)))
@@ -131,7 +138,8 @@ def main() -> None:
                 p.terminate()
             for p in procs:
                 p.wait(30)
-            router.close()
+            if router is not None:
+                router.close()
             engine.close()
     rows, table = [], []
     for (clients, name), rounds in results.items():
@@ -154,7 +162,7 @@ def main() -> None:
     for row in rows:
         for e in sorted({e for r in row["rounds"] for e in r["first_errors"]})[:3]:
             print(f"  {row['path']}, {row['clients']} clients: {e}")
-    save(args.out, {"bench": "http", "model": args.model, "rows": rows})
+    save(args.out, {"bench": "http", "model": args.model, "gpu": args.gpu, "rows": rows})
 
 
 if __name__ == "__main__":

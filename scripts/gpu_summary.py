@@ -5,7 +5,8 @@
 
 junit.xml (pytest -m gpu): each test and its outcome; gpu_bench.json: probe against
 load, the residual; concurrency-*.json: ours against llama-server and its router mode;
-replicas.json: one hot model with replicas = 1 and 2.
+http.json: short non-streamed requests, ours against the same peers; replicas.json: one
+hot model with replicas = 1 and 2.
 """
 
 from __future__ import annotations
@@ -64,6 +65,22 @@ def concurrency(path: Path) -> str:
                       "CPU s/1k tok outside decode, ours / peer"], rows))
 
 
+def http(path: Path) -> str:
+    if not path.exists():
+        return "http: no result"
+    data = json.loads(path.read_text())
+    rows = []
+    for row in data["rows"]:
+        g, lo, hi = row["our_http_req_s_ratio"]
+        cpu = row.get("router_cpu_us")
+        rows.append([row["clients"], row["path"], f"{row['p50_ms']:.2f}", f"{row['req_s']:.0f}",
+                     f"{g:.2f} [{lo:.2f}, {hi:.2f}]", "-" if cpu is None else f"{cpu:.0f}", row["errors"]])
+    where = "GPU" if data.get("gpu") else "CPU"
+    return (f"http (non-streamed), model {data['model']} on the {where}\n"
+            + render(["clients", "path", "p50 ms", "req/s", "our req/s / this [95% CI]",
+                      "router process CPU us/request", "failed"], rows))
+
+
 def replicas(path: Path) -> str:
     data = json.loads(path.read_text())
     rows = []
@@ -82,6 +99,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     parts = [tests(out / "junit.xml"), gpu_bench(out / "gpu_bench.json")]
     parts += [concurrency(p) for p in sorted(out.glob("concurrency-*.json"))]
+    parts.append(http(out / "http.json"))
     if (out / "replicas.json").exists():
         parts.append(replicas(out / "replicas.json"))
     print("\n\n".join(parts))
