@@ -74,7 +74,10 @@ def prompt_source(words: int) -> Callable[[], str]:
 
 
 SERVERS = ("pyllmrouter", "llama-server", "llama-server router")
-RELAY = "pyllmrouter relay"  # ours with --no-native: every response through the router process
+# ours with other settings, side by side (--relay, --no-follow): their names and serve arguments
+RELAY = "pyllmrouter relay"  # --no-native: every response through the router process
+UNFOLLOWED = "pyllmrouter no follow"  # --follow-ms 0: the router reads every request itself
+VARIANTS = {RELAY: ("--no-native",), UNFOLLOWED: ("--follow-ms", "0")}
 
 
 def bench_model(name: str, directory: Path) -> Path:
@@ -197,6 +200,8 @@ def main() -> None:
     ap.add_argument("--relay", action="store_true",
                     help="also ours with --no-native (every response relayed through the router process, "
                          "the path before the native one): the two side by side")
+    ap.add_argument("--no-follow", action="store_true",
+                    help="also ours with --follow-ms 0 (the router reads every request on a connection itself)")
     ap.add_argument("--llama-server", default=str(llama_tool("llama-server")))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "concurrency_bench.json")
     args = ap.parse_args()
@@ -204,7 +209,8 @@ def main() -> None:
         raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
     levels = [int(x) for x in args.clients.split(",")]
     prompt = prompt_source(args.prompt_words)
-    servers = SERVERS + (RELAY,) if args.relay else SERVERS
+    variants = [name for name, wanted in ((RELAY, args.relay), (UNFOLLOWED, args.no_follow)) if wanted]
+    servers = SERVERS + tuple(variants)
     runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in servers}
     with tempfile.TemporaryDirectory() as tmp:
         model = bench_model(args.model, Path(tmp))
@@ -222,10 +228,11 @@ def main() -> None:
         devices = [] if args.gpu else ["--emulate-devices", "GPU0=1TiB"]
         ours, ours_base = start_serve(["--models-preset", str(preset), *devices], env=env)
         procs = {"pyllmrouter": ours}
-        relay_base = None
-        if args.relay:
-            procs[RELAY], relay_base = start_serve(["--models-preset", str(preset), "--no-native", *devices],
-                                                   env=dict(env, PYLLMROUTER_CACHE=str(Path(tmp) / "cache-relay")))
+        variant_bases = {}
+        for i, name in enumerate(variants):
+            procs[name], variant_bases[name] = start_serve(
+                ["--models-preset", str(preset), *VARIANTS[name], *devices],
+                env=dict(env, PYLLMROUTER_CACHE=str(Path(tmp) / f"cache-{i}")))
         procs["llama-server"] = subprocess.Popen(
             [args.llama_server, "-m", str(model), "-c", str(args.ctx), "-np", str(args.parallel),
              "-ngl", ngl, "-t", str(args.threads), "-tb", str(args.threads), "--port", str(single_port),
@@ -237,8 +244,7 @@ def main() -> None:
         try:
             bases = {"pyllmrouter": ours_base, "llama-server": f"http://127.0.0.1:{single_port}",
                      "llama-server router": f"http://127.0.0.1:{router_port}"}
-            if relay_base is not None:
-                bases[RELAY] = relay_base
+            bases.update(variant_bases)
             for name in SERVERS[1:]:
                 wait_healthy(bases[name], procs[name])
             for name, base in bases.items():  # warm all: loaded, and every slot has decoded before round 1

@@ -42,9 +42,12 @@ from pyllmrouter.router.api import Router
 from pyllmrouter.tables import render
 
 BODY = {"prompt": "hello", "max_tokens": 8, "temperature": 0.0}
-# "HTTP": ours (a worker writes the response on the client's connection); "HTTP relay": ours
-# with --no-native (every response relayed through the router process, the path before)
-PATHS = ("engine in-process", "python API", "HTTP", "HTTP relay", "llama-server", "llama-server router")
+# "HTTP": ours (a worker writes the response on the client's connection, and reads the next
+# requests like it there itself); "HTTP no follow": ours with --follow-ms 0 (the router reads
+# every request); "HTTP relay": ours with --no-native (every response relayed through the
+# router process, the path before)
+PATHS = ("engine in-process", "python API", "HTTP", "HTTP no follow", "HTTP relay", "llama-server",
+         "llama-server router")
 SHAPES = {"tiny": None, "100m": tinymodels.LLAMA_100M}
 
 
@@ -105,19 +108,24 @@ def main() -> None:
             procs.append(ours)
             relay, relay_base = start_serve(["--models-preset", str(preset), *devices, "--no-native"])
             procs.append(relay)
+            unfollowed, unfollowed_base = start_serve(["--models-preset", str(preset), *devices, "--follow-ms", "0"])
+            procs.append(unfollowed)
             single_port, router_port = free_port(), free_port()
-            procs.append(subprocess.Popen([str(args.llama_server), *engine_args(spec, "m"), "--host", "127.0.0.1",
-                                           "--port", str(single_port)],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            procs.append(subprocess.Popen([str(args.llama_server), "--models-preset", str(preset), "--host",
-                                           "127.0.0.1", "--port", str(router_port), "--models-max", "1"],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            bases = {"HTTP": ours_base, "HTTP relay": relay_base, "llama-server": f"http://127.0.0.1:{single_port}",
+            single = subprocess.Popen([str(args.llama_server), *engine_args(spec, "m"), "--host", "127.0.0.1",
+                                       "--port", str(single_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(single)
+            theirs = subprocess.Popen([str(args.llama_server), "--models-preset", str(preset), "--host", "127.0.0.1",
+                                       "--port", str(router_port), "--models-max", "1"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(theirs)
+            bases = {"HTTP": ours_base, "HTTP no follow": unfollowed_base, "HTTP relay": relay_base,
+                     "llama-server": f"http://127.0.0.1:{single_port}",
                      "llama-server router": f"http://127.0.0.1:{router_port}"}
             # the process that routes (its engines are its children): CPU per request is counted for it
-            router_pids = {"HTTP": ours.pid, "HTTP relay": relay.pid, "llama-server router": procs[3].pid}
-            wait_healthy(bases["llama-server"], procs[2])
-            wait_healthy(bases["llama-server router"], procs[3])
+            router_pids = {"HTTP": ours.pid, "HTTP no follow": unfollowed.pid, "HTTP relay": relay.pid,
+                           "llama-server router": theirs.pid}
+            wait_healthy(bases["llama-server"], single)
+            wait_healthy(bases["llama-server router"], theirs)
             calls = {
                 "engine in-process": lambda _i: lambda: request(engine, "/v1/completions", BODY),
                 **({} if router is None else

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "cpp-httplib/httplib.h"  // status_message: the reason phrases llama-server's HTTP layer writes
 #include "engine.h"
@@ -66,6 +67,13 @@ struct Writer {
     }
 };
 
+// A 500 with the error, as llama-server's ex_wrapper answers an exception; the connection closes.
+void write_error(Writer & out, const std::string & error) {
+    const std::string data = safe_json_to_str({{"error", format_error_response(error, ERROR_TYPE_SERVER)}});
+    out.write("HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json; charset=utf-8\r\n"
+              "Connection: close\r\nContent-Length: " + std::to_string(data.size()) + "\r\n\r\n" + data);
+}
+
 // The "cache_n" of llama-server's timings in a reply: a request that took tokens from a
 // slot's cache (0 when none is said).
 int cache_n(const std::string & data) {
@@ -75,6 +83,26 @@ int cache_n(const std::string & data) {
         best = std::max(best, std::atoi(data.c_str() + at + key.size()));
     }
     return best;
+}
+
+// How deep a JSON text nests its arrays and objects (strings skipped).
+int nesting(const std::string & text) {
+    int depth = 0, deepest = 0;
+    bool in_string = false;
+    for (size_t i = 0; i < text.size(); ++i) {
+        const char c = text[i];
+        if (in_string) {
+            if (c == '\\') ++i;
+            else if (c == '"') in_string = false;
+        } else if (c == '"') {
+            in_string = true;
+        } else if (c == '[' || c == '{') {
+            deepest = std::max(deepest, ++depth);
+        } else if (c == ']' || c == '}') {
+            --depth;
+        }
+    }
+    return deepest;
 }
 
 // llama-server's endpoints whose requests take a slot of the engine (a generation, an
@@ -250,13 +278,76 @@ void Conduit::leave(Model & m) {
 
 void Conduit::serve(std::string message, int client) {
     long long id = -1;
-    int status = 0;
-    bool keep = false;
-    std::string error;
+    Outcome last;
+    json answers = json::array();  // [status, bytes, seconds] of each request answered
+    try {
+        const size_t nul = message.find('\0');
+        const json h = json::parse(message.substr(0, nul));
+        std::string body = nul == std::string::npos ? std::string() : message.substr(nul + 1);
+        message.clear();
+        id = h.at("id").get<long long>();
+        Request req;
+        req.name = h.at("model").get<std::string>();
+        req.method = h.at("method").get<std::string>();
+        req.path = h.at("path").get<std::string>();
+        req.query = string_map(h.value("query", json::object()));
+        req.headers = string_map(h.value("headers", json::object()));
+        req.query_string = h.value("query_string", std::string());
+        req.keep_alive = h.value("keep_alive", true);
+        for (const auto & kv : h.value("extra", json::array())) {  // the router's headers (CORS)
+            req.extra += kv.at(0).get<std::string>() + ": " + kv.at(1).get<std::string>() + "\r\n";
+        }
+        Follow follow;
+        const json f = h.value("follow", json());
+        if (f.is_object() && req.keep_alive) {
+            follow.line = f.at("line").get<std::string>();
+            follow.headers = string_map(f.at("headers"));
+            follow.named = f.at("named").get<std::string>();
+            follow.max_body = f.at("max_body").get<size_t>();
+            follow.idle_ms = f.value("idle_ms", 20);
+            follow.until = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.at("ms").get<int>());
+        }
+        while (true) {
+            const auto began = std::chrono::steady_clock::now();
+            last = answer(req, body, client);
+            answers.push_back(json::array(
+                {last.status, last.written,
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count()}));
+            if (follow.line.empty() || !last.keep || !open(req.name)) break;
+            if (!read_next(client, follow, body)) break;
+        }
+    } catch (const std::exception & e) {  // the router's message unreadable
+        last.error = e.what();
+        last.keep = false;
+        if (id >= 0 && answers.empty()) {  // nothing written yet: say it
+            StopFlag stop;
+            Writer out{client, stop};
+            write_error(out, last.error);
+            last.status = 500;
+            last.written = out.written;
+        }
+    }
+    ::close(client);  // the router's descriptor stays: the connection is its own again
+    if (id >= 0) report(id, last.status, last.written, last.keep, last.error, answers);
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        --in_flight_;
+    }
+    done_.notify_all();
+}
+
+bool Conduit::open(const std::string & name) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = models_.find(name);
+    return it != models_.end() && !it->second.closing && !closed_.load();
+}
+
+Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, int client) {
+    Outcome o;
     auto stop = std::make_shared<StopFlag>();
     stop->peer = client;
     Writer out{client, *stop};
-    std::string name;
+    const std::string connection = req.keep_alive ? "" : "Connection: close\r\n";
     bool registered = false;
     Model * model = nullptr;  // while registered: detach() waits for its requests before it erases
     bool holds_slot = false;
@@ -267,23 +358,11 @@ void Conduit::serve(std::string message, int client) {
         holds_slot = false;
     };
     try {
-        const size_t nul = message.find('\0');
-        const json h = json::parse(message.substr(0, nul));
-        const std::string body = nul == std::string::npos ? std::string() : message.substr(nul + 1);
-        message.clear();
-        id = h.at("id").get<long long>();
-        name = h.at("model").get<std::string>();
-        const bool keep_alive = h.value("keep_alive", true);
-        std::string extra;  // the router's headers (CORS), as it would have sent them
-        for (const auto & kv : h.value("extra", json::array())) {
-            extra += kv.at(0).get<std::string>() + ": " + kv.at(1).get<std::string>() + "\r\n";
-        }
-        const std::string connection = keep_alive ? "" : "Connection: close\r\n";
         std::shared_ptr<Engine> engine;
         int awaited = 0;
         {
             std::lock_guard<std::mutex> lock(mutex_);
-            auto it = models_.find(name);
+            auto it = models_.find(req.name);
             if (it != models_.end() && !it->second.closing) {
                 engine = it->second.engine;
                 awaited = it->second.awaited;
@@ -293,7 +372,7 @@ void Conduit::serve(std::string message, int client) {
             }
         }
         bool left = false;  // the client left while its request waited for a slot
-        if (engine && takes_slot(h.at("path").get<std::string>())) {
+        if (engine && takes_slot(req.path)) {
             std::unique_lock<std::mutex> lock(mutex_);
             holds_slot = enter(*model, *stop, lock);
             if (!holds_slot && model->closing) {
@@ -303,24 +382,22 @@ void Conduit::serve(std::string message, int client) {
             }
         }
         if (left) {
-            status = 499;  // nothing written: the client is gone
+            o.status = 499;  // nothing written: the client is gone
         } else if (!engine) {  // unloaded meanwhile: what llama-server says of a model not ready
-            status = 503;
+            o.status = 503;
             const std::string data = safe_json_to_str(
                 {{"error", format_error_response("Loading model", ERROR_TYPE_UNAVAILABLE)}});
             out.write("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
-                      "Retry-After: 1\r\n" + extra + connection + "Content-Length: " +
+                      "Retry-After: 1\r\n" + req.extra + connection + "Content-Length: " +
                       std::to_string(data.size()) + "\r\n\r\n" + data);
+            o.keep = req.keep_alive && out.ok;
         } else {
-            auto reply = engine->handle(h.at("method").get<std::string>(), h.at("path").get<std::string>(),
-                                        string_map(h.value("query", json::object())),
-                                        string_map(h.value("headers", json::object())), body,
-                                        h.value("query_string", std::string()), stop);
-            status = reply->status();
-            std::string head = "HTTP/1.1 " + std::to_string(status) + " " + httplib::status_message(status) + "\r\n" +
-                               "Content-Type: " + reply->content_type() + "\r\n";
+            auto reply = engine->handle(req.method, req.path, req.query, req.headers, body, req.query_string, stop);
+            o.status = reply->status();
+            std::string head = "HTTP/1.1 " + std::to_string(o.status) + " " + httplib::status_message(o.status) +
+                               "\r\n" + "Content-Type: " + reply->content_type() + "\r\n";
             for (const auto & [k, v] : reply->headers()) head += k + ": " + v + "\r\n";
-            head += extra + connection;
+            head += req.extra + connection;
             int seen = 0;
             if (!reply->is_stream()) {
                 release_slot();  // the whole reply is here: its slot is free
@@ -342,48 +419,117 @@ void Conduit::serve(std::string message, int client) {
                     }
                 }
             }
-            keep = keep_alive && out.ok && !stop->stopped();  // before the reply goes: it sets the flag
+            o.keep = req.keep_alive && out.ok && !stop->stopped();  // before the reply goes: it sets the flag
             reply.reset();  // on_complete, as llama-server's connection ends
             if (seen > 0) {
                 std::lock_guard<std::mutex> lock(mutex_);
-                auto it = models_.find(name);
+                auto it = models_.find(req.name);
                 if (it != models_.end() && it->second.awaited > 0) {
                     --it->second.awaited;
                     ++it->second.hits;
                 }
             }
         }
-        if (!engine && !left) keep = keep_alive && out.ok;
     } catch (const std::exception & e) {
-        error = e.what();
-        if (out.written == 0 && id >= 0) {  // nothing written yet: say it, as llama-server's ex_wrapper
-            status = 500;
-            const std::string data = safe_json_to_str({{"error", format_error_response(error, ERROR_TYPE_SERVER)}});
-            out.write("HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json; charset=utf-8\r\n"
-                      "Connection: close\r\nContent-Length: " + std::to_string(data.size()) + "\r\n\r\n" + data);
+        o.error = e.what();
+        if (out.written == 0) {  // nothing written yet: say it
+            o.status = 500;
+            write_error(out, o.error);
         }
-        keep = false;
+        o.keep = false;
     }
     release_slot();  // where the reply did not end (a stream cut short, an error): after it
-    ::close(client);  // the router's descriptor stays: the connection is its own again
-    {
+    if (registered) {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (registered) {
-            auto it = models_.find(name);
-            if (it != models_.end()) it->second.requests.erase(stop);
-        }
+        auto it = models_.find(req.name);
+        if (it != models_.end()) it->second.requests.erase(stop);
     }
-    if (id >= 0) report(id, status, out.written, keep, error);
-    {
-        std::lock_guard<std::mutex> lock(mutex_);
-        --in_flight_;
-    }
-    done_.notify_all();
+    o.written = out.written;
+    return o;
 }
 
-void Conduit::report(long long id, int status, long long bytes, bool keep, const std::string & error) {
-    const std::string msg = safe_json_to_str(
-        {{"id", id}, {"status", status}, {"bytes", bytes}, {"keep", keep}, {"error", error}});
+bool Conduit::read_next(int client, const Follow & follow, std::string & body) {
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= follow.until) return false;
+    const long long left = std::chrono::duration_cast<std::chrono::milliseconds>(follow.until - now).count();
+    const int wait = static_cast<int>(std::min<long long>(left, follow.idle_ms));
+    pollfd pfd{client, POLLIN, 0};
+    if (::poll(&pfd, 1, wait) <= 0) return false;
+    if (!(pfd.revents & POLLIN) || (pfd.revents & (POLLERR | POLLHUP))) return false;
+    // a head and its body may come in separate segments: the rest is waited for as long
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait);
+    std::string buf;
+    long long total = 0;
+    while (true) {
+        buf.assign(max_head + follow.max_body + 1, '\0');
+        const ssize_t n = ::recv(client, buf.data(), buf.size(), MSG_PEEK | MSG_DONTWAIT);
+        if (n <= 0) return false;  // the client closed (the router sees it), or nothing after all
+        buf.resize(static_cast<size_t>(n));
+        total = next_request(buf, follow);
+        if (total != 0 || std::chrono::steady_clock::now() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    if (total <= 0 || static_cast<size_t>(total) != buf.size()) return false;  // not one whole request like the last
+    std::string taken(static_cast<size_t>(total), '\0');
+    if (::recv(client, taken.data(), taken.size(), MSG_DONTWAIT) != static_cast<ssize_t>(total)) {
+        return false;  // cannot happen (its bytes were there); the connection is not the router's to read now
+    }
+    body = taken.substr(buf.find("\r\n\r\n") + 4);
+    return true;
+}
+
+long long Conduit::next_request(const std::string & buf, const Follow & follow) {
+    const size_t end = buf.find("\r\n\r\n");
+    if (end == std::string::npos) return buf.size() > max_head ? -1 : 0;
+    if (end > max_head) return -1;
+    size_t at = buf.find("\r\n");
+    if (buf.compare(0, at, follow.line) != 0 || at != follow.line.size()) return -1;
+    std::map<std::string, std::string> headers;
+    long long length = -1;
+    while (at < end) {
+        const size_t from = at + 2;
+        at = buf.find("\r\n", from);
+        const std::string line = buf.substr(from, at - from);
+        const size_t colon = line.find(':');
+        if (colon == 0 || colon == std::string::npos) return -1;
+        std::string name = line.substr(0, colon);
+        for (char & c : name) {
+            if (c <= ' ' || c == 0x7f) return -1;  // no whitespace or control in a name (nor a folded line)
+            c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+        }
+        size_t a = colon + 1, b = line.size();
+        while (a < b && (line[a] == ' ' || line[a] == '\t')) ++a;
+        while (b > a && (line[b - 1] == ' ' || line[b - 1] == '\t')) --b;
+        const std::string value = line.substr(a, b - a);
+        if (name == "content-length") {
+            if (length >= 0 || value.empty() || value.size() > 9 ||
+                value.find_first_not_of("0123456789") != std::string::npos) return -1;
+            length = std::stoll(value);
+        } else if (!headers.emplace(name, value).second) {
+            return -1;  // a name given twice
+        }
+    }
+    if (length < 0 || static_cast<size_t>(length) > follow.max_body || headers != follow.headers) return -1;
+    const size_t total = end + 4 + static_cast<size_t>(length);
+    if (buf.size() < total) return 0;  // its body still to come
+    // the model its body names: the same as the last one's ("": none, the query's then); a
+    // body the router might read otherwise (a byte-order mark, deep nesting) is the router's
+    const std::string text = buf.substr(end + 4, static_cast<size_t>(length));
+    if (text.compare(0, 3, "\xEF\xBB\xBF") == 0 || nesting(text) > max_nesting) return -1;
+    const json data = json::parse_no_throw(text);
+    if (data.is_discarded()) return -1;
+    std::string named;
+    if (data.is_object() && data.contains("model") && data.at("model").is_string()) {
+        named = data.at("model").get<std::string>();
+    }
+    return named == follow.named ? static_cast<long long>(total) : -1;
+}
+
+void Conduit::report(long long id, int status, long long bytes, bool keep, const std::string & error,
+                     const json & answers) {
+    json done = {{"id", id}, {"status", status}, {"bytes", bytes}, {"keep", keep}, {"error", error}};
+    if (answers.size() > 1) done["answers"] = answers;  // it read the connection's next requests itself
+    const std::string msg = safe_json_to_str(done);
     std::lock_guard<std::mutex> lock(send_mutex_);
     while (::send(fd_, msg.data(), msg.size(), MSG_NOSIGNAL) < 0 && errno == EINTR) {
     }

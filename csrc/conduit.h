@@ -10,7 +10,13 @@
 // the worker writes the answer.  A client that leaves is noticed here (its socket hangs
 // up, or a write fails): the request's should_stop turns true and llama.cpp ends it.
 // The router gets the connection back when done() says so (keep-alive) and reads the
-// client's next request itself.
+// client's next request itself, or, where it said so (`follow`), once the worker has read
+// the client's next requests itself: while they are like the one the router let through
+// (the same request line, the same headers but Content-Length, a whole body naming the
+// same model, nothing after it) and come within the router's window, each is answered
+// here too, under the same lease, and done() lists them all (status, bytes, seconds) for
+// the router's counts.  Anything else (another model, other headers, a pause) is left
+// unread for the router, which reads it as any request.
 //
 // A request that takes a slot (a completion, an embedding...) goes into llama.cpp's hands
 // only while the model has fewer such requests there than twice its slots: a slot's worth
@@ -24,6 +30,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <map>
@@ -34,6 +41,8 @@
 #include <thread>
 #include <utility>
 #include <vector>
+
+class common_json;  // llama.cpp's common/json.h
 
 namespace pyllmrouter {
 
@@ -60,7 +69,38 @@ class Conduit {
     int in_flight() const;
     void close();
 
+    // A request head's most bytes the worker reads itself (a follow's), and the deepest
+    // nesting of its JSON body (deeper: the router's, whose parser has a recursion limit).
+    static constexpr std::size_t max_head = 8 * 1024;
+    static constexpr int max_nesting = 200;
+    // What the router let through on a connection, for the worker to read the next
+    // requests itself while they are alike: the request line ("POST /v1/completions
+    // HTTP/1.1"), the headers by lower-case name but Content-Length, the model the body
+    // named ("": none), the longest body, until when, and how long a pause may be.
+    struct Follow {
+        std::string line;
+        std::map<std::string, std::string> headers;
+        std::string named;
+        std::size_t max_body = 0;
+        std::chrono::steady_clock::time_point until;
+        int idle_ms = 20;
+    };
+    // The bytes of the request at the start of `buf` where it is whole and like the one
+    // `follow` describes; 0 where it may be, its rest still to come; -1 where it is not.
+    static long long next_request(const std::string & buf, const Follow & follow);
+
   private:
+    struct Request {  // a request as the router handed it over (the next ones alike)
+        std::string name, method, path, query_string, extra;
+        std::map<std::string, std::string> query, headers;
+        bool keep_alive = true;
+    };
+    struct Outcome {  // what answering it did
+        int status = 0;
+        long long written = 0;
+        bool keep = false;
+        std::string error;
+    };
     struct Turn {  // a request waiting for a slot: granted by the one that leaves before it
         bool granted = false;
     };
@@ -87,7 +127,16 @@ class Conduit {
     void receive();
     void run();  // a pool thread: serves what the receiver queues, kept for the next request
     void serve(std::string message, int client);
-    void report(long long id, int status, long long bytes, bool keep, const std::string & error);
+    Outcome answer(const Request & req, const std::string & body, int client);
+    bool open(const std::string & name) const;  // the model takes requests still
+    // The client's next request, where it comes within the follow's window and is alike:
+    // read (its body into `body`); else nothing read.
+    bool read_next(int client, const Follow & follow, std::string & body);
+    // done: the last request's status and bytes, whether the connection may take the next,
+    // and, where the worker read the connection's next requests itself, each one's
+    // [status, bytes, seconds] in order (the one handed over first)
+    void report(long long id, int status, long long bytes, bool keep, const std::string & error,
+                const common_json & answers);
 
     int fd_;
     std::thread receiver_;

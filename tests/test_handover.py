@@ -91,10 +91,10 @@ def connect(url: str) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=60)
 
 
-def metric(base: str, name: str, model: str | None = None) -> float:
+def metric(base: str, name: str, model: str | None = None, headers: dict | None = None) -> float:
     """A series of the router's /metrics (a name, with its labels where it has them), or of a
     model's llama-server counters (``model``)."""
-    text = httpx.get(base + "/metrics" + (f"?model={model}" if model else ""), timeout=30).text
+    text = httpx.get(base + "/metrics" + (f"?model={model}" if model else ""), headers=headers, timeout=30).text
     for line in text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])

@@ -339,11 +339,14 @@ class Router:
         return self._opened(lease, pending, first)
 
     def serve_now(self, model: str, method: str, path: str, body: bytes, query: dict[str, str],
-                  headers: dict[str, str], connection: Connection) -> "asyncio.Future | None":
+                  headers: dict[str, str], connection: Connection, follow: dict | None = None) -> "asyncio.Future | None":
         """``aserve`` where nothing need wait, in the event loop without a coroutine: the
         request and its connection handed over at once where the model can take it now and
         its worker the connection (the future of the worker's answer, the lease released when
-        it comes); None where not (nothing taken, nothing sent: ``aserve`` says why)."""
+        it comes); None where not (nothing taken, nothing sent: ``aserve`` says why).
+        ``follow``: the next requests like this one that the worker may read itself on the
+        connection (server/connection.py, ``Handover.follow``), under this lease (the answer
+        lists them all)."""
         if self.options.debug_fake_timing > 0:
             return None
         try:
@@ -353,7 +356,7 @@ class Router:
         if lease is None:
             return None
         try:
-            served = self._hand(lease, method, path, body, query, headers, connection, "")
+            served = self._hand(lease, method, path, body, query, headers, connection, "", follow)
         except RouterError:
             return None  # the lease is released, the connection undone
         if served is None:
@@ -361,7 +364,8 @@ class Router:
         return served
 
     def _hand(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str],
-              headers: dict[str, str], connection: Connection, query_string: str) -> "asyncio.Future | None":
+              headers: dict[str, str], connection: Connection, query_string: str,
+              follow: dict | None = None) -> "asyncio.Future | None":
         """The request and its connection handed to the lease's worker: the future of its
         answer (the lease released when it comes), or None where the worker cannot take it
         now (nothing was sent; the lease is still held)."""
@@ -371,6 +375,8 @@ class Router:
         header = {"model": lease.name, "method": method, "path": path, "query": dict(query),
                   "query_string": query_string, "headers": dict(headers),
                   "extra": [list(h) for h in connection.extra_headers], "keep_alive": connection.keep_alive}
+        if follow is not None:
+            header["follow"] = follow
         connection.begin()
         try:
             served = conduit.hand(header, body, connection.fd)

@@ -46,12 +46,17 @@ class Connection:
 
 @dataclass(frozen=True)
 class Served:
-    """A request the worker answered on the client's connection itself."""
+    """A request the worker answered on the client's connection itself (and the next ones
+    it read there itself, if any)."""
 
     status: int  # the HTTP status it wrote (0: it wrote nothing)
     bytes: int  # what it wrote, head included
     keep: bool  # the response went out whole and the connection may take the next request
     error: str = ""
+    # where the worker read the connection's next requests itself (a hand-over's follow), each
+    # request it answered, the one handed over first: (status, bytes, seconds it took there);
+    # status, bytes and keep above are the last one's
+    answers: tuple[tuple[int, int, float], ...] = ()
 
 
 def channel() -> tuple[socket.socket, socket.socket]:
@@ -106,14 +111,16 @@ class Conduit:
         try:
             socket.send_fds(self._sock, [message], [fd], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
-            with self._lock:
-                self._pending.pop(rid, None)
+            self._forget(rid)
             return None
         except OSError as e:
-            with self._lock:
-                self._pending.pop(rid, None)
+            self._forget(rid)
             raise WorkerDied(f"worker {self._name} is not running ({e})") from None
         return fut
+
+    def _forget(self, rid: int) -> "asyncio.Future | None":
+        with self._lock:
+            return self._pending.pop(rid, None)
 
     def in_flight(self) -> int:
         with self._lock:
@@ -139,11 +146,12 @@ class Conduit:
                 return
             try:
                 done = json.loads(data)
-                served = Served(int(done["status"]), int(done["bytes"]), bool(done["keep"]), done.get("error") or "")
-            except (ValueError, KeyError, TypeError):
+                rid = int(done["id"])
+                served = Served(int(done["status"]), int(done["bytes"]), bool(done["keep"]), done.get("error") or "",
+                                tuple((int(a[0]), int(a[1]), float(a[2])) for a in done.get("answers", ())))
+            except (ValueError, KeyError, TypeError, IndexError):
                 continue
-            with self._lock:
-                fut = self._pending.pop(int(done["id"]), None)
+            fut = self._forget(rid)
             if fut is not None and not fut.done():
                 fut.set_result(served)
 

@@ -80,13 +80,15 @@ ENGINE_GET = ("/slots", "/lora-adapters")
 def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
                close_router: bool = True, max_threads: int = 1024, settings: dict[str, Any] | None = None,
                services: Services | None = None, allowed_hosts: frozenset[str] | None = None,
-               native: bool = True) -> "_Guard":
+               native: bool = True, follow_ms: int = 0) -> "_Guard":
     """``settings``: what llama.cpp's parser made of the router's llama-server arguments
     (router/services.settings: CORS, more API keys); ``services``: llama-server's /tools
     and /cors-proxy (None: llama-server's 403, the features are off); ``allowed_hosts``:
     the Host names accepted beside the local ones (None: no Host check, see browser.py);
     ``native``: a worker answers a model's request on the client's connection itself where it
-    can (router/conduit.py); False: every response is relayed through this process."""
+    can (router/conduit.py); False: every response is relayed through this process;
+    ``follow_ms``: for how long such a worker may read the connection's next requests like
+    the last itself (0: never)."""
     keys = tuple(k for k in ([api_key] if api_key else []) + list((settings or {}).get("api_keys", ())) if k)
     # pages of the local origins only, unless --cors-origins says otherwise ('*': llama-server's default)
     origins = settings["cors_origins"] if settings and settings.get("cors_origins_explicit") else LOCAL_ORIGINS
@@ -251,31 +253,43 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         model = _model_named(data, query)
         if not model:
             return False
-        t0, endpoint = time.perf_counter(), scope["path"]
+        endpoint = scope["path"]
+        named = data.get("model") if isinstance(data, dict) else None
+        follow = handover.follow(headers, named if isinstance(named, str) else "", max_body, follow_ms)
+        t0 = time.perf_counter()
         served = router.serve_now(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
-                                  Connection(handover.fd, handover.keep_alive, (), handover.begin, handover.undo))
+                                  Connection(handover.fd, handover.keep_alive, (), handover.begin, handover.undo),
+                                  follow)
         if served is None:
             return False
+        lead = time.perf_counter() - t0  # the router's part of the first request's time
 
         def done(fut: asyncio.Future) -> None:
             failed = None if fut.cancelled() else fut.exception()
             out = fut.result() if not fut.cancelled() and failed is None else None
-            err = handed_back(model, endpoint, t0, handover, out, failed)
+            err = handed_back(model, endpoint, t0, handover, out, failed, lead)
             if err is not None:
                 answer(error_response(err))
         served.add_done_callback(done)
         return True
 
     def handed_back(model: str, endpoint: str, t0: float, handover: Handover, out: Served | None,
-                    failed: BaseException | None) -> ApiError | None:
+                    failed: BaseException | None, lead: float = 0.0) -> ApiError | None:
         """The end of a request handed over to a worker (``hand_over``, ``take``): its answer
-        counted and the connection the router's again (None); or, for a worker that died
-        before it wrote a byte, the connection taken back unused and the error a relay gives,
-        for the caller to write.  Anything else (no answer, or one cut short): 502, and the
-        connection closes, since the worker may have written part of a response."""
+        counted (and the next requests the worker read itself, the first's time ``lead`` here
+        and the rest there) and the connection the router's again (None); or, for a worker
+        that died before it wrote a byte, the connection taken back unused and the error a
+        relay gives, for the caller to write.  Anything else (no answer, or one cut short):
+        502, and the connection closes, since the worker may have written part of a response."""
         if out is not None:
-            metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
-            metrics.native.inc()
+            if out.answers:
+                for i, (status, _, seconds) in enumerate(out.answers):
+                    metrics.observe(model, endpoint, str(status or 502), seconds + (lead if i == 0 else 0.0))
+                metrics.native.inc(len(out.answers))
+                metrics.followed.inc(len(out.answers) - 1)
+            else:
+                metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
+                metrics.native.inc()
             handover.finish(out.keep)
             return None
         if isinstance(failed, WorkerDied) and handover.untouched():

@@ -9,6 +9,8 @@ uvicorn has), whose connections a request can hand over to a worker.
                    before writing leaves a connection the app may still answer (a 503)
         finish(k)  the worker has answered on it: the request is complete, and the
                    connection reads the client's next request (keep-alive) or closes
+        follow(...) what the worker may read itself on it meanwhile: the next requests
+                   like this one (the same request line and headers, the same model)
 
 A request handed over is one uvicorn never writes a byte of: the worker writes the
 whole response to the socket (router/conduit.py, csrc/conduit.h), and ``finish`` ends
@@ -36,6 +38,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 __all__ = ["HttpProtocol", "Handover", "HANDOVER"]
 
 HANDOVER = "pyllmrouter.handover"  # the ASGI scope extension's name
+FOLLOW_IDLE_MS = 20  # a worker reading a connection's next request waits this long for it
 
 
 class Handover:
@@ -73,6 +76,19 @@ class Handover:
     def undo(self) -> None:
         self._cycle.response_started = False
         self._protocol.flow.resume_reading()
+
+    def follow(self, headers: dict[str, str], named: str, max_body: int, ms: int) -> dict | None:
+        """What the worker may read itself on this connection after this request (csrc/conduit.h,
+        ``Conduit::Follow``): requests with this one's request line and headers (by lower-case
+        name, ``headers``), Content-Length aside, whose body names ``named``, for ``ms``; None
+        where it may not (not HTTP/1.1 kept alive, ``ms`` 0)."""
+        scope = self._cycle.scope
+        if ms <= 0 or not self.keep_alive or scope.get("http_version") != "1.1":
+            return None
+        target = scope.get("raw_path", b"") + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
+        return {"line": f"{scope['method']} {target.decode('latin-1')} HTTP/1.1", "named": named, "ms": ms,
+                "headers": {k: v for k, v in headers.items() if k != "content-length"},
+                "max_body": min(max_body, HIGH_WATER_LIMIT), "idle_ms": FOLLOW_IDLE_MS}
 
     def finish(self, keep: bool) -> None:
         cycle = self._cycle

@@ -73,6 +73,8 @@ class Metrics:
         written = Counter("pyllmrouter_responses", "Model responses by who wrote them: the worker, on the "
                           "client's connection (native), or this process (relayed)", ["path"], registry=self.registry)
         self.native, self.relayed = written.labels("native"), written.labels("relayed")
+        self.followed = Counter("pyllmrouter_followed_requests", "Model requests a worker read itself on a "
+                                "connection it held, like the one before (--follow-ms)", registry=self.registry)
 
     def observe(self, model: str, endpoint: str, status: str, seconds: float) -> None:
         """A request's latency, labelled by its listed model and route."""

@@ -1,0 +1,165 @@
+"""A worker that reads a connection's next requests itself (``--follow-ms``, csrc/conduit.h's
+``Follow``): only those like the one the router let through (the same request line and
+headers, Content-Length aside, a whole body naming the same model); anything else is the
+router's, answered exactly as with ``--follow-ms 0``.  Spoken to byte by byte."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from pyllmrouter.tools.loopback import start_serve
+from test_handover import Reader, connect, metric as any_metric, request
+
+pytestmark = pytest.mark.slow
+
+KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+M = {"model": "m", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+
+
+def serve(preset, *extra: str):
+    return start_serve(["--models-preset", str(preset), "--no-models-cache", "--models-memory-margin", "0",
+                        "--emulate-devices", "GPU0=4GiB", "--api-key", KEY, *extra])
+
+
+@pytest.fixture(scope="module")
+def servers(tiny, tmp_path_factory):
+    """Two routers on the same models: one whose workers follow (the default), one whose
+    router reads every request (--follow-ms 0)."""
+    preset = tmp_path_factory.mktemp("follow") / "models.ini"
+    preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 1024\nnp = 2\nload-on-startup = true\n\n"
+                      f"[n]\nmodel = {tiny['tiny-llama']}\nc = 1024\nnp = 1\nload-on-startup = true\n")
+    procs = []
+    try:
+        urls = {}
+        for name, extra in (("follow", ()), ("router", ("--follow-ms", "0"))):
+            proc, urls[name] = serve(preset, *extra)
+            procs.append(proc)
+        for url in urls.values():  # both models loaded before the first test
+            for model in ("m", "n"):
+                httpx.post(url + "/v1/completions", json={**M, "model": model}, headers=AUTH, timeout=120)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
+def metric(base: str, name: str) -> float:
+    return any_metric(base, name, headers=AUTH)
+
+
+def followed(base: str) -> float:
+    return metric(base, "pyllmrouter_followed_requests_total")
+
+
+def test_a_worker_reads_the_next_requests_like_the_last_itself_and_the_router_counts_each(servers):
+    base = servers["follow"]
+    native = metric(base, 'pyllmrouter_responses_total{path="native"}')
+    timed = metric(base, 'pyllmrouter_request_seconds_count{endpoint="/v1/completions",model="m",status="200"}')
+    before = followed(base)
+    with connect(base) as sock:
+        r = Reader(sock)
+        for i in range(12):
+            sock.sendall(request("POST", "/v1/completions", {**M, "max_tokens": 2 + i % 3}, AUTH))
+            status, headers, body = r.response()
+            assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2 + i % 3
+    # every one counted (the worker's answers listed when it gives the connection back)
+    assert metric(base, 'pyllmrouter_responses_total{path="native"}') - native == 12
+    assert metric(base, 'pyllmrouter_request_seconds_count{endpoint="/v1/completions",model="m",status="200"}') \
+        - timed == 12
+    assert followed(base) > before  # and some were read by the worker itself
+
+
+def outcome(base: str, variant: bytes) -> tuple:
+    """A request like the last (taken by the worker where it follows), then ``variant`` on
+    the same connection: what the client gets for it (status, the model that answered or the
+    error said), or that the connection closed."""
+    with connect(base) as sock:
+        r = Reader(sock)
+        sock.sendall(request("POST", "/v1/completions", M, AUTH))
+        assert r.response()[0] == 200
+        sock.sendall(request("POST", "/v1/completions", M, AUTH))  # the worker follows from here
+        assert r.response()[0] == 200
+        sock.sendall(variant)
+        try:
+            status, headers, body = r.response()
+        except (EOFError, ConnectionError, socket.timeout):
+            return ("closed",)
+        data = json.loads(body) if headers.get("content-type", "").startswith("application/json") else {}
+        said = data.get("model") or (data.get("error") or {}).get("message") if isinstance(data, dict) else None
+        return status, said
+
+
+VARIANTS = {
+    "another model": request("POST", "/v1/completions", {**M, "model": "n"}, AUTH),
+    "no key": request("POST", "/v1/completions", M),
+    "a wrong key": request("POST", "/v1/completions", M, {"Authorization": "Bearer wrong"}),
+    "another path": request("POST", "/v1/chat/completions",
+                            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, AUTH),
+    "the model by ?model=": request("POST", "/v1/completions?model=n", {"prompt": "hi", "max_tokens": 2}, AUTH),
+    "not JSON": request("POST", "/v1/completions", b'{"model": "m", "prompt": ', AUTH),
+    "a byte-order mark": request("POST", "/v1/completions", b"\xef\xbb\xbf" + json.dumps(M).encode(), AUTH),
+    "nested too deeply": request("POST", "/v1/completions", b'{"model": "m", "x": ' + b"[" * 5000 + b"]" * 5000
+                                 + b"}", AUTH),
+    "an Origin": request("POST", "/v1/completions", M, {**AUTH, "Origin": "http://localhost:8000"}),
+    "two Content-Lengths": request("POST", "/v1/completions", M, {**AUTH, "Content-Length": "%d"
+                                                                   % len(json.dumps(M))}),
+    "a folded header": request("POST", "/v1/completions", M, AUTH).replace(
+        b"Content-Type: application/json\r\n", b"Content-Type: application/json\r\n \tcontinued\r\n"),
+    "chunked": request("POST", "/v1/completions", b"", {**AUTH, "Content-Type": "application/json",
+                                                         "Transfer-Encoding": "chunked"}).replace(
+        b"Content-Length: 0\r\n", b"") + b"%x\r\n%s\r\n0\r\n\r\n" % (len(json.dumps(M)), json.dumps(M).encode()),
+    "HTTP/1.0": request("POST", "/v1/completions", M, AUTH).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_request_unlike_the_last_is_answered_as_the_router_answers_it(servers, variant):
+    """What the client gets for a request that is not like the last is what it gets from a
+    router that reads every request itself: the worker leaves it to the router."""
+    theirs = outcome(servers["router"], VARIANTS[variant])
+    for _ in range(5):  # until the worker was following when it came (it waits 20 ms for a next request)
+        followed_before = followed(servers["follow"])
+        ours = outcome(servers["follow"], VARIANTS[variant])
+        assert ours == theirs
+        if followed(servers["follow"]) > followed_before:
+            break
+    else:
+        pytest.fail("the worker never followed the connection")
+    if variant in ("another model", "the model by ?model="):
+        assert ours == (200, "n")
+
+
+def test_a_model_unloaded_while_a_connection_follows_it_unloads_and_the_client_is_answered(servers):
+    base = servers["follow"]
+    stop, statuses = threading.Event(), []
+
+    def client() -> None:
+        with connect(base) as sock:
+            r = Reader(sock)
+            while not stop.is_set():
+                sock.sendall(request("POST", "/v1/completions", {**M, "model": "n"}, AUTH))
+                statuses.append(r.response()[0])
+    t = threading.Thread(target=client)
+    t.start()
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        reply = httpx.post(base + "/models/unload", json={"model": "n"}, headers=AUTH, timeout=60)
+        took = time.monotonic() - t0
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        t.join(60)
+    assert reply.status_code == 200 and reply.json()["success"], reply.text
+    assert took < 10, took
+    # every request answered whole (200; a 503 of a model unloading, as llama-server's)
+    assert statuses and set(statuses) <= {200, 503}, statuses
