@@ -94,7 +94,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--native", action=argparse.BooleanOptionalAction, default=True,
                    help="a worker writes a model's response to the client's connection itself (default); "
                         "--no-native relays every response through the router process")
-    p.add_argument("--follow-ms", type=int, default=200, metavar="MS",
+    p.add_argument("--follow-ms", type=int, default=1000, metavar="MS",
                    help="a worker that answered a request on a keep-alive connection reads the client's next "
                         "requests itself for up to MS (each one like the last: the same model, path and headers, "
                         "within 20 ms of the last answer), the router told of each; then the router admits "
