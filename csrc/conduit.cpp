@@ -10,7 +10,6 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <thread>
 
 #include "cpp-httplib/httplib.h"  // status_message: the reason phrases llama-server's HTTP layer writes
 #include "engine.h"
@@ -456,18 +455,29 @@ bool Conduit::read_next(int client, const Follow & follow, std::string & body) {
     pollfd pfd{client, POLLIN, 0};
     if (::poll(&pfd, 1, wait) <= 0) return false;
     if (!(pfd.revents & POLLIN) || (pfd.revents & (POLLERR | POLLHUP))) return false;
-    // a head and its body may come in separate segments: the rest is waited for as long
+    // a head and its body may come in separate segments: the rest is waited for as long,
+    // woken by the next byte (SO_RCVLOWAT: poll says readable once that many are there)
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait);
     std::string buf;
     long long total = 0;
+    bool lowered = false;
     while (true) {
         buf.assign(max_head + follow.max_body + 1, '\0');
         const ssize_t n = ::recv(client, buf.data(), buf.size(), MSG_PEEK | MSG_DONTWAIT);
-        if (n <= 0) return false;  // the client closed (the router sees it), or nothing after all
+        if (n <= 0) break;  // the client closed (the router sees it), or nothing after all
         buf.resize(static_cast<size_t>(n));
         total = next_request(buf, follow);
-        if (total != 0 || std::chrono::steady_clock::now() >= deadline) break;
-        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        const long long left_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+            deadline - std::chrono::steady_clock::now()).count();
+        if (total != 0 || left_ms <= 0 || static_cast<size_t>(n) > max_head + follow.max_body) break;
+        const int more = static_cast<int>(n) + 1;
+        lowered = ::setsockopt(client, SOL_SOCKET, SO_RCVLOWAT, &more, sizeof(more)) == 0;
+        pollfd again{client, POLLIN, 0};
+        if (!lowered || ::poll(&again, 1, static_cast<int>(left_ms)) <= 0 || (again.revents & (POLLERR | POLLHUP))) break;
+    }
+    if (lowered) {  // the socket is the router's again: as it was
+        const int one = 1;
+        ::setsockopt(client, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
     }
     if (total <= 0 || static_cast<size_t>(total) != buf.size()) return false;  // not one whole request like the last
     std::string taken(static_cast<size_t>(total), '\0');

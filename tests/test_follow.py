@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from pyllmrouter.tools.loopback import start_serve
+from pyllmrouter.tools.loopback import free_port, start_serve, wait_healthy
 from test_handover import Reader, connect, metric as any_metric, request
 
 pytestmark = pytest.mark.slow
@@ -163,3 +165,35 @@ def test_a_model_unloaded_while_a_connection_follows_it_unloads_and_the_client_i
     assert took < 10, took
     # every request answered whole (200; a 503 of a model unloading, as llama-server's)
     assert statuses and set(statuses) <= {200, 503}, statuses
+
+
+def test_the_access_log_has_a_line_for_each_answer_a_worker_wrote(tiny, tmp_path):
+    """--access-log: uvicorn's line for every request, those a worker answered on the
+    connection (and read itself) included, which never pass uvicorn's send."""
+    preset = tmp_path / "models.ini"
+    preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 1024\nload-on-startup = true\n")
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pyllmrouter.cli", "serve", "--models-preset", str(preset),
+                                 "--emulate-devices", "GPU0=4GiB", "--access-log", "--port", str(port)],
+                                stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc)
+        with connect(base) as sock:
+            r = Reader(sock)
+            for _ in range(5):
+                sock.sendall(request("POST", "/v1/completions?x=1", M))
+                assert r.response()[0] == 200
+            sock.sendall(request("POST", "/v1/completions?x=1", {**M, "model": "nope"}))
+            assert r.response()[0] == 404
+        for _ in range(100):  # the worker gives the connection back once the client has gone
+            if log.read_text().count('"POST /v1/completions?x=1 HTTP/1.1" ') >= 6:
+                break
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    lines = [line for line in log.read_text().splitlines() if '"POST /v1/completions?x=1 HTTP/1.1"' in line]
+    # uvicorn's own format for all ('127.0.0.1:PORT - "POST /v1/completions?x=1 HTTP/1.1" 200 OK')
+    assert [line.split('HTTP/1.1" ', 1)[1] for line in lines] == ["200 OK"] * 5 + ["404 Not Found"], lines

@@ -9,6 +9,7 @@ uvicorn has), whose connections a request can hand over to a worker.
                    before writing leaves a connection the app may still answer (a 503)
         finish(k)  the worker has answered on it: the request is complete, and the
                    connection reads the client's next request (keep-alive) or closes
+        logged(s)  the access log's line for an answer the worker wrote (--access-log)
         follow(...) what the worker may read itself on it meanwhile: the next requests
                    like this one (the same request line and headers, the same model)
 
@@ -34,6 +35,7 @@ import struct
 
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
 __all__ = ["HttpProtocol", "Handover", "HANDOVER"]
 
@@ -89,6 +91,15 @@ class Handover:
         return {"line": f"{scope['method']} {target.decode('latin-1')} HTTP/1.1", "named": named, "ms": ms,
                 "headers": {k: v for k, v in headers.items() if k != "content-length"},
                 "max_body": min(max_body, HIGH_WATER_LIMIT), "idle_ms": FOLLOW_IDLE_MS}
+
+    def logged(self, status: int) -> None:
+        """The access log's line for an answer the worker wrote, as uvicorn writes its own
+        (where ``--access-log`` is on): the worker's answers never pass uvicorn's ``send``."""
+        p = self._protocol
+        if p.access_log:
+            scope = self._cycle.scope
+            p.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                                 get_path_with_query_string(scope), scope["http_version"], status)
 
     def finish(self, keep: bool) -> None:
         cycle = self._cycle
