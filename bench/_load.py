@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import statistics
 import threading
@@ -65,8 +66,20 @@ class ClientRun:
 
 
 def run_clients(make_call: Callable[[int], Callable[[], Any]], clients: int, per_client: int,
-                errors: tuple[type[BaseException], ...] = ()) -> ClientRun:
-    """``clients`` threads; thread i calls ``make_call(i)()`` ``per_client`` times."""
+                errors: tuple[type[BaseException], ...] = (), procs: int = 1) -> ClientRun:
+    """``clients`` threads; thread i calls ``make_call(i)()`` ``per_client`` times.  With
+    ``procs`` > 1 the threads are spread over that many processes, each with an interpreter
+    lock of its own (on a machine with many cores, one process's lock is the limit of a
+    Python client: a GPU serves faster than it reads); ``make_call`` and what the calls
+    return must then pickle (a module-level class or function).  The processes are started
+    before the clock, and their CPU is the caller's children's (``os.times``)."""
+    if procs > 1 and clients > 1:
+        return _run_in_processes(make_call, clients, per_client, errors, min(procs, clients))
+    return _run_threads(make_call, range(clients), per_client, errors)
+
+
+def _run_threads(make_call: Callable[[int], Callable[[], Any]], ids, per_client: int,
+                 errors: tuple[type[BaseException], ...]) -> ClientRun:
     run, lock = ClientRun(), threading.Lock()
 
     def client(i: int) -> None:
@@ -83,13 +96,48 @@ def run_clients(make_call: Callable[[int], Callable[[], Any]], clients: int, per
                 run.seconds.append(time.perf_counter() - t0)
                 run.values.append(value)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in ids]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     run.wall = time.perf_counter() - t0
+    return run
+
+
+def _client_process(make_call, ids: list[int], per_client: int, errors, start, results) -> None:
+    try:
+        start.wait(120)
+        run = _run_threads(make_call, ids, per_client, errors)
+        results.put((run.seconds, run.values, run.errors))
+    except BaseException as e:  # said, not hung on: the parent waits for every process's result
+        results.put(([], [], [f"client process: {type(e).__name__}: {e}"]))
+
+
+def _run_in_processes(make_call, clients: int, per_client: int, errors, procs: int) -> ClientRun:
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(procs + 1), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, args=(make_call, list(range(k, clients, procs)), per_client,
+                                                         errors, start, results)) for k in range(procs)]
+    for w in workers:
+        w.start()
+    run = ClientRun()
+    try:
+        start.wait(120)  # every process started and its interpreter up: the clock starts
+        t0 = time.perf_counter()
+        for _ in workers:
+            seconds, values, failed = results.get(timeout=3600)
+            run.seconds += seconds
+            run.values += values
+            run.errors += failed
+        run.wall = time.perf_counter() - t0
+    finally:
+        for w in workers:
+            w.join(60)
+            if w.is_alive():
+                w.kill()
+                w.join()
     return run
 
 

@@ -44,7 +44,7 @@ import random
 import subprocess
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -60,17 +60,44 @@ SHAPES = {"100m": tinymodels.LLAMA_100M, "tiny": replace(tinymodels.LLAMA, n_ctx
 PROMPT = "hello world the model is a fast router of memory and tokens " * 3
 
 
-def prompt_source(words: int) -> Callable[[], str]:
-    """Each request's prompt: PROMPT, or with ``words`` > 0 a distinct one of that many words."""
-    if words <= 0:
-        return lambda: PROMPT
-    vocabulary, numbers = PROMPT.split(), itertools.count()
+class Prompts:
+    """Each request's prompt: PROMPT, or with ``words`` > 0 a distinct one of that many words
+    (numbered from ``start``)."""
 
-    def distinct() -> str:
-        n = next(numbers)
+    def __init__(self, words: int, start: int = 0):
+        self.words, self.numbers = words, itertools.count(start)
+
+    def __call__(self) -> str:
+        if self.words <= 0:
+            return PROMPT
+        n = next(self.numbers)
         rnd = random.Random(n)
-        return f"{n} " + " ".join(rnd.choice(vocabulary) for _ in range(words))
-    return distinct
+        vocabulary = PROMPT.split()
+        return f"{n} " + " ".join(rnd.choice(vocabulary) for _ in range(self.words))
+
+
+@dataclass(frozen=True)
+class StreamCall:
+    """The calls of client i (``run_clients``): streamed completions on one connection, as a
+    real client keeps it; (time to first token, tokens, retries) each.  A plain class, so
+    that client processes (``--client-procs``) make their own; ``salt`` keeps distinct
+    prompts distinct across levels and rounds."""
+
+    base: str
+    model: str
+    tokens: int
+    words: int
+    salt: int
+
+    def __call__(self, i: int) -> Callable[[], tuple[float, int, int]]:
+        client = httpx.Client(base_url=self.base, timeout=600)
+        prompts = Prompts(self.words, (self.salt * 4096 + i) * 100_000)
+
+        def call() -> tuple[float, int, int]:
+            retried: list[int] = []
+            ttft, count = one_request(client, self.model, self.tokens, retried, prompts())
+            return ttft, count, len(retried)
+        return call
 
 
 SERVERS = ("pyllmrouter", "llama-server", "llama-server router")
@@ -133,22 +160,18 @@ def decode_counters(base: str, server: str, model: str) -> dict[str, float]:
 
 
 def run_level(base: str, model: str, clients: int, per_client: int, tokens: int, pid: int,
-              compute_threads: int, prompt: Callable[[], str] = lambda: PROMPT, server: str = "pyllmrouter") -> dict:
-    retries: list[int] = []
-
-    def make_call(_i: int):
-        client = httpx.Client(base_url=base, timeout=600)  # one connection per client, as a real one keeps
-        return lambda: one_request(client, model, tokens, retries, prompt())
-
+              compute_threads: int, words: int = 0, server: str = "pyllmrouter", procs: int = 1,
+              salt: int = 0) -> dict:
     counters0 = decode_counters(base, server, model)
-    cpu0, client0 = thread_cpu(pid), sum(os.times()[:2])
-    run = run_clients(make_call, clients, per_client, errors=(httpx.HTTPError, RuntimeError))
-    client = sum(os.times()[:2]) - client0
+    cpu0, client0 = thread_cpu(pid), sum(os.times()[:4])  # client processes: children, reaped by then
+    run = run_clients(StreamCall(base, model, tokens, words, salt), clients, per_client,
+                      errors=(httpx.HTTPError, RuntimeError), procs=procs)
+    client = sum(os.times()[:4]) - client0
     cpu1 = thread_cpu(pid)
     compute, other = cpu_split(cpu0, cpu1, compute_threads)
     decode = {k: v - counters0[k] for k, v in decode_counters(base, server, model).items()}
     ttfts, counts = [v[0] for v in run.values], [v[1] for v in run.values]
-    return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "retries": len(retries),
+    return {"clients": clients, "requests": len(ttfts), "errors": run.errors, "retries": sum(v[2] for v in run.values),
             "tokens": sum(counts), "cpu_s": compute + other, "compute_cpu_s": compute, "other_cpu_s": other,
             "router_cpu_s": own_cpu(cpu0, cpu1, pid) if server != "llama-server" else 0.0,
             "client_cpu_s": client, "decode": decode,
@@ -200,6 +223,9 @@ def main() -> None:
     ap.add_argument("--relay", action="store_true",
                     help="also ours with --no-native (every response relayed through the router process, "
                          "the path before the native one): the two side by side")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="spread the clients over this many processes (default 1: threads of this one); on "
+                         "a machine with many cores one interpreter lock is the client's limit, not the server")
     ap.add_argument("--no-follow", action="store_true",
                     help="also ours with --follow-ms 0 (the router reads every request on a connection itself)")
     ap.add_argument("--llama-server", default=str(llama_tool("llama-server")))
@@ -208,7 +234,7 @@ def main() -> None:
     if not Path(args.llama_server).exists():
         raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
     levels = [int(x) for x in args.clients.split(",")]
-    prompt = prompt_source(args.prompt_words)
+    salts = itertools.count()  # one per level run: distinct prompts stay distinct across them
     variants = [name for name, wanted in ((RELAY, args.relay), (UNFOLLOWED, args.no_follow)) if wanted]
     servers = SERVERS + tuple(variants)
     runs: dict[str, dict[int, list[dict]]] = {name: {c: [] for c in levels} for name in servers}
@@ -256,15 +282,17 @@ def main() -> None:
                                 break
                             except httpx.HTTPStatusError:
                                 time.sleep(0.1)
-                run_level(base, "m", max(levels), 1, args.tokens, procs[name].pid, args.threads, prompt, name)
+                run_level(base, "m", max(levels), 1, args.tokens, procs[name].pid, args.threads, args.prompt_words,
+                          name, args.client_procs, next(salts))
             idle_ms = {name: idle_cpu(procs[name].pid) for name in bases}  # warm, nothing asked
             for rnd in range(args.rounds):
                 for clients in levels:
                     k = (clients + rnd) % len(servers)
                     for name in servers[k:] + servers[:k]:  # every order in turn
                         runs[name][clients].append(run_level(bases[name], "m", clients, args.requests_per_client,
-                                                             args.tokens, procs[name].pid, args.threads, prompt,
-                                                             name))
+                                                             args.tokens, procs[name].pid, args.threads,
+                                                             args.prompt_words, name, args.client_procs,
+                                                             next(salts)))
         finally:
             for p in procs.values():
                 p.terminate()

@@ -27,7 +27,9 @@ import os
 import statistics
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 from _load import own_cpu, percentile, ratio_interval, run_clients, save, thread_cpu
@@ -51,11 +53,11 @@ PATHS = ("engine in-process", "python API", "HTTP", "HTTP no follow", "HTTP rela
 SHAPES = {"tiny": None, "100m": tinymodels.LLAMA_100M}
 
 
-def measure(fn, clients: int, per_client: int, router_pid: int | None = None) -> dict:
+def measure(fn, clients: int, per_client: int, router_pid: int | None = None, procs: int = 1) -> dict:
     """Latency and rate; with ``router_pid``, the CPU that process itself (its children
     aside: a router's, not its engines') spent per request."""
     before = thread_cpu(router_pid) if router_pid else {}
-    run = run_clients(fn, clients, per_client, errors=(httpx.HTTPError,))
+    run = run_clients(fn, clients, per_client, errors=(httpx.HTTPError,), procs=procs)
     out = {"p50_ms": percentile(run.seconds, 0.5) * 1e3, "p99_ms": percentile(run.seconds, 0.99) * 1e3,
            "req_s": len(run.seconds) / run.wall, "errors": len(run.errors), "first_errors": run.errors[:3]}
     if router_pid:
@@ -64,11 +66,16 @@ def measure(fn, clients: int, per_client: int, router_pid: int | None = None) ->
     return out
 
 
-def http_calls(base: str):
-    def make(_i):
-        c = httpx.Client(base_url=base, timeout=60)
-        return lambda: c.post("/v1/completions", json={"model": "m", **BODY}).raise_for_status()
-    return make
+@dataclass(frozen=True)
+class HttpCall:
+    """The calls of a client (``run_clients``): BODY posted on one connection; the status each.
+    A plain class, so that client processes (``--client-procs``) make their own."""
+
+    base: str
+
+    def __call__(self, _i: int) -> Callable[[], int]:
+        c = httpx.Client(base_url=self.base, timeout=60)
+        return lambda: c.post("/v1/completions", json={"model": "m", **BODY}).raise_for_status().status_code
 
 
 def gmean(xs: list[float]) -> float:
@@ -83,6 +90,8 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(SHAPES), default="tiny",
                     help="tiny (2 layers: the path around the engine is what is measured) or 100m")
     ap.add_argument("--gpu", action="store_true", help="every layer on the GPU, in every path")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="spread the HTTP clients over this many processes (default 1: threads of this one)")
     ap.add_argument("--llama-server", type=Path, default=llama_tool("llama-server"))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "http_bench.json")
     args = ap.parse_args()
@@ -130,7 +139,7 @@ def main() -> None:
                 "engine in-process": lambda _i: lambda: request(engine, "/v1/completions", BODY),
                 **({} if router is None else
                    {"python API": lambda _i: lambda: router.complete("m", "hello", max_tokens=8, temperature=0.0)}),
-                **{name: http_calls(base) for name, base in bases.items()},
+                **{name: HttpCall(base) for name, base in bases.items()},
             }
             for name, make in calls.items():  # warm: models loaded, slots used once
                 measure(make, 4, 2)
@@ -139,8 +148,9 @@ def main() -> None:
                     per = max(1, args.requests // clients)
                     order = paths[rnd % len(paths):] + paths[:rnd % len(paths)]
                     for name in order:
-                        results.setdefault((clients, name), []).append(
-                            measure(calls[name], clients, per, router_pids.get(name)))
+                        results.setdefault((clients, name), []).append(  # in-process paths: threads
+                            measure(calls[name], clients, per, router_pids.get(name),
+                                    args.client_procs if name in bases else 1))
         finally:
             for p in procs:
                 p.terminate()
