@@ -283,15 +283,15 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         502, and the connection closes, since the worker may have written part of a response."""
         if out is not None:
             if out.answers:
-                for i, (status, _, seconds) in enumerate(out.answers):
+                for i, (status, written, seconds) in enumerate(out.answers):
                     metrics.observe(model, endpoint, str(status or 502), seconds + (lead if i == 0 else 0.0))
-                    handover.logged(status)
+                    handover.logged(status, written)
                 metrics.native.inc(len(out.answers))
                 metrics.followed.inc(len(out.answers) - 1)
             else:
                 metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
                 metrics.native.inc()
-                handover.logged(out.status)
+                handover.logged(out.status, out.bytes)
             handover.finish(out.keep)
             return None
         if isinstance(failed, WorkerDied) and handover.untouched():

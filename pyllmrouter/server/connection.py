@@ -92,11 +92,12 @@ class Handover:
                 "headers": {k: v for k, v in headers.items() if k != "content-length"},
                 "max_body": min(max_body, HIGH_WATER_LIMIT), "idle_ms": FOLLOW_IDLE_MS}
 
-    def logged(self, status: int) -> None:
+    def logged(self, status: int, written: int) -> None:
         """The access log's line for an answer the worker wrote, as uvicorn writes its own
-        (where ``--access-log`` is on): the worker's answers never pass uvicorn's ``send``."""
+        (where ``--access-log`` is on; none where it wrote nothing, as uvicorn logs a response
+        as it starts): the worker's answers never pass uvicorn's ``send``."""
         p = self._protocol
-        if p.access_log:
+        if p.access_log and written > 0:
             scope = self._cycle.scope
             p.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
                                  get_path_with_query_string(scope), scope["http_version"], status)
