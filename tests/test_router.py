@@ -545,3 +545,37 @@ def test_a_bug_inside_a_worker_is_an_internal_error_and_the_worker_goes_on(specs
         assert from_router_error(e.value).status == 500
         assert r.complete("a", "hi", max_tokens=2)["choices"]
         assert r.status()["workers"][0]["pid"] == pid
+
+
+def test_a_lease_on_a_model_drained_for_a_waiter_says_when_its_turn_ends(specs):
+    """What a lease lets a worker read on a connection after it (--follow-ms) must end with
+    the turn of a model drained for a waiter: the lease carries that end; none without a
+    drain."""
+    import asyncio
+
+    with make(specs, ["a", "b"], {"GPU0": 1 << 30}, max_models=1, turn=3.0) as r:
+        r.load("a")
+        lease = r.scheduler.try_lease("a")
+        assert lease is not None and lease.until is None  # nobody waits for a's memory
+        r.scheduler.release(lease)
+        stream = _busy_stream(r, "a")
+
+        async def wait_for_b():
+            task = asyncio.create_task(r.acomplete("b", "hi", max_tokens=2))
+            for _ in range(600):  # b waits for a's memory (once probed): a is drained, its turn running
+                waiting = r.status()["models"]["b"].get("waiting") or {}
+                if waiting.get("why") == "waiting for busy models to finish":
+                    break
+                await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            lease = r.scheduler.try_lease("a")  # a takes new requests for its turn
+            try:
+                assert lease is not None and lease.until is not None
+                assert t0 < lease.until <= t0 + 3.0
+            finally:
+                r.scheduler.release(lease)
+            stream.close()
+            await task
+
+        asyncio.run(wait_for_b())
+        r.scheduler.check_invariant()

@@ -346,7 +346,7 @@ class Router:
         it comes); None where not (nothing taken, nothing sent: ``aserve`` says why).
         ``follow``: the next requests like this one that the worker may read itself on the
         connection (server/connection.py, ``Handover.follow``), under this lease (the answer
-        lists them all)."""
+        lists them all), and never past the turn of a model being drained for a waiter."""
         if self.options.debug_fake_timing > 0:
             return None
         try:
@@ -355,6 +355,9 @@ class Router:
             return None
         if lease is None:
             return None
+        if follow is not None and lease.until is not None:  # a drained model: the worker follows within its turn
+            ms = int((lease.until - time.monotonic()) * 1000)
+            follow = {**follow, "ms": min(follow["ms"], ms)} if ms > 0 else None
         try:
             served = self._hand(lease, method, path, body, query, headers, connection, "", follow)
         except RouterError:

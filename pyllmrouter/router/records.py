@@ -107,6 +107,9 @@ class Lease:
     name: str
     worker: WorkerHandle
     record: "Record" = field(repr=False)
+    # the end of the turn (time.monotonic) of a model being drained for a waiter when the
+    # lease was taken: what it lets a worker read on a connection must end by then
+    until: float | None = None
 
 
 @dataclass(eq=False)

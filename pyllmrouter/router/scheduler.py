@@ -323,7 +323,7 @@ class Scheduler:
         if self.on_wait is not None:
             self.on_wait((rec.primary or rec).name, rec.last_used - ticket.created)
         self._roster.grow(rec.primary or rec)
-        return Lease(rec.name, rec.worker, rec)
+        return Lease(rec.name, rec.worker, rec, rec.drain[0] if rec.drain is not None else None)
 
     # -- instances (replicas.py) ---------------------------------------------------
 
