@@ -94,13 +94,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--native", action=argparse.BooleanOptionalAction, default=True,
                    help="a worker writes a model's response to the client's connection itself (default); "
                         "--no-native relays every response through the router process")
-    p.add_argument("--follow-ms", type=int, default=None, metavar="MS",
+    p.add_argument("--follow-ms", type=int, default=1000, metavar="MS",
                    help="a worker that answered a request on a keep-alive connection reads the client's next "
                         "requests itself for up to MS (each one like the last: the same model, path and headers, "
-                        "within 20 ms of the last answer), the router told of each; then the router admits "
-                        "again (default: --turn, for which a busy model takes new requests anyway once another "
-                        "waits for its memory, and never past a drained model's turn; 0: the router reads every "
-                        "request)")
+                        "within 20 ms of the last answer), the router told of each, and never past the turn of a "
+                        "model drained for a waiter (--turn); then the router admits again (0: the router reads "
+                        "every request)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="log a line per request (off by default, as in llama-server)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (MiB)")
@@ -246,7 +245,7 @@ def serve(a: argparse.Namespace) -> int:
             raise SystemExit(f"pyllmrouter serve: {e}") from None
     app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services,
                      allowed_hosts=allowed_hosts(a.host, a.allowed_hosts), native=a.native,
-                     follow_ms=max(0, int(a.turn * 1000) if a.follow_ms is None else a.follow_ms))
+                     follow_ms=max(0, a.follow_ms))
     # proxy_headers off: as llama-server, X-Forwarded-* are a client's headers like any other (uvicorn's
     # middleware would rewrite the client's address and scheme from them, on every request)
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
