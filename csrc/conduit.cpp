@@ -300,10 +300,11 @@ void Conduit::serve(std::string message, int client) {
         const json f = h.value("follow", json());
         if (f.is_object() && req.keep_alive) {
             follow.line = f.at("line").get<std::string>();
-            follow.headers = string_map(f.at("headers"));
+            follow.headers = req.headers;  // the engine's copy, and those it leaves out
+            for (const auto & [k, v] : string_map(f.at("headers"))) follow.headers[k] = v;
             follow.named = f.at("named").get<std::string>();
             follow.max_body = f.at("max_body").get<size_t>();
-            follow.idle_ms = f.value("idle_ms", 20);
+            follow.idle_ms = f.at("idle_ms").get<int>();
             follow.until = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.at("ms").get<int>());
         }
         while (true) {
@@ -471,20 +472,21 @@ bool Conduit::read_next(int client, const Follow & follow, std::string & body) {
             deadline - std::chrono::steady_clock::now()).count();
         if (total != 0 || left_ms <= 0 || static_cast<size_t>(n) > max_head + follow.max_body) break;
         const int more = static_cast<int>(n) + 1;
-        lowered = ::setsockopt(client, SOL_SOCKET, SO_RCVLOWAT, &more, sizeof(more)) == 0;
+        if (::setsockopt(client, SOL_SOCKET, SO_RCVLOWAT, &more, sizeof(more)) != 0) break;
+        lowered = true;
         pollfd again{client, POLLIN, 0};
-        if (!lowered || ::poll(&again, 1, static_cast<int>(left_ms)) <= 0 || (again.revents & (POLLERR | POLLHUP))) break;
+        if (::poll(&again, 1, static_cast<int>(left_ms)) <= 0 || (again.revents & (POLLERR | POLLHUP))) break;
     }
     if (lowered) {  // the socket is the router's again: as it was
         const int one = 1;
         ::setsockopt(client, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
     }
     if (total <= 0 || static_cast<size_t>(total) != buf.size()) return false;  // not one whole request like the last
-    std::string taken(static_cast<size_t>(total), '\0');
-    if (::recv(client, taken.data(), taken.size(), MSG_DONTWAIT) != static_cast<ssize_t>(total)) {
+    // taken off the socket now: the same bytes as those peeked, which they overwrite
+    if (::recv(client, buf.data(), buf.size(), MSG_DONTWAIT) != total) {
         return false;  // cannot happen (its bytes were there); the connection is not the router's to read now
     }
-    body = taken.substr(buf.find("\r\n\r\n") + 4);
+    body = buf.substr(buf.find("\r\n\r\n") + 4);
     return true;
 }
 

@@ -69,13 +69,15 @@ class Conduit {
     int in_flight() const;
     void close();
 
+  private:
     // A request head's most bytes the worker reads itself (a follow's), and the deepest
     // nesting of its JSON body (deeper: the router's, whose parser has a recursion limit).
     static constexpr std::size_t max_head = 8 * 1024;
     static constexpr int max_nesting = 200;
     // What the router let through on a connection, for the worker to read the next
     // requests itself while they are alike: the request line ("POST /v1/completions
-    // HTTP/1.1"), the headers by lower-case name but Content-Length, the model the body
+    // HTTP/1.1"), the headers by lower-case name but Content-Length (the engine's copy and
+    // those the router kept from it), the model the body
     // named ("": none), the longest body, until when, and how long a pause may be.
     struct Follow {
         std::string line;
@@ -83,13 +85,12 @@ class Conduit {
         std::string named;
         std::size_t max_body = 0;
         std::chrono::steady_clock::time_point until;
-        int idle_ms = 20;
+        int idle_ms = 0;
     };
     // The bytes of the request at the start of `buf` where it is whole and like the one
     // `follow` describes; 0 where it may be, its rest still to come; -1 where it is not.
     static long long next_request(const std::string & buf, const Follow & follow);
 
-  private:
     struct Request {  // a request as the router handed it over (the next ones alike)
         std::string name, method, path, query_string, extra;
         std::map<std::string, std::string> query, headers;

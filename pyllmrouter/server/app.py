@@ -255,7 +255,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return False
         endpoint = scope["path"]
         named = data.get("model") if isinstance(data, dict) else None
-        follow = handover.follow(headers, named if isinstance(named, str) else "", max_body, follow_ms)
+        kept = {k: v for k, v in headers.items() if k in _NOT_FORWARDED}  # the engine's copy has the rest
+        follow = handover.follow(kept, named if isinstance(named, str) else "", max_body, follow_ms)
         t0 = time.perf_counter()
         served = router.serve_now(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
                                   Connection(handover.fd, handover.keep_alive, (), handover.begin, handover.undo),
