@@ -181,6 +181,7 @@ void Conduit::close() {
 
 void Conduit::receive() {
     std::string buffer(max_message + 1, '\0');
+    unsigned long long seq = 0;
     while (!closed_.load()) {
         iovec iov{buffer.data(), buffer.size()};
         alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
@@ -192,6 +193,7 @@ void Conduit::receive() {
         const ssize_t n = ::recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) break;  // the router is gone, or close()
+        ++seq;
         int client = -1;
         for (cmsghdr * c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
             if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -202,9 +204,12 @@ void Conduit::receive() {
                 if (client < 0) client = fd; else ::close(fd);
             }
         }
-        if (client < 0) continue;  // nothing to answer on
         if (msg.msg_flags & MSG_TRUNC) {  // the router never sends one this big
-            ::close(client);
+            if (client >= 0) ::close(client);
+            continue;
+        }
+        if (client < 0) {  // no connection: the router's word on what it handed over before
+            command(std::string(buffer.data(), static_cast<size_t>(n)), seq);
             continue;
         }
         {
@@ -214,7 +219,7 @@ void Conduit::receive() {
         bool spawn = false;
         {
             std::lock_guard<std::mutex> lock(pool_mutex_);
-            jobs_.emplace_back(std::string(buffer.data(), static_cast<size_t>(n)), client);
+            jobs_.push_back(Job{std::string(buffer.data(), static_cast<size_t>(n)), client, seq});
             if (idle_ < static_cast<int>(jobs_.size())) {
                 ++threads_;
                 spawn = true;
@@ -237,10 +242,10 @@ void Conduit::run() {
                                            [this] { return !jobs_.empty() || closed_.load(); });
         --idle_;
         if (!got || jobs_.empty()) break;  // idle a minute, or closing: the thread ends
-        auto [message, client] = std::move(jobs_.front());
-        jobs_.erase(jobs_.begin());
+        Job job = std::move(jobs_.front());
+        jobs_.pop_front();
         lock.unlock();
-        serve(std::move(message), client);
+        serve(std::move(job));
         lock.lock();
     }
     --threads_;
@@ -275,15 +280,19 @@ void Conduit::leave(Model & m) {
     turns_.notify_all();
 }
 
-void Conduit::serve(std::string message, int client) {
+void Conduit::serve(Job job) {
+    const int client = job.client;
     long long id = -1;
     Outcome last;
-    json answers = json::array();  // [status, bytes, seconds] of each request answered
+    json answers = json::array();  // [status, bytes, seconds] of each request answered, not yet reported
+    int answered = 0;
+    Follow follow;
+    std::string name;  // the model whose follows `follow` is registered with ("": none)
     try {
-        const size_t nul = message.find('\0');
-        const json h = json::parse(message.substr(0, nul));
-        std::string body = nul == std::string::npos ? std::string() : message.substr(nul + 1);
-        message.clear();
+        const size_t nul = job.message.find('\0');
+        const json h = json::parse(job.message.substr(0, nul));
+        std::string body = nul == std::string::npos ? std::string() : job.message.substr(nul + 1);
+        job.message.clear();
         id = h.at("id").get<long long>();
         Request req;
         req.name = h.at("model").get<std::string>();
@@ -296,7 +305,6 @@ void Conduit::serve(std::string message, int client) {
         for (const auto & kv : h.value("extra", json::array())) {  // the router's headers (CORS)
             req.extra += kv.at(0).get<std::string>() + ": " + kv.at(1).get<std::string>() + "\r\n";
         }
-        Follow follow;
         const json f = h.value("follow", json());
         if (f.is_object() && req.keep_alive) {
             follow.line = f.at("line").get<std::string>();
@@ -305,21 +313,39 @@ void Conduit::serve(std::string message, int client) {
             follow.named = f.at("named").get<std::string>();
             follow.max_body = f.at("max_body").get<size_t>();
             follow.idle_ms = f.at("idle_ms").get<int>();
-            follow.until = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.at("ms").get<int>());
+            follow.report_ms = f.at("ms").get<int>();
+            const auto now = std::chrono::steady_clock::now();
+            if (f.contains("end_ms")) follow.until = now + std::chrono::milliseconds(f.at("end_ms").get<int>());
+            std::lock_guard<std::mutex> lock(mutex_);
+            auto it = models_.find(req.name);
+            if (it != models_.end() && !it->second.closing) {
+                Model & m = it->second;
+                m.follows.insert(&follow);
+                name = req.name;
+                if (m.end_seq > job.seq) follow.until = std::min(follow.until, m.end_at);  // it came first
+            }
         }
+        auto reported = std::chrono::steady_clock::now();
         while (true) {
             const auto began = std::chrono::steady_clock::now();
             last = answer(req, body, client);
+            const auto now = std::chrono::steady_clock::now();
             answers.push_back(json::array(
-                {last.status, last.written,
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count()}));
-            if (follow.line.empty() || !last.keep || !open(req.name)) break;
-            if (!read_next(client, follow, body)) break;
+                {last.status, last.written, std::chrono::duration<double>(now - began).count()}));
+            ++answered;
+            if (name.empty() || !last.keep) break;
+            // the router's counts, meanwhile: every report period, and in datagrams it reads whole
+            if (now - reported >= std::chrono::milliseconds(follow.report_ms) || answers.size() >= max_listed) {
+                send(safe_json_to_str({{"id", id}, {"progress", true}, {"answers", answers}}));
+                answers = json::array();
+                reported = now;
+            }
+            if (!read_next(client, name, follow, body)) break;
         }
     } catch (const std::exception & e) {  // the router's message unreadable
         last.error = e.what();
         last.keep = false;
-        if (id >= 0 && answers.empty()) {  // nothing written yet: say it
+        if (id >= 0 && answered == 0) {  // nothing written yet: say it
             StopFlag stop;
             Writer out{client, stop};
             write_error(out, last.error);
@@ -327,8 +353,13 @@ void Conduit::serve(std::string message, int client) {
             last.written = out.written;
         }
     }
+    if (!name.empty()) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        auto it = models_.find(name);
+        if (it != models_.end()) it->second.follows.erase(&follow);
+    }
     ::close(client);  // the router's descriptor stays: the connection is its own again
-    if (id >= 0) report(id, last.status, last.written, last.keep, last.error, answers);
+    if (id >= 0) report(id, last.status, last.written, last.keep, last.error, answered > 1 ? &answers : nullptr);
     {
         std::lock_guard<std::mutex> lock(mutex_);
         --in_flight_;
@@ -336,10 +367,18 @@ void Conduit::serve(std::string message, int client) {
     done_.notify_all();
 }
 
-bool Conduit::open(const std::string & name) const {
+void Conduit::command(const std::string & message, unsigned long long seq) {
+    const json c = json::parse_no_throw(message);
+    if (!c.is_object() || !c.contains("end") || !c.at("end").is_string()) return;
+    const int ms = c.value("ms", 0);
+    const auto at = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, ms));
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = models_.find(name);
-    return it != models_.end() && !it->second.closing && !closed_.load();
+    auto it = models_.find(c.at("end").get<std::string>());
+    if (it == models_.end()) return;
+    Model & m = it->second;
+    for (Follow * f : m.follows) f->until = std::min(f->until, at);
+    m.end_seq = seq;  // and a follow handed over before it, not yet registered
+    m.end_at = at;
 }
 
 Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, int client) {
@@ -448,11 +487,20 @@ Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, 
     return o;
 }
 
-bool Conduit::read_next(int client, const Follow & follow, std::string & body) {
+long long Conduit::follow_wait(const std::string & name, const Follow & follow) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = models_.find(name);
+    if (it == models_.end() || it->second.closing || closed_.load()) return 0;
     const auto now = std::chrono::steady_clock::now();
-    if (now >= follow.until) return false;
+    if (now >= follow.until) return 0;
+    if (follow.until == std::chrono::steady_clock::time_point::max()) return follow.idle_ms;
     const long long left = std::chrono::duration_cast<std::chrono::milliseconds>(follow.until - now).count();
-    const int wait = static_cast<int>(std::min<long long>(left, follow.idle_ms));
+    return std::min<long long>(left, follow.idle_ms);
+}
+
+bool Conduit::read_next(int client, const std::string & name, const Follow & follow, std::string & body) {
+    const int wait = static_cast<int>(follow_wait(name, follow));
+    if (wait <= 0) return false;
     pollfd pfd{client, POLLIN, 0};
     if (::poll(&pfd, 1, wait) <= 0) return false;
     if (!(pfd.revents & POLLIN) || (pfd.revents & (POLLERR | POLLHUP))) return false;
@@ -482,6 +530,7 @@ bool Conduit::read_next(int client, const Follow & follow, std::string & body) {
         ::setsockopt(client, SOL_SOCKET, SO_RCVLOWAT, &one, sizeof(one));
     }
     if (total <= 0 || static_cast<size_t>(total) != buf.size()) return false;  // not one whole request like the last
+    if (follow_wait(name, follow) <= 0) return false;  // the router ended it meanwhile: the request is its
     // taken off the socket now: the same bytes as those peeked, which they overwrite
     if (::recv(client, buf.data(), buf.size(), MSG_DONTWAIT) != total) {
         return false;  // cannot happen (its bytes were there); the connection is not the router's to read now
@@ -538,12 +587,15 @@ long long Conduit::next_request(const std::string & buf, const Follow & follow) 
 }
 
 void Conduit::report(long long id, int status, long long bytes, bool keep, const std::string & error,
-                     const json & answers) {
+                     const json * answers) {
     json done = {{"id", id}, {"status", status}, {"bytes", bytes}, {"keep", keep}, {"error", error}};
-    if (answers.size() > 1) done["answers"] = answers;  // it read the connection's next requests itself
-    const std::string msg = safe_json_to_str(done);
+    if (answers != nullptr) done["answers"] = *answers;  // it read the connection's next requests itself
+    send(safe_json_to_str(done));
+}
+
+void Conduit::send(const std::string & message) {
     std::lock_guard<std::mutex> lock(send_mutex_);
-    while (::send(fd_, msg.data(), msg.size(), MSG_NOSIGNAL) < 0 && errno == EINTR) {
+    while (::send(fd_, message.data(), message.size(), MSG_NOSIGNAL) < 0 && errno == EINTR) {
     }
 }
 

@@ -13,10 +13,13 @@
 // client's next request itself, or, where it said so (`follow`), once the worker has read
 // the client's next requests itself: while they are like the one the router let through
 // (the same request line, the same headers but Content-Length, a whole body naming the
-// same model, nothing after it) and come within the router's window, each is answered
-// here too, under the same lease, and done() lists them all (status, bytes, seconds) for
-// the router's counts.  Anything else (another model, other headers, a pause) is left
-// unread for the router, which reads it as any request.
+// same model, nothing after it) and each comes within a short pause of the last answer,
+// each is answered here too, under the same lease.  The worker lists them for the router's
+// counts (status, bytes, seconds) every report period (progress) and in done().  Anything
+// else (another model, other headers, a pause) is left unread for the router, which reads
+// it as any request.  The router ends a model's follows when it must see the requests
+// again (an unload, a drain for another model's waiter, a retirement, a new instance to
+// share them with): end(model, ms) on the same channel, a datagram without a descriptor.
 //
 // A request that takes a slot (a completion, an embedding...) goes into llama.cpp's hands
 // only while the model has fewer such requests there than twice its slots: a slot's worth
@@ -74,18 +77,22 @@ class Conduit {
     // nesting of its JSON body (deeper: the router's, whose parser has a recursion limit).
     static constexpr std::size_t max_head = 8 * 1024;
     static constexpr int max_nesting = 200;
+    // The most answers one progress lists (about 40 bytes each: the router reads 64 KiB at most).
+    static constexpr std::size_t max_listed = 256;
     // What the router let through on a connection, for the worker to read the next
     // requests itself while they are alike: the request line ("POST /v1/completions
     // HTTP/1.1"), the headers by lower-case name but Content-Length (the engine's copy and
-    // those the router kept from it), the model the body
-    // named ("": none), the longest body, until when, and how long a pause may be.
+    // those the router kept from it), the model the body named ("": none), the longest
+    // body, how long a pause may be, how often the answers are reported, and until when
+    // (the router's end: mutex_ held, where the follow is registered with its model).
     struct Follow {
         std::string line;
         std::map<std::string, std::string> headers;
         std::string named;
         std::size_t max_body = 0;
-        std::chrono::steady_clock::time_point until;
         int idle_ms = 0;
+        int report_ms = 0;
+        std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max();
     };
     // The bytes of the request at the start of `buf` where it is whole and like the one
     // `follow` describes; 0 where it may be, its rest still to come; -1 where it is not.
@@ -116,6 +123,16 @@ class Conduit {
         int room = 2;
         int in_engine = 0;  // requests that take a slot, in llama.cpp's hands
         std::deque<Turn *> waiting;  // those waiting for a slot, in order
+        std::set<Follow *> follows;  // connections followed, their requests read here
+        // the router's last end(): the datagram's number and when it ends the follows of
+        // requests handed over before it (one registered after it came ends then too)
+        unsigned long long end_seq = 0;
+        std::chrono::steady_clock::time_point end_at;
+    };
+    struct Job {  // a request handed over, waiting for a pool thread
+        std::string message;
+        int client;
+        unsigned long long seq;  // its datagram's number on the channel
     };
 
     // A slot for a request of `name` (mutex_ held by `lock`): at once where the model has
@@ -127,17 +144,23 @@ class Conduit {
 
     void receive();
     void run();  // a pool thread: serves what the receiver queues, kept for the next request
-    void serve(std::string message, int client);
+    void serve(Job job);
+    // end(model, ms) from the router: the model's follows end within ms (0: after their
+    // request in progress)
+    void command(const std::string & message, unsigned long long seq);
     Outcome answer(const Request & req, const std::string & body, int client);
-    bool open(const std::string & name) const;  // the model takes requests still
-    // The client's next request, where it comes within the follow's window and is alike:
-    // read (its body into `body`); else nothing read.
-    bool read_next(int client, const Follow & follow, std::string & body);
+    // How long the follow may wait for the next request now (ms; <= 0: it ends): its pause,
+    // within the router's end, while the model takes requests.
+    long long follow_wait(const std::string & name, const Follow & follow) const;
+    // The client's next request, where it comes within the pause and is alike: read (its
+    // body into `body`); else nothing read.
+    bool read_next(int client, const std::string & name, const Follow & follow, std::string & body);
     // done: the last request's status and bytes, whether the connection may take the next,
-    // and, where the worker read the connection's next requests itself, each one's
-    // [status, bytes, seconds] in order (the one handed over first)
+    // and, where the worker read the connection's next requests itself (`answers` not
+    // null), each one's [status, bytes, seconds] in order that no progress listed yet
     void report(long long id, int status, long long bytes, bool keep, const std::string & error,
-                const common_json & answers);
+                const common_json * answers);
+    void send(const std::string & message);  // one datagram to the router
 
     int fd_;
     std::thread receiver_;
@@ -152,7 +175,7 @@ class Conduit {
     // between requests (starting a thread costs more than the rest of a short request's path)
     std::mutex pool_mutex_;
     std::condition_variable pool_cv_;
-    std::vector<std::pair<std::string, int>> jobs_;
+    std::deque<Job> jobs_;
     int idle_ = 0;
     int threads_ = 0;
 };

@@ -6,6 +6,7 @@ router's, answered exactly as with ``--follow-ms 0``.  Spoken to byte by byte.""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -15,14 +16,42 @@ import time
 import httpx
 import pytest
 
+from pyllmrouter import ModelConfig, ModelSpec, Router
+from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.tools.loopback import free_port, start_serve, wait_healthy
 from test_handover import Reader, connect, metric as any_metric, request
+from test_live import serving, wait_for
 
 pytestmark = pytest.mark.slow
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 M = {"model": "m", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+
+
+# Clients in a process of their own (the router's threads never pause them), each on one
+# connection that sends the next request as soon as the last is answered, until killed.
+CLIENTS = r"""
+import json, socket, sys, threading
+port, body = int(sys.argv[1]), sys.argv[2].encode()
+req = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
+      b"Content-Length: %d\r\n\r\n" % len(body) + body
+
+def run():
+    sock, buf = socket.create_connection(("127.0.0.1", port)), b""
+    while True:
+        sock.sendall(req)
+        while b"\r\n\r\n" not in buf:
+            buf += sock.recv(65536)
+        head, buf = buf.split(b"\r\n\r\n", 1)
+        length = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
+        while len(buf) < length:
+            buf += sock.recv(65536)
+        buf = buf[length:]
+        print(head.split(b" ")[1].decode(), flush=True)
+for _ in range(int(sys.argv[3])):
+    threading.Thread(target=run).start()
+"""
 
 
 def serve(preset, *extra: str):
@@ -32,15 +61,15 @@ def serve(preset, *extra: str):
 
 @pytest.fixture(scope="module")
 def servers(tiny, tmp_path_factory):
-    """Two routers on the same models: one whose workers follow (the default), one whose
-    router reads every request (--follow-ms 0)."""
+    """Two routers on the same models: one whose workers follow (told of the answers every
+    100 ms), one whose router reads every request (--follow-ms 0)."""
     preset = tmp_path_factory.mktemp("follow") / "models.ini"
     preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 1024\nnp = 2\nload-on-startup = true\n\n"
                       f"[n]\nmodel = {tiny['tiny-llama']}\nc = 1024\nnp = 1\nload-on-startup = true\n")
     procs = []
     try:
         urls = {}
-        for name, extra in (("follow", ()), ("router", ("--follow-ms", "0"))):
+        for name, extra in (("follow", ("--follow-ms", "100")), ("router", ("--follow-ms", "0"))):
             proc, urls[name] = serve(preset, *extra)
             procs.append(proc)
         for url in urls.values():  # both models loaded before the first test
@@ -78,6 +107,132 @@ def test_a_worker_reads_the_next_requests_like_the_last_itself_and_the_router_co
     assert metric(base, 'pyllmrouter_request_seconds_count{endpoint="/v1/completions",model="m",status="200"}') \
         - timed == 12
     assert followed(base) > before  # and some were read by the worker itself
+
+
+def test_a_follow_lasts_while_the_requests_keep_coming_and_the_router_counts_them_as_they_go(servers):
+    """A follow has no window of its own: a connection whose requests keep coming alike is
+    the worker's for many report periods (100 ms here), the router reading its first request
+    only, and the router counts the answers as the worker lists them (progress), not only
+    once it gives the connection back."""
+    base = servers["follow"]
+    native_series = 'pyllmrouter_responses_total{path="native"}'
+    for _ in range(5):  # until a run had no pause of 20 ms between an answer and the next request
+        native, before = metric(base, native_series), followed(base)
+        midway: list[float] = []
+        watcher = threading.Timer(0.4, lambda: midway.append(metric(base, native_series) - native))
+        sent = 0
+        with connect(base) as sock:
+            r = Reader(sock)
+            t0 = time.monotonic()
+            watcher.start()
+            while sent < 1000 and (sent < 20 or time.monotonic() - t0 < 0.8):
+                sock.sendall(request("POST", "/v1/completions", M, AUTH))
+                assert r.response()[0] == 200
+                sent += 1
+            watcher.join()
+        for _ in range(100):  # the rest once the worker gives the connection back (the client gone)
+            if metric(base, native_series) - native >= sent:
+                break
+            time.sleep(0.05)
+        assert metric(base, native_series) - native == sent  # each counted once
+        if sent - (followed(base) - before) == 1:  # the router read the first request only
+            break
+    else:
+        pytest.fail("the worker never followed a connection throughout")
+    assert midway and midway[0] >= 1, midway  # counted while the worker still had the connection
+
+
+def test_a_model_whose_connection_never_pauses_is_drained_for_another_models_waiter(tiny, tmp_path):
+    """A follow ends with the turn of a model drained for a waiter (--turn): a client that
+    never pauses on one model does not keep another model's request waiting past it."""
+    preset = tmp_path / "models.ini"
+    preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 1024\nload-on-startup = true\n\n"
+                      f"[n]\nmodel = {tiny['tiny-llama']}\nc = 1024\n")
+    proc, base = serve(preset, "--models-max", "1", "--turn", "1", "--follow-ms", "100")
+    stop, statuses = threading.Event(), []
+
+    def client() -> None:
+        with connect(base) as sock:
+            r = Reader(sock)
+            while not stop.is_set():
+                sock.sendall(request("POST", "/v1/completions", M, AUTH))
+                statuses.append(r.response()[0])
+    try:
+        assert httpx.post(base + "/v1/completions", json=M, headers=AUTH, timeout=120).status_code == 200
+        t = threading.Thread(target=client)
+        t.start()
+        try:
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            reply = httpx.post(base + "/v1/completions", json={**M, "model": "n"}, headers=AUTH, timeout=60)
+            took = time.monotonic() - t0
+        finally:
+            stop.set()
+            t.join(60)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert reply.status_code == 200 and reply.json()["model"] == "n", reply.text
+    assert took < 20, took  # the turn (1 s), an unload and a load; never the queue's timeout
+    assert statuses and set(statuses) == {200}, statuses
+
+
+def test_a_model_removed_while_a_connection_follows_it_goes(tiny, tmp_path):
+    """A model taken off the live list finishes what it has, then unloads and goes: a
+    connection its worker follows is given back after its request in progress, and its
+    next requests are the router's (the model is gone for them)."""
+    spec = ModelSpec(tiny["tiny-llama"], ("-c", "1024"))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+    with Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 4 << 30}), margin=0) as r, \
+            serving(r, follow_ms=100) as base, open(tmp_path / "statuses", "w+") as out:
+        r.load("m")
+        clients = subprocess.Popen([sys.executable, "-c", CLIENTS, base.rsplit(":", 1)[1], json.dumps(body), "1"],
+                                   stdout=out)
+        try:
+            wait_for(lambda: followed(base) > 0, what="a follow")
+            r.remove_model("m")
+            wait_for(lambda: "m" not in r.status()["models"], timeout=15, what="the model gone")
+        finally:
+            clients.kill()
+            clients.wait(30)
+        out.seek(0)
+        assert "200" in out.read().split()
+        r.scheduler.check_invariant()
+
+
+def test_a_server_shutting_down_takes_back_the_connections_its_workers_follow(tiny, tmp_path):
+    """SIGTERM under a client that never pauses: the worker gives the connection back after
+    the request it is answering, and the server closes it and exits, well inside
+    --shutdown-timeout (30 s), every answer whole."""
+    preset = tmp_path / "models.ini"
+    preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 1024\nload-on-startup = true\n")
+    proc, base = serve(preset, "--follow-ms", "100", "--shutdown-timeout", "30")
+    statuses: list[int] = []
+
+    def client() -> None:
+        with connect(base) as sock:
+            r = Reader(sock)
+            try:
+                while True:
+                    sock.sendall(request("POST", "/v1/completions", M, AUTH))
+                    statuses.append(r.response()[0])
+            except (EOFError, ConnectionError, socket.timeout):
+                return  # closed by the server
+    try:
+        assert httpx.post(base + "/v1/completions", json=M, headers=AUTH, timeout=120).status_code == 200
+        t = threading.Thread(target=client)
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        took = time.monotonic() - t0
+        t.join(60)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert took < 10, took
+    assert len(statuses) > 1 and set(statuses) == {200}, statuses
 
 
 def outcome(base: str, variant: bytes) -> tuple:

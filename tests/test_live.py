@@ -36,7 +36,8 @@ def serving(router: Router, **app_options):
     """``router``'s HTTP app (``create_app(router, **app_options)``) on a free port, as serve runs it."""
     app = create_app(router, **app_options)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=HTTP_PROTOCOL))
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=HTTP_PROTOCOL,
+                                        proxy_headers=False))  # serve's: the app itself, not a middleware's wrap
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     while not srv.started:

@@ -4,6 +4,9 @@ instance is the first to make room for another model."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -14,6 +17,7 @@ from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.presets import read_preset
 from pyllmrouter.remote import ps_table
 from pyllmrouter.tools import scripted
+from test_follow import CLIENTS
 from test_live import serving, wait_for
 from test_scheduling import CHAT, Streams
 
@@ -96,4 +100,31 @@ def test_waiting_requests_start_a_second_instance_and_go_to_the_least_busy(story
         events = [(what, name) for _, what, name, _ in r.scheduler.events]
         assert ("evict", "m#2") in events and "m#2" not in r.status()["models"]
         assert r.status()["models"]["m"]["state"] == "loaded"  # the model's own instance stays
+        r.scheduler.check_invariant()
+
+
+def test_connections_a_worker_follows_spread_over_a_new_instance(tiny, tmp_path):
+    """Two connections whose requests never pause, each followed by the worker of the one
+    instance (it reads their next requests itself): the second makes requests wait for the
+    slot, so another instance loads, and the follows end then, for the router to spread
+    the connections' next requests over both."""
+    spec = ModelSpec(tiny["tiny-llama"], ("-np", "1", "-c", "1024"))
+    one = probe(spec).total
+    inventory = EmulatedInventory({"GPU0": one + one // 2, "GPU1": one + one // 2})  # one instance each
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+    with Router([ModelConfig("m", spec, replicas=2)], inventory=inventory, margin=0) as r, \
+            serving(r, follow_ms=100) as base, open(tmp_path / "statuses", "w+") as out:
+        r.load("m")
+        clients = subprocess.Popen([sys.executable, "-c", CLIENTS, base.rsplit(":", 1)[1], json.dumps(body), "2"],
+                                   stdout=out)
+        try:
+            wait_for(lambda: r.status()["models"].get("m#2", {}).get("state") == "loaded", what="the second instance")
+            wait_for(lambda: r.status()["models"]["m#2"]["leases"] > 0, timeout=30,
+                     what="a connection's requests on the second instance")
+        finally:
+            clients.kill()
+            clients.wait(30)
+        out.seek(0)
+        statuses = out.read().split()
+        assert statuses and set(statuses) == {"200"}, statuses
         r.scheduler.check_invariant()

@@ -339,14 +339,17 @@ class Router:
         return self._opened(lease, pending, first)
 
     def serve_now(self, model: str, method: str, path: str, body: bytes, query: dict[str, str],
-                  headers: dict[str, str], connection: Connection, follow: dict | None = None) -> "asyncio.Future | None":
+                  headers: dict[str, str], connection: Connection, follow: dict | None = None,
+                  progress: Callable[[tuple], None] | None = None) -> "asyncio.Future | None":
         """``aserve`` where nothing need wait, in the event loop without a coroutine: the
         request and its connection handed over at once where the model can take it now and
         its worker the connection (the future of the worker's answer, the lease released when
         it comes); None where not (nothing taken, nothing sent: ``aserve`` says why).
         ``follow``: the next requests like this one that the worker may read itself on the
-        connection (server/connection.py, ``Handover.follow``), under this lease (the answer
-        lists them all), and never past the turn of a model being drained for a waiter."""
+        connection (server/connection.py, ``Handover.follow``), under this lease, never past
+        the turn of a model being drained for a waiter (the scheduler ends the follows of a
+        model it must see the requests of again: ``Scheduler.end_follows``); ``progress``
+        gets the answers listed meanwhile, the answer the rest."""
         if self.options.debug_fake_timing > 0:
             return None
         try:
@@ -357,9 +360,9 @@ class Router:
             return None
         if follow is not None and lease.until is not None:  # a drained model: the worker follows within its turn
             ms = int((lease.until - time.monotonic()) * 1000)
-            follow = {**follow, "ms": min(follow["ms"], ms)} if ms > 0 else None
+            follow = {**follow, "end_ms": ms} if ms > 0 else None
         try:
-            served = self._hand(lease, method, path, body, query, headers, connection, "", follow)
+            served = self._hand(lease, method, path, body, query, headers, connection, "", follow, progress)
         except RouterError:
             return None  # the lease is released, the connection undone
         if served is None:
@@ -368,7 +371,7 @@ class Router:
 
     def _hand(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str],
               headers: dict[str, str], connection: Connection, query_string: str,
-              follow: dict | None = None) -> "asyncio.Future | None":
+              follow: dict | None = None, progress: Callable[[tuple], None] | None = None) -> "asyncio.Future | None":
         """The request and its connection handed to the lease's worker: the future of its
         answer (the lease released when it comes), or None where the worker cannot take it
         now (nothing was sent; the lease is still held)."""
@@ -382,7 +385,7 @@ class Router:
             header["follow"] = follow
         connection.begin()
         try:
-            served = conduit.hand(header, body, connection.fd)
+            served = conduit.hand(header, body, connection.fd, progress)
         except BaseException:
             connection.undo()
             self._sched.release(lease)

@@ -6,6 +6,10 @@
     the loop's reader ◀── done {id, status, bytes, keep, error} ── worker: the future
         resolves (read in the event loop that handed it over, add_reader: one wake-up per
         request, never per token, and no thread between)
+    where the worker follows the connection (reads its next requests itself):
+    the loop's reader ◀── progress {id, answers} ── worker, every report period: counted
+    end_follows(model, ms) ──a datagram without a descriptor──▶ worker: the model's follows
+        end within ms, and their connections come back with done
 
 A request is handed over whole or not at all: a datagram too big, or a worker whose
 channel is full (it stopped reading), is refused at once (``hand`` returns None) and the
@@ -54,9 +58,9 @@ class Served:
     keep: bool  # the response went out whole and the connection may take the next request
     error: str = ""
     # where the worker read the connection's next requests itself (a hand-over's follow), each
-    # request it answered, the one handed over first: (status, bytes, seconds it took there);
-    # status, bytes and keep above are the last one's
-    answers: tuple[tuple[int, int, float], ...] = ()
+    # request it answered that no progress listed, in order: (status, bytes, seconds it took
+    # there); status, bytes and keep above are the last one's.  None: it read none
+    answers: tuple[tuple[int, int, float], ...] | None = None
 
 
 def channel() -> tuple[socket.socket, socket.socket]:
@@ -84,15 +88,19 @@ class Conduit:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # _pending, _closed, _loop: hand (loop) and close (any thread)
         self._pending: dict[int, asyncio.Future] = {}
+        self._progress: dict[int, Callable[[tuple], None]] = {}  # a followed request's answers, as they come
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._detached = False  # the socket left the loop and is closed
 
-    def hand(self, header: dict, body: bytes, fd: int) -> "asyncio.Future[Served] | None":
+    def hand(self, header: dict, body: bytes, fd: int,
+             progress: "Callable[[tuple[tuple[int, int, float], ...]], None] | None" = None,
+             ) -> "asyncio.Future[Served] | None":
         """Hand the request and the client's connection ``fd`` over; the future of what the
         worker did with it, or None where it cannot take it now (too big, its channel full,
         a loop other than the one bound): nothing was sent then.  WorkerDied if the worker
-        is gone."""
+        is gone.  ``progress``: called in the loop with the answers a worker following the
+        connection lists before it gives it back (as ``Served.answers``)."""
         rid = next(self._ids)
         message = json.dumps({**header, "id": rid}).encode() + b"\0" + body
         if len(message) > MAX_MESSAGE:
@@ -108,6 +116,8 @@ class Conduit:
                 return None
             fut = loop.create_future()
             self._pending[rid] = fut
+            if progress is not None:
+                self._progress[rid] = progress
         try:
             socket.send_fds(self._sock, [message], [fd], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
@@ -120,7 +130,17 @@ class Conduit:
 
     def _forget(self, rid: int) -> "asyncio.Future | None":
         with self._lock:
+            self._progress.pop(rid, None)
             return self._pending.pop(rid, None)
+
+    def end_follows(self, model: str, ms: int = 0) -> None:
+        """The worker's follows of ``model`` end within ``ms`` (0: after the request each is
+        answering), from any thread; nothing where the worker is gone or its channel full
+        (one that stopped reading is the heartbeat's)."""
+        try:
+            self._sock.send(json.dumps({"end": model, "ms": max(0, int(ms))}).encode(), socket.MSG_DONTWAIT)
+        except OSError:
+            pass
 
     def in_flight(self) -> int:
         with self._lock:
@@ -147,8 +167,17 @@ class Conduit:
             try:
                 done = json.loads(data)
                 rid = int(done["id"])
+                answers = done.get("answers")
+                if answers is not None:
+                    answers = tuple((int(a[0]), int(a[1]), float(a[2])) for a in answers)
+                if done.get("progress"):
+                    with self._lock:
+                        progress = self._progress.get(rid)
+                    if progress is not None and answers:
+                        progress(answers)
+                    continue
                 served = Served(int(done["status"]), int(done["bytes"]), bool(done["keep"]), done.get("error") or "",
-                                tuple((int(a[0]), int(a[1]), float(a[2])) for a in done.get("answers", ())))
+                                answers)
             except (ValueError, KeyError, TypeError, IndexError):
                 continue
             fut = self._forget(rid)
@@ -161,6 +190,7 @@ class Conduit:
         with self._lock:
             self._closed = True
             orphans, self._pending = list(self._pending.values()), {}
+            self._progress = {}
             loop = self._loop
         for fut in orphans:
             _settle(fut, WorkerDied(f"worker {self._name} ended while it answered a request"))

@@ -206,6 +206,9 @@ class Jobs:
                 rec.loads += 1
                 s.counters["loads"] += 1
                 s._event("load", rec.name, seconds=round(reply.seconds, 3))
+                for sibling in s._registry.instances(rec.primary or rec):  # the requests spread over one more
+                    if sibling is not rec:
+                        s.end_follows(sibling)
                 loaded = True
             else:
                 loaded = False

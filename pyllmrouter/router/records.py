@@ -46,6 +46,7 @@ class Record:
     probing: bool = False
     error_epoch: int = 0  # bumped by each failure: tickets older than it give up
     drain: tuple[float, int] | None = None  # (deadline, seq of the ticket that waits)
+    unload_asked: bool = False  # an unload waits for its leases: it takes no new one meanwhile
     loads: int = 0
     second_chance: bool = False  # a load that failed for want of device memory is being retried
     live: dict[str, int] = field(default_factory=dict)  # bytes the worker measured after load

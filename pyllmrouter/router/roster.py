@@ -74,6 +74,7 @@ class Roster:
             extra.config = dataclasses.replace(extra.config, priority=cfg.priority, max_queue=cfg.max_queue)
             if k > cfg.replicas and extra.fate is None:
                 extra.fate = Fate.REMOVE
+                self._s.end_follows(extra)
                 self.settle(extra)
         self._s._event("tune", rec.name, priority=cfg.priority, max_queue=cfg.max_queue, replicas=cfg.replicas)
 
@@ -81,8 +82,10 @@ class Roster:
         for extra in self._registry.instances(rec)[1:]:  # its extra instances finish and go too
             if extra.fate is None:
                 extra.fate = Fate.REMOVE
+                self._s.end_follows(extra)
                 self.settle(extra)
         self._registry.retire(rec, replacement)
+        self._s.end_follows(rec)
         self._s._event("remove" if replacement is None else "change", rec.name)
         self.settle(rec)
         self._s._cond.notify_all()

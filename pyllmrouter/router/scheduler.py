@@ -357,7 +357,9 @@ class Scheduler:
 
     def _may_lease(self, rec: Record, ticket: Ticket) -> bool:
         """A model drained for a waiter takes the requests that rank before that waiter's,
-        and others only for its turn."""
+        and others only for its turn; one an unload waits for takes none."""
+        if rec.unload_asked:
+            return False
         if rec.drain is None:
             return True
         deadline, waiter_seq = rec.drain
@@ -477,6 +479,7 @@ class Scheduler:
                 owner = next((t for t in self._queue if victim.drain and t.seq == victim.drain[1]), None)
                 if victim.drain is None or owner is None or self._rank(ticket) < self._rank(owner):
                     victim.drain = (deadline, ticket.seq)
+                    self.end_follows(victim, deadline)
             if decision.short and decision.short != ticket.short:
                 ticket.short = dict(decision.short)
                 self._event("waiting", rec.name, why=decision.why, short=dict(decision.short))
@@ -530,6 +533,23 @@ class Scheduler:
         if evicted:
             self.counters["evictions"] += 1
         self._jobs.spawn(self._jobs.unload, rec)
+
+    def end_follows(self, rec: Record, at: float | None = None) -> None:
+        """The connections ``rec``'s worker follows for it (reads their next requests itself,
+        server/connection.py) come back to the router by ``at`` (time.monotonic; None: after
+        the request each is answering), whose requests it must see again: an unload or a
+        retirement waits for the model's leases, a drain for its turn, and a new instance
+        takes its share of them only through the router (lock held)."""
+        conduit = rec.worker.conduit if rec.worker is not None and rec.leases > 0 else None
+        if conduit is not None:
+            conduit.end_follows(rec.name, 0 if at is None else int((at - time.monotonic()) * 1000))
+
+    def end_all_follows(self) -> None:
+        """Every follow of every model ends after its request (a server shutting down: the
+        connections come back to it, and close)."""
+        with self._cond:
+            for rec in self._registry.records():
+                self.end_follows(rec)
 
     def _event(self, what: str, name: str, **data: Any) -> None:
         rec = self._registry.get(name)
@@ -587,8 +607,14 @@ class Scheduler:
         deadline = time.monotonic() + (wait or 0)
         with self._cond:
             rec = self._resolve(name)
-            while rec.state is State.LOADED and rec.leases > 0 and time.monotonic() < deadline:
-                self._cond.wait(0.1)
+            rec.unload_asked = rec.state is State.LOADED  # its requests now wait for the unload, then load it again
+            self.end_follows(rec)
+            try:
+                while rec.state is State.LOADED and rec.leases > 0 and time.monotonic() < deadline:
+                    self._cond.wait(0.1)
+            finally:
+                rec.unload_asked = False
+                self._cond.notify_all()
             if rec.state is not State.LOADED or rec.leases > 0:
                 return False
             self._begin_unload(rec)

@@ -87,8 +87,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     the Host names accepted beside the local ones (None: no Host check, see browser.py);
     ``native``: a worker answers a model's request on the client's connection itself where it
     can (router/conduit.py); False: every response is relayed through this process;
-    ``follow_ms``: for how long such a worker may read the connection's next requests like
-    the last itself (0: never)."""
+    ``follow_ms``: how often such a worker, reading the connection's next requests like the
+    last itself, tells the router of its answers (0: it never reads them)."""
     keys = tuple(k for k in ([api_key] if api_key else []) + list((settings or {}).get("api_keys", ())) if k)
     # pages of the local origins only, unless --cors-origins says otherwise ('*': llama-server's default)
     origins = settings["cors_origins"] if settings and settings.get("cors_origins_explicit") else LOCAL_ORIGINS
@@ -258,37 +258,46 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         kept = {k: v for k, v in headers.items() if k in _NOT_FORWARDED}  # the engine's copy has the rest
         follow = handover.follow(kept, named if isinstance(named, str) else "", max_body, follow_ms)
         t0 = time.perf_counter()
+        lead, first = 0.0, True  # the router's part of the first request's time; that one not counted yet
+
+        def count(answers: tuple[tuple[int, int, float], ...]) -> None:
+            """The answers a worker following the connection lists (as it goes, then as it gives
+            the connection back): each timed and logged; the first is the one handed over."""
+            nonlocal first
+            for i, (status, written, seconds) in enumerate(answers):
+                metrics.observe(model, endpoint, str(status or 502), seconds + (lead if first and i == 0 else 0.0))
+                handover.logged(status, written)
+            metrics.native.inc(len(answers))
+            metrics.followed.inc(len(answers) - (1 if first else 0))
+            first = False
+
         served = router.serve_now(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
                                   Connection(handover.fd, handover.keep_alive, (), handover.begin, handover.undo),
-                                  follow)
+                                  follow, count if follow is not None else None)
         if served is None:
             return False
-        lead = time.perf_counter() - t0  # the router's part of the first request's time
+        lead = time.perf_counter() - t0
 
         def done(fut: asyncio.Future) -> None:
             failed = None if fut.cancelled() else fut.exception()
             out = fut.result() if not fut.cancelled() and failed is None else None
-            err = handed_back(model, endpoint, t0, handover, out, failed, lead)
+            err = handed_back(model, endpoint, t0, handover, out, failed, count)
             if err is not None:
                 answer(error_response(err))
         served.add_done_callback(done)
         return True
 
     def handed_back(model: str, endpoint: str, t0: float, handover: Handover, out: Served | None,
-                    failed: BaseException | None, lead: float = 0.0) -> ApiError | None:
+                    failed: BaseException | None, count: Callable[[tuple], None] | None = None) -> ApiError | None:
         """The end of a request handed over to a worker (``hand_over``, ``take``): its answer
-        counted (and the next requests the worker read itself, the first's time ``lead`` here
-        and the rest there) and the connection the router's again (None); or, for a worker
+        counted (by ``count`` where the worker read the next requests itself and lists the
+        answers) and the connection the router's again (None); or, for a worker
         that died before it wrote a byte, the connection taken back unused and the error a
         relay gives, for the caller to write.  Anything else (no answer, or one cut short):
         502, and the connection closes, since the worker may have written part of a response."""
         if out is not None:
-            if out.answers:
-                for i, (status, written, seconds) in enumerate(out.answers):
-                    metrics.observe(model, endpoint, str(status or 502), seconds + (lead if i == 0 else 0.0))
-                    handover.logged(status, written)
-                metrics.native.inc(len(out.answers))
-                metrics.followed.inc(len(out.answers) - 1)
+            if out.answers is not None and count is not None:
+                count(out.answers)
             else:
                 metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
                 metrics.native.inc()

@@ -96,10 +96,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "--no-native relays every response through the router process")
     p.add_argument("--follow-ms", type=int, default=1000, metavar="MS",
                    help="a worker that answered a request on a keep-alive connection reads the client's next "
-                        "requests itself for up to MS (each one like the last: the same model, path and headers, "
-                        "within 20 ms of the last answer), the router told of each, and never past the turn of a "
-                        "model drained for a waiter (--turn); then the router admits again (0: the router reads "
-                        "every request)")
+                        "requests itself while each is like the last (the same model, path and headers, within "
+                        "20 ms of the last answer), and tells the router of its answers every MS; the router ends "
+                        "it where it must see the model's requests again: an unload, a drain for a waiter (at the "
+                        "end of its --turn), a new replica (0: the router reads every request)")
     p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="log a line per request (off by default, as in llama-server)")
     p.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body (MiB)")
@@ -201,6 +201,11 @@ def serve(a: argparse.Namespace) -> int:
         Idle, it wakes once a second (the Date header's second), not uvicorn's ten times."""
 
         wake: Callable[[], None] = staticmethod(lambda: None)  # main_loop's: an exit is asked
+
+        async def shutdown(self, sockets=None) -> None:
+            """uvicorn's, the connections workers follow given back first (then closed)."""
+            router.scheduler.end_all_follows()
+            await super().shutdown(sockets)
 
         async def main_loop(self) -> None:
             """uvicorn's, woken by an exit at once rather than polling for it every 0.1 s."""
