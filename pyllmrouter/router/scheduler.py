@@ -15,6 +15,9 @@
         has, unloads, and goes (or makes room for its new config, which its waiters follow)
     a model with replicas = N: a request goes to one of its instances (replicas.pick),
         and one more loads where its requests wait (roster.grow)
+    a lease whose worker follows the client's connection (reads its next requests itself)
+        lasts as long as they come: end_follows gives the connection back where the
+        model's requests must be seen here again (unload, retirement, drain, a new instance)
 
 Callers hold a ``Lease`` (the model's name and the worker captured when the lease
 was taken), never a ``Record``: records change under the lock only, and a
