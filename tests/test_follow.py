@@ -37,18 +37,27 @@ port, body = int(sys.argv[1]), sys.argv[2].encode()
 req = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
       b"Content-Length: %d\r\n\r\n" % len(body) + body
 
+said = threading.Lock()
+
+def more(sock):
+    data = sock.recv(65536)
+    if not data:
+        sys.exit(0)  # the server closed the connection: this client is done
+    return data
+
 def run():
     sock, buf = socket.create_connection(("127.0.0.1", port)), b""
     while True:
         sock.sendall(req)
         while b"\r\n\r\n" not in buf:
-            buf += sock.recv(65536)
+            buf += more(sock)
         head, buf = buf.split(b"\r\n\r\n", 1)
         length = int(next(l.split(b":")[1] for l in head.split(b"\r\n") if l.lower().startswith(b"content-length")))
         while len(buf) < length:
-            buf += sock.recv(65536)
+            buf += more(sock)
         buf = buf[length:]
-        print(head.split(b" ")[1].decode(), flush=True)
+        with said:  # a line each, whole (the threads share stdout)
+            print(head.split(b" ")[1].decode(), flush=True)
 for _ in range(int(sys.argv[3])):
     threading.Thread(target=run).start()
 """
