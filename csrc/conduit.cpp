@@ -286,6 +286,7 @@ void Conduit::serve(Job job) {
     Outcome last;
     json answers = json::array();  // [status, bytes, seconds] of each request answered, not yet reported
     int answered = 0;
+    bool listed = false;  // a progress listed answers: done lists the rest (none, maybe)
     Follow follow;
     std::string name;  // the model whose follows `follow` is registered with ("": none)
     try {
@@ -339,6 +340,7 @@ void Conduit::serve(Job job) {
                 send(safe_json_to_str({{"id", id}, {"progress", true}, {"answers", answers}}));
                 answers = json::array();
                 reported = now;
+                listed = true;
             }
             if (!read_next(client, name, follow, body)) break;
         }
@@ -359,7 +361,8 @@ void Conduit::serve(Job job) {
         if (it != models_.end()) it->second.follows.erase(&follow);
     }
     ::close(client);  // the router's descriptor stays: the connection is its own again
-    if (id >= 0) report(id, last.status, last.written, last.keep, last.error, answered > 1 ? &answers : nullptr);
+    if (id >= 0) report(id, last.status, last.written, last.keep, last.error,
+                         answered > 1 || listed ? &answers : nullptr);
     {
         std::lock_guard<std::mutex> lock(mutex_);
         --in_flight_;

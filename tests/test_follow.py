@@ -151,6 +151,26 @@ def test_a_follow_lasts_while_the_requests_keep_coming_and_the_router_counts_the
     assert midway and midway[0] >= 1, midway  # counted while the worker still had the connection
 
 
+def test_each_answer_is_counted_once_whatever_the_report_period(tiny):
+    """--follow-ms 1: the worker lists its answers after nearly every request (progress), the
+    first one's too; done then lists the rest, none maybe, and nothing is counted twice."""
+    spec = ModelSpec(tiny["tiny-llama"], ("-c", "1024"))
+    native_series = 'pyllmrouter_responses_total{path="native"}'
+    with Router([ModelConfig("m", spec)], inventory=EmulatedInventory({"GPU0": 4 << 30}), margin=0) as r, \
+            serving(r, follow_ms=1) as base:
+        r.load("m")
+        before = metric(base, native_series)
+        for per_connection in (1, 1, 3, 1, 2):
+            with connect(base) as sock:
+                reader = Reader(sock)
+                for _ in range(per_connection):
+                    sock.sendall(request("POST", "/v1/completions", {**M, "max_tokens": 8}))
+                    assert reader.response()[0] == 200
+        wait_for(lambda: metric(base, native_series) - before >= 8, timeout=10, what="the answers counted")
+        time.sleep(0.3)  # a count twice would come by now
+        assert metric(base, native_series) - before == 8
+
+
 def test_a_model_whose_connection_never_pauses_is_drained_for_another_models_waiter(tiny, tmp_path):
     """A follow ends with the turn of a model drained for a waiter (--turn): a client that
     never pauses on one model does not keep another model's request waiting past it."""
