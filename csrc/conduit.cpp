@@ -286,7 +286,6 @@ void Conduit::serve(Job job) {
     Outcome last;
     json answers = json::array();  // [status, bytes, seconds] of each request answered, not yet reported
     int answered = 0;
-    bool listed = false;  // a progress listed answers: done lists the rest (none, maybe)
     Follow follow;
     std::string name;  // the model whose follows `follow` is registered with ("": none)
     try {
@@ -315,15 +314,16 @@ void Conduit::serve(Job job) {
             follow.max_body = f.at("max_body").get<size_t>();
             follow.idle_ms = f.at("idle_ms").get<int>();
             follow.report_ms = f.at("ms").get<int>();
-            const auto now = std::chrono::steady_clock::now();
-            if (f.contains("end_ms")) follow.until = now + std::chrono::milliseconds(f.at("end_ms").get<int>());
+            if (f.contains("end_ms")) {  // leased during a drained model's turn: its end
+                follow.until = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.at("end_ms").get<int>());
+            }
             std::lock_guard<std::mutex> lock(mutex_);
             auto it = models_.find(req.name);
             if (it != models_.end() && !it->second.closing) {
                 Model & m = it->second;
                 m.follows.insert(&follow);
                 name = req.name;
-                if (m.end_seq > job.seq) follow.until = std::min(follow.until, m.end_at);  // it came first
+                if (m.end_seq > job.seq) follow.until = std::min(follow.until, m.end_at);  // the end came first
             }
         }
         auto reported = std::chrono::steady_clock::now();
@@ -340,7 +340,6 @@ void Conduit::serve(Job job) {
                 send(safe_json_to_str({{"id", id}, {"progress", true}, {"answers", answers}}));
                 answers = json::array();
                 reported = now;
-                listed = true;
             }
             if (!read_next(client, name, follow, body)) break;
         }
@@ -361,8 +360,7 @@ void Conduit::serve(Job job) {
         if (it != models_.end()) it->second.follows.erase(&follow);
     }
     ::close(client);  // the router's descriptor stays: the connection is its own again
-    if (id >= 0) report(id, last.status, last.written, last.keep, last.error,
-                         answered > 1 || listed ? &answers : nullptr);
+    if (id >= 0) report(id, last.status, last.written, last.keep, last.error, name.empty() ? nullptr : &answers);
     {
         std::lock_guard<std::mutex> lock(mutex_);
         --in_flight_;
@@ -496,7 +494,6 @@ long long Conduit::follow_wait(const std::string & name, const Follow & follow) 
     if (it == models_.end() || it->second.closing || closed_.load()) return 0;
     const auto now = std::chrono::steady_clock::now();
     if (now >= follow.until) return 0;
-    if (follow.until == std::chrono::steady_clock::time_point::max()) return follow.idle_ms;
     const long long left = std::chrono::duration_cast<std::chrono::milliseconds>(follow.until - now).count();
     return std::min<long long>(left, follow.idle_ms);
 }

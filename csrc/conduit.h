@@ -124,8 +124,8 @@ class Conduit {
         int in_engine = 0;  // requests that take a slot, in llama.cpp's hands
         std::deque<Turn *> waiting;  // those waiting for a slot, in order
         std::set<Follow *> follows;  // connections followed, their requests read here
-        // the router's last end(): the datagram's number and when it ends the follows of
-        // requests handed over before it (one registered after it came ends then too)
+        // the router's last end(): the datagram's number and when it ends the follows of the
+        // requests handed over before it (those registered after it came too)
         unsigned long long end_seq = 0;
         std::chrono::steady_clock::time_point end_at;
     };
@@ -156,8 +156,8 @@ class Conduit {
     // body into `body`); else nothing read.
     bool read_next(int client, const std::string & name, const Follow & follow, std::string & body);
     // done: the last request's status and bytes, whether the connection may take the next,
-    // and, where the worker read the connection's next requests itself (`answers` not
-    // null), each one's [status, bytes, seconds] in order that no progress listed yet
+    // and, where the worker followed the connection (`answers` not null), each request's
+    // [status, bytes, seconds] in order that no progress listed yet
     void report(long long id, int status, long long bytes, bool keep, const std::string & error,
                 const common_json * answers);
     void send(const std::string & message);  // one datagram to the router

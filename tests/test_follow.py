@@ -171,39 +171,48 @@ def test_each_answer_is_counted_once_whatever_the_report_period(tiny):
         assert metric(base, native_series) - before == 8
 
 
-def test_a_model_whose_connection_never_pauses_is_drained_for_another_models_waiter(tiny, tmp_path):
-    """A follow ends with the turn of a model drained for a waiter (--turn): a client that
-    never pauses on one model does not keep another model's request waiting past it."""
-    preset = tmp_path / "models.ini"
-    preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 1024\nload-on-startup = true\n\n"
-                      f"[n]\nmodel = {tiny['tiny-llama']}\nc = 1024\n")
-    proc, base = serve(preset, "--models-max", "1", "--turn", "1", "--follow-ms", "100")
-    stop, statuses = threading.Event(), []
+def test_a_model_whose_connections_never_pause_is_drained_for_another_models_waiter(tiny, tmp_path):
+    """A follow ends with the turn of a model drained for a waiter (--turn), one that began
+    during the turn too: clients that never pause on one model do not keep another model's
+    request waiting past it: a connection followed when the drain begins (the drain's end
+    reaches it), and one opened during the turn (its lease carries the turn's end)."""
+    spec = ModelSpec(tiny["tiny-llama"], ("-c", "1024"))
+    body = {"model": "m", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
+    models = [ModelConfig("m", spec), ModelConfig("n", spec)]
+    with Router(models, inventory=EmulatedInventory({"GPU0": 4 << 30}), margin=0, max_models=1, turn=3.0,
+                queue_timeout=20.0) as r, serving(r, follow_ms=100) as base:
+        r.load("m")
+        outs = []
 
-    def client() -> None:
-        with connect(base) as sock:
-            r = Reader(sock)
-            while not stop.is_set():
-                sock.sendall(request("POST", "/v1/completions", M, AUTH))
-                statuses.append(r.response()[0])
-    try:
-        assert httpx.post(base + "/v1/completions", json=M, headers=AUTH, timeout=120).status_code == 200
-        t = threading.Thread(target=client)
-        t.start()
+        def clients() -> subprocess.Popen:  # each its own file: two processes' lines would interleave
+            outs.append(tmp_path / f"statuses-{len(outs)}")
+            with open(outs[-1], "w") as out:
+                return subprocess.Popen([sys.executable, "-c", CLIENTS, base.rsplit(":", 1)[1], json.dumps(body),
+                                         "1"], stdout=out)
+        replies: list = []
+        first = clients()
+        second = None
         try:
-            time.sleep(0.3)
+            wait_for(lambda: followed(base) > 0, what="a follow")
             t0 = time.monotonic()
-            reply = httpx.post(base + "/v1/completions", json={**M, "model": "n"}, headers=AUTH, timeout=60)
+            waiter = threading.Thread(target=lambda: replies.append(httpx.post(
+                base + "/v1/completions", json={**body, "model": "n"}, timeout=60)))
+            waiter.start()
+            wait_for(lambda: (r.status()["models"]["n"].get("waiting") or {}).get("why")
+                     == "waiting for busy models to finish", timeout=10, what="m drained for n")
+            second = clients()  # leased during m's turn: its follow starts after the drain's end was sent
+            wait_for(lambda: r.status()["models"]["m"]["leases"] == 2, timeout=10, what="the second connection")
+            waiter.join(60)
             took = time.monotonic() - t0
         finally:
-            stop.set()
-            t.join(60)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    assert reply.status_code == 200 and reply.json()["model"] == "n", reply.text
-    assert took < 20, took  # the turn (1 s), an unload and a load; never the queue's timeout
-    assert statuses and set(statuses) == {200}, statuses
+            for p in (first, second):
+                if p is not None:
+                    p.kill()
+                    p.wait(30)
+        statuses = [s for o in outs for s in o.read_text().split()]
+    assert replies and replies[0].status_code == 200 and replies[0].json()["model"] == "n", replies
+    assert took < 15, took  # the turn (3 s), an unload and a load; never the queue's timeout (20 s)
+    assert statuses and set(statuses) == {"200"}, statuses
 
 
 def test_a_model_removed_while_a_connection_follows_it_goes(tiny, tmp_path):

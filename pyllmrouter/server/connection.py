@@ -82,8 +82,9 @@ class Handover:
     def follow(self, headers: dict[str, str], named: str, max_body: int, ms: int) -> dict | None:
         """What the worker may read itself on this connection after this request (csrc/conduit.h,
         ``Conduit::Follow``): requests with this one's request line and headers, Content-Length
-        aside, whose body names ``named``, for ``ms``; None where it may not (not HTTP/1.1 kept
-        alive, ``ms`` 0).  ``headers``: those (by lower-case name) the hand-over's copy for the
+        aside, whose body names ``named``, each within ``FOLLOW_IDLE_MS`` of the last answer,
+        its answers listed every ``ms``; None where it may not (not HTTP/1.1 kept alive,
+        ``ms`` 0).  ``headers``: those (by lower-case name) the hand-over's copy for the
         engine leaves out; the worker compares the next request's with the two together."""
         scope = self._cycle.scope
         if ms <= 0 or not self.keep_alive or scope.get("http_version") != "1.1":
