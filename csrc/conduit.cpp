@@ -19,35 +19,66 @@ namespace pyllmrouter {
 namespace {
 
 // Writes to the client's socket, which is non-blocking (the router's event loop shares
-// its file description): a full buffer is waited out with poll, a stopped request or a
-// socket in error ends the writing.  Counts what it wrote.
+// its file description).  A full buffer is waited out with poll, for at most `timeout`
+// (llama-server's --timeout for writes) without a byte taken: a client that stops reading
+// is then gone, as one whose socket errs or hangs up, or whose request stopped.  Counts
+// what it wrote.
 struct Writer {
     int fd;
     StopFlag & stop;
+    std::chrono::milliseconds timeout;
     long long written = 0;
     bool ok = true;
 
-    bool write(const std::string & data) {
-        const char * p = data.data();
-        size_t left = data.size();
-        while (ok && left > 0) {
-            const ssize_t n = ::send(fd, p, left, MSG_NOSIGNAL | MSG_DONTWAIT);
+    // What the socket takes of `data` now, without waiting (erased from it).
+    void some(std::string & data) {
+        size_t at = 0;
+        while (ok && at < data.size()) {
+            const ssize_t n = ::send(fd, data.data() + at, data.size() - at, MSG_NOSIGNAL | MSG_DONTWAIT);
             if (n > 0) {
-                p += n;
-                left -= static_cast<size_t>(n);
+                at += static_cast<size_t>(n);
                 written += n;
             } else if (n < 0 && errno == EINTR) {
                 continue;
             } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                pollfd pfd{fd, POLLOUT, 0};
-                const int r = ::poll(&pfd, 1, 1000);
-                if (stop.value.load() || (r > 0 && (pfd.revents & (POLLERR | POLLHUP)))) ok = false;
+                break;
             } else {
-                ok = false;  // the client is gone (EPIPE, ECONNRESET...)
+                gone();  // the client is gone (EPIPE, ECONNRESET...)
             }
         }
-        if (!ok) stop.set();  // llama.cpp ends the request at its next should_stop
+        if (at == data.size()) data.clear(); else data.erase(0, at);
+    }
+
+    // Until the socket takes more: false where the request stopped, the client hung up, or
+    // it took nothing for `timeout`.
+    bool writable() {
+        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        while (ok) {
+            const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                deadline - std::chrono::steady_clock::now()).count();
+            if (left <= 0) {
+                gone();  // a reader that stalled: as llama-server's write timeout closes it
+                break;
+            }
+            pollfd pfd{fd, POLLOUT, 0};  // in slices: a stop (an unload, a close) is seen within a second
+            const int r = ::poll(&pfd, 1, static_cast<int>(std::min<long long>(left, 1000)));
+            if (stop.value.load() || (r > 0 && (pfd.revents & (POLLERR | POLLHUP)))) gone();
+            else if (r > 0) return true;
+        }
+        return false;
+    }
+
+    bool write(std::string data) {  // all of it, waiting as it must
+        while (ok) {
+            some(data);
+            if (data.empty() || !writable()) break;
+        }
         return ok;
+    }
+
+    void gone() {
+        ok = false;
+        stop.set();  // llama.cpp ends the request at its next should_stop
     }
 
     static void frame(std::string & into, const std::string & data) {  // one HTTP/1.1 chunk
@@ -56,15 +87,13 @@ struct Writer {
         std::snprintf(size, sizeof(size), "%zx\r\n", data.size());
         into.append(size).append(data).append("\r\n");
     }
-
-    bool chunk(const std::string & data, bool last = false) {  // the last with the stream's end
-        std::string framed;
-        framed.reserve(data.size() + 32);
-        frame(framed, data);
-        if (last) framed += "0\r\n\r\n";
-        return framed.empty() ? ok : write(framed);
-    }
 };
+
+// llama.cpp's own default of --timeout (for a write where no model's engine says its own).
+int default_write_timeout() {
+    static const int seconds = common_params{}.timeout_write;
+    return seconds;
+}
 
 // A 500 with the error, as llama-server's ex_wrapper answers an exception; the connection closes.
 void write_error(Writer & out, const std::string & error) {
@@ -141,6 +170,14 @@ void Conduit::attach(const std::string & name, std::shared_ptr<Engine> engine, i
     m.awaited = awaited;
     m.hits = 0;
     m.closing = false;
+    m.ends.clear();  // a new load: the router's epochs of this name start again
+    m.ended = 0;
+}
+
+std::chrono::steady_clock::time_point Conduit::Model::end_of(unsigned long long epoch) const {
+    auto at = epoch < ended ? std::chrono::steady_clock::time_point{} : std::chrono::steady_clock::time_point::max();
+    for (auto it = ends.upper_bound(epoch); it != ends.end(); ++it) at = std::min(at, it->second);
+    return at;
 }
 
 int Conduit::detach(const std::string & name) {
@@ -181,7 +218,6 @@ void Conduit::close() {
 
 void Conduit::receive() {
     std::string buffer(max_message + 1, '\0');
-    unsigned long long seq = 0;
     while (!closed_.load()) {
         iovec iov{buffer.data(), buffer.size()};
         alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
@@ -193,7 +229,6 @@ void Conduit::receive() {
         const ssize_t n = ::recvmsg(fd_, &msg, MSG_CMSG_CLOEXEC);
         if (n < 0 && errno == EINTR) continue;
         if (n <= 0) break;  // the router is gone, or close()
-        ++seq;
         int client = -1;
         for (cmsghdr * c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
             if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -209,7 +244,7 @@ void Conduit::receive() {
             continue;
         }
         if (client < 0) {  // no connection: the router's word on what it handed over before
-            command(std::string(buffer.data(), static_cast<size_t>(n)), seq);
+            command(std::string(buffer.data(), static_cast<size_t>(n)));
             continue;
         }
         {
@@ -219,7 +254,7 @@ void Conduit::receive() {
         bool spawn = false;
         {
             std::lock_guard<std::mutex> lock(pool_mutex_);
-            jobs_.push_back(Job{std::string(buffer.data(), static_cast<size_t>(n)), client, seq});
+            jobs_.push_back(Job{std::string(buffer.data(), static_cast<size_t>(n)), client});
             if (idle_ < static_cast<int>(jobs_.size())) {
                 ++threads_;
                 spawn = true;
@@ -314,6 +349,7 @@ void Conduit::serve(Job job) {
             follow.max_body = f.at("max_body").get<size_t>();
             follow.idle_ms = f.at("idle_ms").get<int>();
             follow.report_ms = f.at("ms").get<int>();
+            follow.epoch = f.value("epoch", 0ULL);
             if (f.contains("end_ms")) {  // leased during a drained model's turn: its end
                 follow.until = std::chrono::steady_clock::now() + std::chrono::milliseconds(f.at("end_ms").get<int>());
             }
@@ -323,7 +359,7 @@ void Conduit::serve(Job job) {
                 Model & m = it->second;
                 m.follows.insert(&follow);
                 name = req.name;
-                if (m.end_seq > job.seq) follow.until = std::min(follow.until, m.end_at);  // the end came first
+                follow.until = std::min(follow.until, m.end_of(follow.epoch));  // an end that came first
             }
         }
         auto reported = std::chrono::steady_clock::now();
@@ -348,7 +384,7 @@ void Conduit::serve(Job job) {
         last.keep = false;
         if (id >= 0 && answered == 0) {  // nothing written yet: say it
             StopFlag stop;
-            Writer out{client, stop};
+            Writer out{client, stop, std::chrono::seconds(default_write_timeout())};
             write_error(out, last.error);
             last.status = 500;
             last.written = out.written;
@@ -368,25 +404,36 @@ void Conduit::serve(Job job) {
     done_.notify_all();
 }
 
-void Conduit::command(const std::string & message, unsigned long long seq) {
+void Conduit::command(const std::string & message) {
     const json c = json::parse_no_throw(message);
     if (!c.is_object() || !c.contains("end") || !c.at("end").is_string()) return;
-    const int ms = c.value("ms", 0);
-    const auto at = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(0, ms));
+    const auto now = std::chrono::steady_clock::now();
+    const auto at = now + std::chrono::milliseconds(std::max(0, c.value("ms", 0)));
+    const unsigned long long epoch = c.value("epoch", 0ULL);
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = models_.find(c.at("end").get<std::string>());
     if (it == models_.end()) return;
     Model & m = it->second;
-    for (Follow * f : m.follows) f->until = std::min(f->until, at);
-    m.end_seq = seq;  // and a follow handed over before it, not yet registered
-    m.end_at = at;
+    for (Follow * f : m.follows) {
+        if (f->epoch < epoch) f->until = std::min(f->until, at);
+    }
+    auto [end, fresh] = m.ends.emplace(epoch, at);  // for the follows whose hand-over comes after it
+    if (!fresh) end->second = std::min(end->second, at);
+    for (auto e = m.ends.begin(); e != m.ends.end();) {  // those due: one number
+        if (e->second <= now) {
+            m.ended = std::max(m.ended, e->first);
+            e = m.ends.erase(e);
+        } else {
+            ++e;
+        }
+    }
 }
 
 Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, int client) {
     Outcome o;
     auto stop = std::make_shared<StopFlag>();
     stop->peer = client;
-    Writer out{client, *stop};
+    Writer out{client, *stop, std::chrono::seconds(default_write_timeout())};
     const std::string connection = req.keep_alive ? "" : "Connection: close\r\n";
     bool registered = false;
     Model * model = nullptr;  // while registered: detach() waits for its requests before it erases
@@ -405,6 +452,7 @@ Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, 
             auto it = models_.find(req.name);
             if (it != models_.end() && !it->second.closing) {
                 engine = it->second.engine;
+                out.timeout = std::chrono::seconds(std::max(1, engine->timeout_write()));
                 awaited = it->second.awaited;
                 it->second.requests.insert(stop);
                 registered = true;
@@ -446,16 +494,31 @@ Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, 
                 out.write(head + data);
                 if (awaited > 0) seen = cache_n(data);
             } else {
-                head += "Transfer-Encoding: chunked\r\n\r\n";
-                Writer::frame(head, reply->data());  // the head and the first chunk in one write
-                if (out.write(head)) {
-                    std::string chunk;
-                    bool more = true;
-                    while (more && out.ok) {
+                // The stream: each chunk as llama.cpp yields it (the first one included: the
+                // handler holds it in data(), and next() gives it, once), written as far as the
+                // socket takes it without waiting.  What the client has not taken yet waits
+                // here, up to max_pending; past that, the engine's next results wait in
+                // llama.cpp's own queue (as they do for llama-server's) and the request leaves
+                // the slot gate: a client that reads slowly, or not at all, never holds the
+                // engine.  The slot gate is left at the stream's end at the latest.
+                std::string pending = head + "Transfer-Encoding: chunked\r\n\r\n";
+                std::string chunk;
+                bool more = true;
+                while (out.ok) {
+                    if (more && pending.size() < max_pending) {
                         more = reply->next(chunk);
-                        if (!more) release_slot();  // the stream's end: its slot is free
                         if (awaited > 0) seen = std::max(seen, cache_n(chunk));
-                        out.chunk(chunk, !more);  // the last chunk and the end in one write
+                        Writer::frame(pending, chunk);
+                        if (!more) {
+                            release_slot();  // the stream's end: its slot is free
+                            pending += "0\r\n\r\n";
+                        }
+                    }
+                    out.some(pending);
+                    if (pending.empty() && !more) break;
+                    if (!more || pending.size() >= max_pending) {  // the client's turn to take some
+                        release_slot();
+                        if (!out.writable()) break;
                     }
                 }
             }

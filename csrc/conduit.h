@@ -19,7 +19,16 @@
 // else (another model, other headers, a pause) is left unread for the router, which reads
 // it as any request.  The router ends a model's follows when it must see the requests
 // again (an unload, a drain for another model's waiter, a retirement, a new instance to
-// share them with): end(model, ms) on the same channel, a datagram without a descriptor.
+// share them with): end(model, epoch, ms) on the same channel, a datagram without a
+// descriptor, which ends every follow of a lease taken before it (each hand-over carries
+// its lease's epoch), whatever order the datagrams arrive in.  The worker reads a
+// connection only where the router's parser holds no byte of it past the request handed
+// over (the router sends no follow otherwise).
+//
+// A client that stops reading holds nothing for long: what it has not taken of a stream
+// waits here up to max_pending, the request leaves the slot gate then (or at the stream's
+// end, whichever comes first), and a write that makes no progress for llama-server's
+// --timeout ends the request as a departed client's.
 //
 // A request that takes a slot (a completion, an embedding...) goes into llama.cpp's hands
 // only while the model has fewer such requests there than twice its slots: a slot's worth
@@ -79,12 +88,17 @@ class Conduit {
     static constexpr int max_nesting = 200;
     // The most answers one progress lists (about 40 bytes each: the router reads 64 KiB at most).
     static constexpr std::size_t max_listed = 256;
+    // The most bytes of a stream the worker holds for a client that has not taken them yet
+    // (beyond what the kernel's socket buffer holds): past it, the engine's next results wait
+    // in llama.cpp's own queue, as llama-server's do, and the request leaves the slot gate.
+    static constexpr std::size_t max_pending = 1 << 20;
     // What the router let through on a connection, for the worker to read the next
     // requests itself while they are alike: the request line ("POST /v1/completions
     // HTTP/1.1"), the headers by lower-case name but Content-Length (the engine's copy and
     // those the router kept from it), the model the body named ("": none), the longest
-    // body, how long a pause may be, how often the answers are reported, and until when
-    // (the router's end: mutex_ held, where the follow is registered with its model).
+    // body, how long a pause may be, how often the answers are reported, the lease's epoch
+    // (the model's count of the router's ends when it was taken), and until when (the
+    // router's end: mutex_ held, where the follow is registered with its model).
     struct Follow {
         std::string line;
         std::map<std::string, std::string> headers;
@@ -92,6 +106,7 @@ class Conduit {
         std::size_t max_body = 0;
         int idle_ms = 0;
         int report_ms = 0;
+        unsigned long long epoch = 0;
         std::chrono::steady_clock::time_point until = std::chrono::steady_clock::time_point::max();
     };
     // The bytes of the request at the start of `buf` where it is whole and like the one
@@ -124,15 +139,18 @@ class Conduit {
         int in_engine = 0;  // requests that take a slot, in llama.cpp's hands
         std::deque<Turn *> waiting;  // those waiting for a slot, in order
         std::set<Follow *> follows;  // connections followed, their requests read here
-        // the router's last end(): the datagram's number and when it ends the follows of the
-        // requests handed over before it (those registered after it came too)
-        unsigned long long end_seq = 0;
-        std::chrono::steady_clock::time_point end_at;
+        // The router's ends: end(model, epoch E, ms) ends, by then, every follow of a lease
+        // taken before it (epoch < E), whether its hand-over came before the end or after
+        // (a lease taken just before an end whose datagram lands after it); the sooner of
+        // two ends stands.  Those due by now are folded into `ended` (the highest such E).
+        std::map<unsigned long long, std::chrono::steady_clock::time_point> ends;
+        unsigned long long ended = 0;
+        // When the router's ends end a follow of a lease of `epoch` (max(): none does).
+        std::chrono::steady_clock::time_point end_of(unsigned long long epoch) const;
     };
     struct Job {  // a request handed over, waiting for a pool thread
         std::string message;
         int client;
-        unsigned long long seq;  // its datagram's number on the channel
     };
 
     // A slot for a request of `name` (mutex_ held by `lock`): at once where the model has
@@ -145,9 +163,9 @@ class Conduit {
     void receive();
     void run();  // a pool thread: serves what the receiver queues, kept for the next request
     void serve(Job job);
-    // end(model, ms) from the router: the model's follows end within ms (0: after their
-    // request in progress)
-    void command(const std::string & message, unsigned long long seq);
+    // end(model, epoch, ms) from the router: the model's follows of leases before `epoch`
+    // end within ms (0: after their request in progress)
+    void command(const std::string & message);
     Outcome answer(const Request & req, const std::string & body, int client);
     // How long the follow may wait for the next request now (ms; <= 0: it ends): its pause,
     // within the router's end, while the model takes requests.

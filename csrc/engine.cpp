@@ -444,6 +444,7 @@ Engine::Engine(const std::vector<std::string> & args) {
     init_process();
     n_parallel_ = params.n_parallel;
     n_ctx_ = params.n_ctx;
+    timeout_write_ = params.timeout_write;
     core_ = std::make_shared<EngineCore>(std::move(params));
 }
 
@@ -575,5 +576,6 @@ std::vector<BufferRow> Engine::breakdown() const {
 
 int Engine::n_parallel() const { return n_parallel_; }
 int Engine::n_ctx() const { return n_ctx_; }
+int Engine::timeout_write() const { return timeout_write_; }
 
 }  // namespace pyllmrouter

@@ -170,6 +170,9 @@ class Engine {
     std::vector<BufferRow> breakdown() const;
     int n_parallel() const;
     int n_ctx() const;
+    // llama-server's --timeout for writes (seconds): a client that takes no byte for this
+    // long is taken as gone
+    int timeout_write() const;
 
   private:
     // the core and whether it is loaded, read and changed under mutex_ (close() may
@@ -179,6 +182,7 @@ class Engine {
     std::shared_ptr<EngineCore> core_;
     bool loaded_ = false;
     int n_parallel_ = 0;
+    int timeout_write_ = 0;
     std::atomic<int> n_ctx_{0};  // as asked; the context's own once loaded (load may run on another thread)
     std::thread loop_;
     std::atomic<bool> loop_ended_{true};

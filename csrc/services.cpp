@@ -27,6 +27,7 @@ std::string router_settings(const std::vector<std::string> & args) {
         {"tools", !p.server_tools.empty() || mcp_on},
         {"mcp", mcp_on},
         {"ui_mcp_proxy", p.ui_mcp_proxy},
+        {"timeout_write", p.timeout_write},
     });
 }
 

@@ -28,6 +28,8 @@ if [ "${1:-}" = "--installed-ggml" ]; then
 fi
 "$py" vendor/fetch.py source --complete --out "$src" >/dev/null
 targets=("$@")
+cpu_flags=$(scripts/cpu_flags.sh)  # as the wheel's ggml is built (setup.sh): the same kernels
+ggml_args+=("-DCMAKE_C_FLAGS=$cpu_flags" "-DCMAKE_CXX_FLAGS=$cpu_flags")
 [ ${#targets[@]} -gt 0 ] || targets=(llama-server)
 cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \

@@ -49,7 +49,8 @@ command -v ninja >/dev/null || pip install ninja
 version=$("$py" -c 'import json; print(json.load(open("vendor/pin.json"))["version"])')
 # GGML_RPC: rpc-server devices on loopback are the multi-device test bed
 args="-DGGML_RPC=ON ${CMAKE_ARGS:-}"
-key=$(printf '%s %s' "$version" "$args" | sha256sum | cut -c1-16)
+cpu_flags=$(scripts/cpu_flags.sh)  # what ggml needs on this CPU beyond -march=native (AMX off where it faults)
+key=$(printf '%s %s %s' "$version" "$args" "$cpu_flags" | sha256sum | cut -c1-16)
 installed=$("$py" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
 if [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/null)" != "$key" ]; then
   wheels="$cache/wheels/$key"
@@ -61,6 +62,7 @@ if [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/nu
     fi
     echo "building llama-cpp-python $version ($args); this takes a few minutes"
     CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
+      CFLAGS="$cpu_flags ${CFLAGS:-}" CXXFLAGS="$cpu_flags ${CXXFLAGS:-}" \
       "$py" -m pip wheel -q --no-deps -w "$wheels" "$sdist"
   fi
   pip install --force-reinstall --no-deps "$wheels"/llama_cpp_python-"$version"-*.whl

@@ -27,7 +27,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
-from pyllmrouter.errors import RequestFailed, RouterError, UnknownModel
+from pyllmrouter.errors import RequestFailed, RouterError, UnknownModel, Withdrawn
 from pyllmrouter.router.conduit import Connection, Served
 from pyllmrouter.router.conversations import Conversations
 from pyllmrouter.router.downloads import Downloads
@@ -358,6 +358,8 @@ class Router:
             return None
         if lease is None:
             return None
+        if follow is not None:  # the router's later ends cover it (its epoch)
+            follow = {**follow, "epoch": lease.epoch}
         if follow is not None and lease.until is not None:  # a drained model: the worker follows within its turn
             ms = int((lease.until - time.monotonic()) * 1000)
             follow = {**follow, "end_ms": ms} if ms > 0 else None
@@ -374,7 +376,8 @@ class Router:
               follow: dict | None = None, progress: Callable[[tuple], None] | None = None) -> "asyncio.Future | None":
         """The request and its connection handed to the lease's worker: the future of its
         answer (the lease released when it comes), or None where the worker cannot take it
-        now (nothing was sent; the lease is still held)."""
+        now (nothing was sent; the lease is still held).  Withdrawn (the lease released)
+        where the client has gone by now."""
         conduit = lease.worker.conduit
         if conduit is None:
             return None
@@ -383,9 +386,12 @@ class Router:
                   "extra": [list(h) for h in connection.extra_headers], "keep_alive": connection.keep_alive}
         if follow is not None:
             header["follow"] = follow
-        connection.begin()
+        fd = connection.begin()  # the connection's descriptor now, sent at once (no await between)
+        if fd is None:  # the client has gone: nobody to answer
+            self._sched.release(lease)
+            raise Withdrawn(lease.name)
         try:
-            served = conduit.hand(header, body, connection.fd, progress)
+            served = conduit.hand(header, body, fd, progress)
         except BaseException:
             connection.undo()
             self._sched.release(lease)

@@ -8,8 +8,9 @@
         request, never per token, and no thread between)
     where the worker follows the connection (reads its next requests itself):
     the loop's reader ◀── progress {id, answers} ── worker, every report period: counted
-    end_follows(model, ms) ──a datagram without a descriptor──▶ worker: the model's follows
-        end within ms, and their connections come back with done
+    end_follows(model, epoch, at) ──a datagram without a descriptor──▶ worker: the model's
+        follows of leases before epoch end by then, and their connections come back with done
+        (never dropped: a full channel sends it when it has room)
 
 A request is handed over whole or not at all: a datagram too big, or a worker whose
 channel is full (it stopped reading), is refused at once (``hand`` returns None) and the
@@ -20,10 +21,12 @@ request it holds (WorkerDied).  Nothing here blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -37,14 +40,15 @@ EOF_GRACE = 5.0  # seconds after the worker's end closed before its requests fai
 
 @dataclass(frozen=True)
 class Connection:
-    """A client's connection as the server lends it: its socket's descriptor, whether it is
-    kept alive after this request, headers the server would add to the response (CORS),
-    and how the server stops using it (``begin``) or takes it back unused (``undo``)."""
+    """A client's connection as the server lends it: whether it is kept alive after this
+    request, headers the server would add to the response (CORS), how the server stops
+    using it (``begin``: its socket's descriptor at that moment, or None where the client
+    has gone) and how it takes it back unused (``undo``).  The descriptor is asked for at
+    the hand-over itself: a number taken earlier may be another client's by then."""
 
-    fd: int
     keep_alive: bool
     extra_headers: tuple[tuple[str, str], ...]
-    begin: Callable[[], None]
+    begin: Callable[[], "int | None"]
     undo: Callable[[], None]
 
 
@@ -86,9 +90,10 @@ class Conduit:
         self._sock = sock
         self._name = name
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # _pending, _closed, _loop: hand (loop) and close (any thread)
+        self._lock = threading.Lock()  # _pending, _closed, _loop, _ends: hand (loop), end_follows and close (any thread)
         self._pending: dict[int, asyncio.Future] = {}
         self._progress: dict[int, Callable[[tuple], None]] = {}  # a followed request's answers, as they come
+        self._ends: collections.deque[tuple[str, int, float]] = collections.deque()  # ends the channel had no room for
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._detached = False  # the socket left the loop and is closed
@@ -133,14 +138,52 @@ class Conduit:
             self._progress.pop(rid, None)
             return self._pending.pop(rid, None)
 
-    def end_follows(self, model: str, ms: int = 0) -> None:
-        """The worker's follows of ``model`` end within ``ms`` (0: after the request each is
-        answering), from any thread; nothing where the worker is gone or its channel full
-        (one that stopped reading is the heartbeat's)."""
-        try:
-            self._sock.send(json.dumps({"end": model, "ms": max(0, int(ms))}).encode(), socket.MSG_DONTWAIT)
-        except OSError:
-            pass
+    def end_follows(self, model: str, epoch: int, at: float) -> None:
+        """The worker's follows of ``model`` whose leases came before ``epoch`` end by ``at``
+        (time.monotonic; now: after the request each is answering), from any thread.  Never
+        dropped: where the channel is full, it is sent once the worker reads again (the
+        bound loop's writer), or never where the worker is gone (its follows are too).  No
+        loop bound yet: nothing was handed over, so nothing is followed."""
+        with self._lock:
+            if self._closed or self._loop is None:
+                return
+            self._ends.append((model, epoch, at))
+            if len(self._ends) > 1:
+                return  # behind those still waiting for room: the writer sends it
+            loop = self._loop
+        if not self._send_ends():
+            try:
+                loop.call_soon_threadsafe(self._arm_writer)
+            except RuntimeError:
+                pass  # that loop is closed: nobody is followed any more
+
+    def _send_ends(self) -> bool:
+        """Every end still to go sent, as far as the channel takes them (any thread): True
+        once none is left."""
+        with self._lock:
+            while self._ends:
+                model, epoch, at = self._ends[0]
+                ms = max(0, int((at - time.monotonic()) * 1000))
+                try:
+                    self._sock.send(json.dumps({"end": model, "epoch": epoch, "ms": ms}).encode(),
+                                    socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    return False
+                except OSError:  # the worker is gone, and its follows with it
+                    self._ends.clear()
+                    return True
+                self._ends.popleft()
+            return True
+
+    def _arm_writer(self) -> None:
+        """In the bound loop: the ends left sent when the channel has room again."""
+        if self._detached:
+            return
+
+        def flush() -> None:
+            if self._send_ends() or self._detached:
+                self._loop.remove_writer(self._sock.fileno())
+        self._loop.add_writer(self._sock.fileno(), flush)
 
     def in_flight(self) -> int:
         with self._lock:
@@ -191,6 +234,7 @@ class Conduit:
             self._closed = True
             orphans, self._pending = list(self._pending.values()), {}
             self._progress = {}
+            self._ends.clear()
             loop = self._loop
         for fut in orphans:
             _settle(fut, WorkerDied(f"worker {self._name} ended while it answered a request"))
@@ -210,6 +254,7 @@ class Conduit:
         if loop is not None and not loop.is_closed():
             try:
                 loop.remove_reader(self._sock.fileno())
+                loop.remove_writer(self._sock.fileno())
             except (ValueError, OSError):
                 pass
         self._sock.close()

@@ -47,6 +47,7 @@ class Record:
     error_epoch: int = 0  # bumped by each failure: tickets older than it give up
     drain: tuple[float, int] | None = None  # (deadline, seq of the ticket that waits)
     unload_asked: bool = False  # an unload waits for its leases: it takes no new one meanwhile
+    follow_epoch: int = 0  # the router's ends of its followed connections so far (end_follows)
     loads: int = 0
     second_chance: bool = False  # a load that failed for want of device memory is being retried
     live: dict[str, int] = field(default_factory=dict)  # bytes the worker measured after load
@@ -111,6 +112,10 @@ class Lease:
     # the end of the turn (time.monotonic) of a model being drained for a waiter when the
     # lease was taken: what it lets a worker read on a connection must end by then
     until: float | None = None
+    # the model's follow_epoch when the lease was taken: every end_follows after it ends
+    # what this lease lets a worker read (the worker compares the two, whatever order the
+    # hand-over and the end reach it in)
+    epoch: int = 0
 
 
 @dataclass(eq=False)

@@ -326,7 +326,7 @@ class Scheduler:
         if self.on_wait is not None:
             self.on_wait((rec.primary or rec).name, rec.last_used - ticket.created)
         self._roster.grow(rec.primary or rec)
-        return Lease(rec.name, rec.worker, rec, rec.drain[0] if rec.drain is not None else None)
+        return Lease(rec.name, rec.worker, rec, rec.drain[0] if rec.drain is not None else None, rec.follow_epoch)
 
     # -- instances (replicas.py) ---------------------------------------------------
 
@@ -542,10 +542,12 @@ class Scheduler:
         server/connection.py) come back to the router by ``at`` (time.monotonic; None: after
         the request each is answering), whose requests it must see again: an unload or a
         retirement waits for the model's leases, a drain for its turn, and a new instance
-        takes its share of them only through the router (lock held)."""
+        takes its share of them only through the router (lock held).  It covers every lease
+        of ``rec`` taken before it (``Lease.epoch``)."""
         conduit = rec.worker.conduit if rec.worker is not None and rec.leases > 0 else None
         if conduit is not None:
-            conduit.end_follows(rec.name, 0 if at is None else int((at - time.monotonic()) * 1000))
+            rec.follow_epoch += 1
+            conduit.end_follows(rec.name, rec.follow_epoch, time.monotonic() if at is None else at)
 
     def end_all_follows(self) -> None:
         """Every follow of every model ends after its request (a server shutting down: the

@@ -34,20 +34,19 @@ from typing import Any, Awaitable, Callable
 from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from pyllmrouter.errors import RouterError, UnknownModel, WorkerDied
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage, page
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
 from pyllmrouter.router.services import Services
-from pyllmrouter.router.streams import Stream
-from pyllmrouter.protocol import HttpReply
 from pyllmrouter.server.body import BODY_METHODS, form, read_or_refuse, replay
 from pyllmrouter.router.conduit import Connection, Served
 from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Refusal
 from pyllmrouter.server.connection import HANDOVER, Handover, HttpProtocol
 from pyllmrouter.server.cors import Cors
+from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
 
 __all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL"]
@@ -94,6 +93,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     origins = settings["cors_origins"] if settings and settings.get("cors_origins_explicit") else LOCAL_ORIGINS
     cors = Cors({**settings, "cors_origins": origins}) if settings else None
     gate = Gate(origins, allowed_hosts)
+    write_timeout = (settings or {}).get("timeout_write") or None  # llama-server's --timeout: a relay's writes
     metrics = Metrics(router.status, frozenset(p for p in ENGINE_POST + ENGINE_GET if "{" not in p) |
                       {"/metrics", "/props", "/v1/stream", "/v1/streams/lookup"}, router.scheduler.canonical)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
@@ -141,7 +141,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
             raise err from None
         metrics.relayed.inc()
-        return _relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0))
+        return relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0),
+                     write_timeout)
 
     async def service(request: Request) -> Response:
         """/tools and /cors-proxy: llama-server's services, or its 403 when they are off."""
@@ -154,7 +155,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
                                                  gone=lambda: _disconnected(request))
         except (RouterError, RuntimeError) as e:
             raise from_router_error(e) from None
-        return _relay(reply, stream, lambda code: None)
+        return relay(reply, stream, lambda code: None, write_timeout)
 
     for path in ("/tools", "/cors-proxy"):
         app.add_api_route(path, service, methods=["GET", "POST"], include_in_schema=False)
@@ -197,10 +198,11 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         endpoint = scope["path"]
         began = False  # the connection is the worker's (until undone)
 
-        def begin() -> None:
+        def begin() -> int | None:
             nonlocal began
-            handover.begin()
-            began = True
+            fd = handover.begin()
+            began = fd is not None
+            return fd
 
         def undo() -> None:
             nonlocal began
@@ -209,7 +211,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
         extra = tuple((k.decode("latin-1"), v.decode("latin-1"))
                       for k, v in scope.get("extensions", {}).get(CORS_HEADERS, ()))
-        connection = Connection(handover.fd, handover.keep_alive, extra, begin, undo)
+        connection = Connection(handover.keep_alive, extra, begin, undo)
         try:
             out = await router.aserve(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
                                       connection, autoload=_autoload(query.get("autoload")),
@@ -232,7 +234,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return None
         reply, stream = out
         metrics.relayed.inc()
-        return _relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0))
+        return relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0),
+                     write_timeout)
 
     def take(scope, headers: dict[str, str], raw: bytes, handover: Handover,
              answer: Callable[[Callable], None]) -> bool:
@@ -272,7 +275,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             first = False
 
         served = router.serve_now(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
-                                  Connection(handover.fd, handover.keep_alive, (), handover.begin, handover.undo),
+                                  Connection(handover.keep_alive, (), handover.begin, handover.undo),
                                   follow, count if follow is not None else None)
         if served is None:
             return False
@@ -423,30 +426,6 @@ def _query(scope) -> dict[str, str]:
 def _autoload(value: str | None) -> bool | None:
     """?autoload= as llama-server's router reads it (absent: None, the router's default)."""
     return None if value is None else value.lower() in ("1", "true", "yes", "on")
-
-
-def _relay(reply: HttpReply, stream: Stream | None, ended: Callable[[str], None]) -> Response:
-    """llama.cpp's reply as the HTTP response (its content type as it is: Starlette would
-    add a charset to a media_type); a stream chunk by chunk, cancelled if the client
-    leaves.  ``ended(status)`` once the response is done."""
-    headers = {**{k: v for k, v in reply.headers.items() if k.lower() != "content-type"},
-               "content-type": reply.content_type}
-    if stream is None:
-        ended(str(reply.status))
-        return Response(reply.body, status_code=reply.status, headers=headers)
-
-    async def body_chunks():
-        code = str(reply.status)
-        try:
-            while chunks := await stream.anext_batch():
-                yield b"".join(chunks)
-        except RouterError as e:
-            code = str(from_router_error(e).status)
-        finally:
-            stream.abandon()  # a client that left stops generation
-            ended(code)
-
-    return StreamingResponse(body_chunks(), status_code=reply.status, headers=headers)
 
 
 async def _disconnected(request: Request) -> None:

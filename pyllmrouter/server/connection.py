@@ -1,9 +1,11 @@
 """The HTTP protocol the server runs: uvicorn's httptools protocol (llhttp, in C: the fastest
 uvicorn has), whose connections a request can hand over to a worker.
 
-    HttpProtocol ──scope["extensions"][HANDOVER]──▶ Handover(fd, keep_alive)
-        begin()    the router stops reading the connection and will write nothing on it
-                   (uvicorn marks the response started: its error paths close, never write)
+    HttpProtocol ──scope["extensions"][HANDOVER]──▶ Handover(keep_alive)
+        begin()    the connection's descriptor, proven this request's own at that moment (its
+                   transport open), and the router stops reading it and will write nothing on
+                   it (uvicorn marks the response started: its error paths close, never
+                   write); None where the client has gone (its number may be another's now)
         undo()     not handed over after all: the app answers as usual
         untouched() nothing written since begin (TCP's own counters): a worker that died
                    before writing leaves a connection the app may still answer (a 503)
@@ -11,7 +13,8 @@ uvicorn has), whose connections a request can hand over to a worker.
                    connection reads the client's next request (keep-alive) or closes
         logged(s)  the access log's line for an answer the worker wrote (--access-log)
         follow(...) what the worker may read itself on it meanwhile: the next requests
-                   like this one (the same request line and headers, the same model)
+                   like this one (the same request line and headers, the same model); none
+                   where the router's parser has read a byte past this request
 
 A request handed over is one uvicorn never writes a byte of: the worker writes the
 whole response to the socket (router/conduit.py, csrc/conduit.h), and ``finish`` ends
@@ -22,7 +25,9 @@ written as the app or the worker spells them; HTTP compares them without regard 
 The hot path takes no task: a POST whose body is small enough to come whole (a
 Content-Length up to uvicorn's read-ahead limit, no 100-continue) waits for it before its
 ASGI task is made, and is then offered to the app's ``take_whole(scope, body, handover,
-answer)``.  True: the app has handed it over in that call (no coroutine, no task: the
+answer)`` once the parser has read all that came with it (after ``feed_data``, never inside
+llhttp's ``on_message_complete``): a request pipelined behind it in the same segment is then
+known (its first byte began a message), and no worker reads a byte the router has read.  True: the app has handed it over in that call (no coroutine, no task: the
 worker answers, and ``finish`` completes the cycle); False: the task runs as it would
 have, the body there already.  ``answer(app)`` runs an ASGI app on the request later (a
 task): the app's way to answer it after all (a worker that died before it wrote).
@@ -46,9 +51,9 @@ FOLLOW_IDLE_MS = 20  # a worker reading a connection's next request waits this l
 class Handover:
     def __init__(self, protocol: "HttpProtocol", cycle):
         self._protocol, self._cycle = protocol, cycle
-        self._sock = sock = protocol.socket
+        self._sock = protocol.socket
         self._sent: tuple[int, int] | None = None
-        self.fd: int = sock.fileno() if sock is not None else -1
+        self._begun = protocol.messages_begun  # this request's own message: a later one begins past it
 
     @property
     def keep_alive(self) -> bool:
@@ -59,13 +64,30 @@ class Handover:
         """A plain TCP connection this request may hand over: open, not TLS, and not one
         that holds a pipelined request after this one."""
         p = self._protocol
-        return (self.fd >= 0 and not p.transport.is_closing() and p.scheme == "http" and not p.pipeline
-                and p.cycle is self._cycle)
+        return (self._sock is not None and not p.transport.is_closing() and p.scheme == "http"
+                and not p.pipeline and p.cycle is self._cycle)
 
-    def begin(self) -> None:
+    @property
+    def alone(self) -> bool:
+        """The router's parser has read no byte past this request (none of a next one)."""
+        return self._protocol.messages_begun == self._begun
+
+    def begin(self) -> int | None:
+        """The connection's descriptor for the worker, the router off it; None where the
+        client has gone.  A descriptor is a number the kernel gives the next connection
+        once it is closed: it is this request's own only while its transport is open (the
+        transport closes before its socket does, both in this loop), so it is read here,
+        at the hand-over, not when the request came (a model's load may come between)."""
+        p = self._protocol
+        if p.transport.is_closing() or self._cycle.disconnected or self._sock is None:
+            return None
+        fd = self._sock.fileno()
+        if fd < 0:
+            return None
         self._sent = _sent_mark(self._sock)  # before the worker can write a byte
         self._cycle.response_started = True
-        self._protocol.flow.pause_reading()
+        p.flow.pause_reading()
+        return fd
 
     def untouched(self) -> bool:
         """Nothing was written on the connection since ``begin`` (TCP's count of data
@@ -83,14 +105,20 @@ class Handover:
         """What the worker may read itself on this connection after this request (csrc/conduit.h,
         ``Conduit::Follow``): requests with this one's request line and headers, Content-Length
         aside, whose body names ``named``, each within ``FOLLOW_IDLE_MS`` of the last answer,
-        its answers listed every ``ms``; None where it may not (not HTTP/1.1 kept alive,
-        ``ms`` 0).  ``headers``: those (by lower-case name) the hand-over's copy for the
-        engine leaves out; the worker compares the next request's with the two together."""
+        its answers listed every ``ms``; None where it may not: not HTTP/1.1 kept alive,
+        ``ms`` 0, bytes past this request read by the router already (a pipelined request:
+        the worker would answer what comes after it first), or a request line or header
+        value that is not ASCII (the worker compares the next request's raw bytes; the router
+        read these as latin-1, and they reach the worker as UTF-8).  ``headers``: those (by
+        lower-case name) the hand-over's copy for the engine leaves out; the worker compares
+        the next request's with the two together."""
         scope = self._cycle.scope
-        if ms <= 0 or not self.keep_alive or scope.get("http_version") != "1.1":
+        if ms <= 0 or not self.keep_alive or scope.get("http_version") != "1.1" or not self.alone:
             return None
         target = scope.get("raw_path", b"") + (b"?" + scope["query_string"] if scope.get("query_string") else b"")
-        return {"line": f"{scope['method']} {target.decode('latin-1')} HTTP/1.1", "named": named, "ms": ms,
+        if not target.isascii() or not all(v.isascii() for _, v in scope["headers"]):
+            return None
+        return {"line": f"{scope['method']} {target.decode('ascii')} HTTP/1.1", "named": named, "ms": ms,
                 "headers": {k: v for k, v in headers.items() if k != "content-length"},
                 "max_body": min(max_body, HIGH_WATER_LIMIT), "idle_ms": FOLLOW_IDLE_MS}
 
@@ -130,11 +158,47 @@ def _sent_mark(sock) -> tuple[int, int] | None:
 
 class HttpProtocol(HttpToolsProtocol):
     socket = None  # the connection's socket, once made (asked of the transport once, not per request)
+    messages_begun = 0  # requests whose first byte the parser has read, on this connection
     _held = None  # (cycle, app): a request whose task waits until its body has come whole
+    _whole = None  # (cycle, app): that request, its body come, to offer once the parser has read all there is
+    _refusal = None  # the 400 for bytes the parser could not read, once the answers before them are out
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self.socket = transport.get_extra_info("socket")
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        whole, self._whole = self._whole, None
+        if whole is not None:  # the parser has read every byte that came: offered now
+            self._offer(*whole)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.messages_begun += 1
+
+    def send_400_response(self, msg: str) -> None:
+        """Bytes the parser cannot read: uvicorn writes its 400 and closes at once, before
+        (or in the middle of) the answers still due to the requests read whole before them.
+        Here the 400 waits for those answers, in order; a request cut off by the bad bytes
+        (its body still coming) gets none of its own."""
+        cycle = self.cycle
+        if cycle is not None and self.pipeline and self.pipeline[0][0] is cycle and cycle.more_body:
+            self.pipeline.popleft()  # the pipelined request the bad bytes are part of: its 400 stands for it
+        waiting = self.pipeline or (cycle is not None and not cycle.response_complete and not cycle.more_body
+                                    and not self.transport.is_closing())
+        if not waiting:
+            super().send_400_response(msg)
+            return
+        self._refusal = msg
+        self.flow.pause_reading()  # nothing after the bad bytes is read
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # the next pipelined request starts, or the keep-alive timer
+        if self._refusal is not None and not self.pipeline and self.cycle.response_complete \
+                and not self.transport.is_closing():
+            msg, self._refusal = self._refusal, None
+            super().send_400_response(msg)
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -152,9 +216,13 @@ class HttpProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         held, self._held = self._held, None
-        if held is None:
+        if held is not None:  # offered once feed_data returns, with what came after it known
+            self._whole = held
+
+    def _offer(self, cycle, app) -> None:
+        if self.transport.is_closing():  # the parser refused what followed (a 400), or the client left
+            self._start_task(cycle, app)
             return
-        cycle, app = held
         handover = cycle.scope.get("extensions", {}).get(HANDOVER)
         try:
             taken = handover is not None and app.take_whole(cycle.scope, cycle.body, handover,
