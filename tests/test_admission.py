@@ -4,10 +4,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pyllmrouter import ModelSpec
-from pyllmrouter.router import placement
-from pyllmrouter.router.admission import Admit, Evict, Never, Option, Request, View, Wait, decide
-from pyllmrouter.router.fitbook import Fits, Fitted
-from pyllmrouter.router.placement import Resident
+from pyllmrouter.router.policy import placement
+from pyllmrouter.router.policy.admission import Admit, Evict, Never, Option, Request, View, Wait, decide
+from pyllmrouter.router.policy.fitbook import Fits, Fitted
+from pyllmrouter.router.policy.placement import Resident
 
 DEVICES = ("d0", "d1", "d2")
 SPEC = ModelSpec("model.gguf")
@@ -189,9 +189,9 @@ def test_a_model_with_no_fit_even_on_empty_devices_is_refused_with_the_figures()
     assert "the output layer alone needs more" in never.why
 
 
-# -- who waits first (router/queueing.py) --------------------------------------------------
+# -- who waits first (router/policy/queueing.py) --------------------------------------------------
 
-from pyllmrouter.router import queueing  # noqa: E402
+from pyllmrouter.router.policy import queueing  # noqa: E402
 
 waiters = st.lists(st.tuples(st.integers(-3, 3), st.floats(0, 100)), min_size=1, max_size=12)
 
@@ -235,9 +235,9 @@ def test_a_queue_limit_refuses_exactly_the_request_that_would_cross_it(tickets, 
         assert refused.scope == ("model" if crosses_mine else "router") and refused.waiting == mine
 
 
-# -- which instance, and when one more (router/replicas.py) ----------------------------------
+# -- which instance, and when one more (router/policy/replicas.py) ----------------------------------
 
-from pyllmrouter.router import replicas  # noqa: E402
+from pyllmrouter.router.policy import replicas  # noqa: E402
 
 instances = st.lists(st.tuples(st.integers(0, 10), st.integers(1, 4)), min_size=1, max_size=5).map(
     lambda xs: [replicas.Instance(f"m#{i + 1}" if i else "m", leases, slots, i == 0)

@@ -18,7 +18,7 @@ def test_importing_the_router_side_loads_no_llama_cpp():
 import importlib, json, pkgutil, sys
 names = {SHARED!r}
 for pkg in {ROUTER_PACKAGES!r}:
-    names += [pkg] + [m.name for m in pkgutil.iter_modules(importlib.import_module(pkg).__path__, pkg + ".")]
+    names += [pkg] + [m.name for m in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + ".")]
 for m in names:
     importlib.import_module(m)
 assert len(names) > 20, names
@@ -33,20 +33,25 @@ print(json.dumps({{"modules": sorted(m for m in sys.modules if m.startswith(("ll
 
 
 def test_every_state_change_goes_through_the_one_checked_transition():
-    """Only Scheduler._move assigns a model's state (and it checks the transition)."""
+    """Only Book.move assigns a model's state (and it checks the transition), in the whole
+    router package."""
     import ast
-    import inspect
+    import pkgutil
+    from pathlib import Path
 
-    from pyllmrouter.router import scheduler
+    import pyllmrouter.router as router
 
-    tree = ast.parse(inspect.getsource(scheduler))
     assigners = []
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef):
-            for node in ast.walk(fn):
-                targets = node.targets if isinstance(node, ast.Assign) else []
-                for t in targets:
-                    for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
-                        if isinstance(leaf, ast.Attribute) and leaf.attr == "state":
-                            assigners.append(fn.name)
-    assert assigners == ["_move"]
+    for mod in pkgutil.walk_packages(router.__path__, "pyllmrouter.router."):
+        path = Path(router.__path__[0], *mod.name.split(".")[2:])
+        source = (path / "__init__.py") if mod.ispkg else path.with_suffix(".py")
+        tree = ast.parse(source.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef):
+                for node in ast.walk(fn):
+                    targets = node.targets if isinstance(node, ast.Assign) else []
+                    for t in targets:
+                        for leaf in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                            if isinstance(leaf, ast.Attribute) and leaf.attr == "state":
+                                assigners.append(f"{mod.name}.{fn.name}")
+    assert assigners == ["pyllmrouter.router.book.move"]

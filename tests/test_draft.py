@@ -98,7 +98,7 @@ def test_the_router_admits_by_the_total_with_the_draft(tiny, draft):
 
 
 def test_the_router_gives_a_worker_its_drafts_devices_by_the_names_the_worker_sees(tiny, draft):
-    from pyllmrouter.router.measure import worker_spec
+    from pyllmrouter.router.workers.measure import worker_spec
 
     spec = ModelSpec(tiny["tiny-llama"], ("-md", str(draft)), draft_devices=("gpu-b",))
     ds = frozenset({"gpu-a", "gpu-b"})

@@ -1,5 +1,5 @@
 """The native data path: a model's response written by its worker on the client's own
-connection (router/conduit.py, csrc/conduit.h), against ``pyllmrouter serve``, spoken to
+connection (router/workers/conduit.py, csrc/conduit.h), against ``pyllmrouter serve``, spoken to
 byte by byte where HTTP's framing is what is tested (keep-alive, pipelining)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from pyllmrouter.router.conduit import MAX_MESSAGE
+from pyllmrouter.router.workers.conduit import MAX_MESSAGE
 from pyllmrouter.tools import scripted
 from pyllmrouter.tools.loopback import start_serve
 from test_live import wait_for

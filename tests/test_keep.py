@@ -14,7 +14,7 @@ from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.engine.loader import load, request
 from pyllmrouter.engine.slots import restore_all, save_all
 from pyllmrouter.router.api import Router
-from pyllmrouter.router.keep import KeepStore, identity
+from pyllmrouter.router.workers.keep import KeepStore, identity
 from pyllmrouter.tools import tinymodels
 
 
@@ -68,7 +68,7 @@ def test_a_planted_owner_file_neither_hangs_a_starting_router_nor_is_trusted(tmp
     import stat
     import threading
 
-    from pyllmrouter.router.keep import reclaim
+    from pyllmrouter.router.workers.keep import reclaim
 
     fifo = tmp_path / "pyllmrouter-kv-fifo"
     fifo.mkdir()

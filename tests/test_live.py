@@ -21,8 +21,8 @@ from pyllmrouter import ModelConfig, ModelSpec, Router, probe
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.errors import ModelRemoved, UnknownModel
 from pyllmrouter.router.registry import API, Step, diff, step
-from pyllmrouter.router.sources import Sources
-from pyllmrouter.router.state import State
+from pyllmrouter.router.services.sources import Sources
+from pyllmrouter.router.policy.state import State
 from pyllmrouter.server.app import HTTP_PROTOCOL, create_app
 from pyllmrouter.tools.hub import LocalHub
 from pyllmrouter.tools.loopback import free_port, start_serve

@@ -1,10 +1,10 @@
-"""The parts of a resident model's bytes per device (router/parts.py): what a device bar
+"""The parts of a resident model's bytes per device (router/policy/parts.py): what a device bar
 draws sums exactly to what admission counts."""
 
 from hypothesis import given, strategies as st
 
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.router.parts import COMPONENTS, by_device, split
+from pyllmrouter.router.policy.parts import COMPONENTS, by_device, split
 
 bytes_ = st.integers(min_value=0, max_value=1 << 34)
 components = st.dictionaries(st.sampled_from(COMPONENTS), bytes_, max_size=len(COMPONENTS))

@@ -4,9 +4,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pyllmrouter import ModelSpec
-from pyllmrouter.router import placement
-from pyllmrouter.router.fitbook import Fits, Fitted
-from pyllmrouter.router.placement import COUNT, Resident
+from pyllmrouter.router.policy import placement
+from pyllmrouter.router.policy.fitbook import Fits, Fitted
+from pyllmrouter.router.policy.placement import COUNT, Resident
 
 
 def test_pinned_second_model_is_never_admitted_beside_the_first():

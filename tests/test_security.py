@@ -16,9 +16,9 @@ import pytest
 
 from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.router.downloads import CANCEL_GRACE, Downloads
-from pyllmrouter.router.sources import Sources
-from pyllmrouter.router.events import EventBus
+from pyllmrouter.router.services.downloads import CANCEL_GRACE, Downloads
+from pyllmrouter.router.services.sources import Sources
+from pyllmrouter.router.services.events import EventBus
 from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
 
 from test_live import serving, wait_for

@@ -275,7 +275,7 @@ def test_an_end_covers_every_lease_before_it_whatever_order_the_datagrams_come_i
         from pyllmrouter import ModelSpec
         from pyllmrouter.engine.backend import native
         from pyllmrouter.engine.loader import load
-        from pyllmrouter.router.conduit import Conduit, channel
+        from pyllmrouter.router.workers.conduit import Conduit, channel
 
         engine = load(ModelSpec({str(tiny["tiny-llama"])!r}, ("-np", "1"), n_ctx=512))
         ours, theirs = channel()
@@ -341,7 +341,7 @@ def test_an_end_the_channel_has_no_room_for_is_sent_once_it_has():
     and goes then (before, it was dropped, and the follows it was for went on)."""
     import asyncio
 
-    from pyllmrouter.router.conduit import Conduit, channel
+    from pyllmrouter.router.workers.conduit import Conduit, channel
 
     ours, theirs = channel()
     router = Conduit(ours, "w")

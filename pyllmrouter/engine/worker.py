@@ -199,7 +199,7 @@ class _Worker:
 
 
 def main() -> None:
-    """The process's entry point (router/pool.py starts it: the device mask is already in
+    """The process's entry point (router/workers/pool.py starts it: the device mask is already in
     its environment, and the pipe's descriptor is its last argument)."""
     from multiprocessing.connection import Connection  # noqa: PLC0415
 

@@ -9,9 +9,9 @@
         replicas = N (a model's preset key): while it is loaded on fewer than N nodes and
         its requests wait on every one of them (more in flight than its slots there), a
         node where it fits in free memory comes first: one more instance loads there,
-        as a node's own router loads one more on another device set (router/replicas.py)
+        as a node's own router loads one more on another device set (router/policy/replicas.py)
 
-The arithmetic is the single-node router's own (router/placement.py): the same
+The arithmetic is the single-node router's own (router/policy/placement.py): the same
 shortfall, the same least-recently-used victims, the same "never fits".  Statistics
 are a period old at worst, so a replica's own admission still decides; a node that
 refuses (507) is left out of the next attempt (the request router's ``exclude``).
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from pyllmrouter.router import placement
+from pyllmrouter.router.policy import placement
 
 __all__ = ["node_stats", "Choice", "classify", "assume_routed", "rank", "waits", "wants_another_node"]
 

@@ -8,7 +8,7 @@ arguments as ``pyllmrouter serve`` (and the same LLAMA_ARG_* / PYLLMROUTER_*
 variables of that host), so the replica asks Ray for no GPU: its workers mask
 themselves as they do under ``serve``.  Every model is measured when the replica
 starts, so its statistics carry each model's bytes before any request, and the
-worker of a model's only device set is started then (router/measure.py), so the
+worker of a model's only device set is started then (router/workers/measure.py), so the
 first request finds it.
 """
 

@@ -28,13 +28,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
 from pyllmrouter.errors import RequestFailed, RouterError, UnknownModel, Withdrawn
-from pyllmrouter.router.conduit import Connection, Served
-from pyllmrouter.router.conversations import Conversations
-from pyllmrouter.router.downloads import Downloads
-from pyllmrouter.router.sources import Sources
+from pyllmrouter.router.workers.conduit import Connection, Served
+from pyllmrouter.router.services.conversations import Conversations
+from pyllmrouter.router.services.downloads import Downloads
+from pyllmrouter.router.services.sources import Sources
 from pyllmrouter.protocol import Call, Chunk, HttpReply
 from pyllmrouter.router.scheduler import Lease, Scheduler
-from pyllmrouter.router.streams import Stream, unless_gone, value_of
+from pyllmrouter.router.services.streams import Stream, unless_gone, value_of
 
 __all__ = ["Router"]
 

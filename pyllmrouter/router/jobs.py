@@ -1,15 +1,17 @@
-"""The scheduler's background half: probes, fits, loads, unloads and spills, each on a
-thread of its own, doing its I/O outside the scheduler's lock and reporting back under it.
+"""The scheduler's background half: probes, fits, loads, unloads, spills and worker stops,
+each on a thread of its own, doing its I/O outside the Book's lock and reporting back
+through the Book's methods.
 
-    probe(rec)  ──▶ requirements per candidate device set (measure.py) ──▶ rec, notify
-    fit(rec, ds, spec, grant) ──▶ a fit for that grant (or "no fit") ──▶ rec.fits, notify
-    load(rec)   ──▶ the device set's worker ──▶ LoadModel ──▶ LOADED | UNLOADED (reason)
-    unload(rec) ──▶ UnloadModel (slot states kept) ──▶ UNLOADED ──▶ settle (registry.step)
+    probe(rec)  ──▶ requirements per candidate device set (measure.py) ──▶ Book.probed
+    fit(rec, ds, spec, grant) ──▶ a fit for that grant (or "no fit") ──▶ Book.fitted
+    load(rec)   ──▶ the device set's worker ──▶ LoadModel ──▶ Book.loaded | load_failed
+    unload_now(rec) ──▶ UNLOADING ──▶ UnloadModel (slot states kept) ──▶ Book.unloaded
     spill()     ──▶ kept prompt states leave RAM
+    stop_worker(w) ──▶ retired at once, its process ended in the background
+    replicate(rec) ──▶ an extra instance loaded by a lease of its own
 
-Jobs belongs to one Scheduler and works on its state (records, workers, the keep
-store) under the scheduler's own lock, as the scheduler's methods do; it owns
-nothing but its threads.
+After a job changes a model, ``settle(rec)`` (the roster's: a retiring model's next
+step) runs, as after any change.  Jobs owns nothing but its threads.
 """
 
 from __future__ import annotations
@@ -17,20 +19,20 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
+from pyllmrouter.config import RouterOptions
+from pyllmrouter.devices import Inventory
 from pyllmrouter.errors import RouterError, WorkerDied
 from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, Progress, Unloaded, UnloadModel
-from pyllmrouter.router import placement
-from pyllmrouter.router.keep import identity
-from pyllmrouter.router.measure import Measurer, worker_spec
-from pyllmrouter.router.pool import WorkerHandle
+from pyllmrouter.router.book import Book
+from pyllmrouter.router.policy import placement
+from pyllmrouter.router.policy.state import State
 from pyllmrouter.router.records import Record
-from pyllmrouter.router.state import State
+from pyllmrouter.router.workers.keep import identity
+from pyllmrouter.router.workers.measure import Measurer, worker_spec
+from pyllmrouter.router.workers.pool import WorkerHandle
 from pyllmrouter.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from pyllmrouter.router.scheduler import Scheduler
 
 __all__ = ["Jobs"]
 
@@ -39,25 +41,17 @@ _OUT_OF_MEMORY = re.compile(r"out of memory|failed to allocate|unable to allocat
                             r"cannot allocate|alloc_buffer.*failed", re.I)
 
 
-def _short_of(s: "Scheduler", rec: Record, free: dict[str, int]) -> str:
-    """Per device of the load: what it needed there, what is free now, and what other
-    programs hold (the device's use beyond the router's own), as plain words (lock held)."""
-    held = s._held()
-    out = []
-    for device, need in sorted(rec.need.items()):
-        dev = s._devices.get(device)
-        if dev is None or device not in free:
-            continue
-        other = max(0, dev.total - free[device] - held.get(device, 0))
-        out.append(f"{device}: needs {need / 2**20:.1f} MiB, {free[device] / 2**20:.1f} MiB free, "
-                   f"{other / 2**20:.1f} MiB held by other programs")
-    return "; ".join(out) or "no device reading"
-
-
 class Jobs:
-    def __init__(self, scheduler: "Scheduler", measure: Measurer):
-        self._s = scheduler
+    def __init__(self, book: Book, measure: Measurer, inventory: Inventory, options: RouterOptions,
+                 settle: Callable[[Record], None], reap: Callable[[], Any]):
+        """``settle(rec)``: a model's next step after a change (the roster's); ``reap()``:
+        stop the workers empty past their idle timeout (the scheduler's)."""
+        self._book = book
         self._measure = measure
+        self._inventory = inventory
+        self._options = options
+        self._settle = settle
+        self._reap = reap
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
@@ -73,216 +67,195 @@ class Jobs:
         for t in threads:
             t.join(timeout)
 
+    def _short_of(self, rec: Record, free: dict[str, int]) -> str:
+        """Per device of the load: what it needed there, what is free now, and what other
+        programs hold (the device's use beyond the router's own), as plain words (lock held)."""
+        held = self._book.held()
+        out = []
+        for device, need in sorted(rec.need.items()):
+            dev = self._book.devices.get(device)
+            if dev is None or device not in free:
+                continue
+            other = max(0, dev.total - free[device] - held.get(device, 0))
+            out.append(f"{device}: needs {need / 2**20:.1f} MiB, {free[device] / 2**20:.1f} MiB free, "
+                       f"{other / 2**20:.1f} MiB held by other programs")
+        return "; ".join(out) or "no device reading"
+
     def spill(self) -> None:
         """Host memory is wanted: kept prompt states leave RAM (file work, outside the lock)."""
-        s = self._s
         try:
-            s.keep.spill()
+            self._book.keep.spill()
         finally:
-            with s._cond:
-                s._spilling = False
-                s.bus.publish("spill", "(kept prompt states)", "CPU")
-                s._cond.notify_all()
+            self._book.spill(False)
 
     def probe(self, rec: Record) -> None:
-        s = self._s
+        book = self._book
         reqs: dict[frozenset[str], dict[str, int]] = {}
         parts: dict[frozenset[str], dict[str, dict]] = {}
         params: dict[frozenset[str], dict[str, Any]] = {}
         error = None
         try:
-            candidates = s._candidates(rec)
+            candidates = book.candidates(rec)
             for ds in candidates:
-                spec = worker_spec(rec.config.spec, ds, s.inventory.to_local(ds))
+                spec = worker_spec(rec.config.spec, ds, self._inventory.to_local(ds))
                 reqs[ds], parts[ds], params[ds] = self._measure.requirement(spec, ds, only=len(candidates) == 1)
-                if s.options.max_models:
+                if self._options.max_models:
                     reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
             error = e
-        with s._cond:
-            rec.probing = False
+        with book.locked():
             if error is None:
-                rec.requirements, rec.components, rec.params = reqs, parts, params
+                book.probed(rec, reqs, parts, params)
             else:
-                rec.error_epoch += 1
-                rec.reason = f"cannot measure memory: {error}"
-                s._event("load-failed", rec.name, reason=rec.reason)
-            s._cond.notify_all()
+                book.measuring(rec, probing=False)
+                book.failed(rec, f"cannot measure memory: {error}")
 
     def fit(self, rec: Record, ds: frozenset[str], spec: ModelSpec, grant: dict[str, int]) -> None:
         """Fit ``spec`` into ``grant`` and remember the result for that grant."""
-        s = self._s
+        book = self._book
         fitted, error = None, None
         try:
             fitted = self._measure.fit(spec, ds, grant)
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
             error = e
-        with s._cond:
-            rec.fitting = False
+        with book.locked():
             if fitted is not None:
-                rec.fits.add(ds, fitted)
-                s.bus.publish("fit" if fitted.ok else "no-fit", rec.name, "+".join(sorted(ds)),
-                              n_ctx=fitted.n_ctx, layers=dict(fitted.layers), error=fitted.error)
+                book.fitted(rec, ds, fitted)
             else:
-                rec.error_epoch += 1
-                rec.reason = f"cannot fit: {error}"
-                s._event("load-failed", rec.name, reason=rec.reason)
-            s._cond.notify_all()
+                book.measuring(rec, fitting=False)
+                book.failed(rec, f"cannot fit: {error}")
 
     def refresh_overhead(self, worker: WorkerHandle) -> None:
         """A worker's own cost on its GPUs: what the device reports for the process
         (context, cuBLAS workspace, pools) minus the probed bytes of its models."""
-        s = self._s
-        usage = s.inventory.process_usage(worker.pid) if worker.pid else {}
-        if not usage:
-            return
-        with s._cond:
-            for device, used in usage.items():
-                models = sum(r.need.get(device, 0) for r in s._registry.records()
-                             if r.worker is worker and r.state is State.LOADED)
-                worker.overhead[device] = max(0, used - models)
+        usage = self._inventory.process_usage(worker.pid) if worker.pid else {}
+        if usage:
+            self._book.set_overhead(worker, usage)
 
     def load(self, rec: Record) -> None:
-        s = self._s
+        book, options = self._book, self._options
         worker = None
         try:
-            if s.options.debug_fake_timing > 0:
-                time.sleep(s.options.debug_fake_timing)
-            worker = s.workers.ensure(rec.device_set)
-            free = s.inventory.free()
-            with s._cond:
+            if options.debug_fake_timing > 0:
+                time.sleep(options.debug_fake_timing)
+            worker = book.workers.ensure(rec.device_set)
+            free = self._inventory.free()
+            with book.locked():
                 # the worker's measured overhead now counts: does the reservation still fit?
-                available = s._available(free)
+                available = book.available(free)
                 mine = {d: available.get(d, 0) + n for d, n in rec.need.items()}
                 if placement.shortfall(rec.need, mine):
-                    s._move(rec, State.UNLOADED)
-                    s._settle(rec)
-                    s._cond.notify_all()
+                    book.move(rec, State.UNLOADED)
+                    self._settle(rec)
                     return
             cfg = rec.config
-            spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set, s.inventory.to_local(rec.device_set))
+            spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set, self._inventory.to_local(rec.device_set))
             ident, keep_dir, restore = None, None, []
-            if s.keep is not None and (ident := identity(cfg.name, spec)) is not None:
-                keep_dir, restore = str(s.keep.dir_for(ident, cfg.name)), s.keep.prepare(ident)
+            if book.keep is not None and (ident := identity(cfg.name, spec)) is not None:
+                keep_dir, restore = str(book.keep.dir_for(ident, cfg.name)), book.keep.prepare(ident)
             alias = rec.primary.name if rec.primary is not None else None  # an extra instance answers as its model
             pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, keep_dir, tuple(restore),
-                                                          s.options.stream_interval, alias))
-            deadline = time.monotonic() + s.options.load_timeout
+                                                          options.stream_interval, alias))
+            deadline = time.monotonic() + options.load_timeout
             try:
                 while isinstance(reply := pending.get(max(0.0, deadline - time.monotonic())), Progress):
-                    s.bus.publish("load-progress", rec.name, "+".join(sorted(rec.device_set or ())),
-                                  progress=reply.value)
+                    book.bus.publish("load-progress", rec.name, "+".join(sorted(rec.device_set or ())),
+                                     progress=reply.value)
             except TimeoutError:
                 self._load_timed_out(rec, worker)
                 return
             if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused
-                s.keep.consumed(ident, restore, reply.restored, reply.refused)
+                book.keep.consumed(ident, restore, reply.restored, reply.refused)
         except Exception as e:  # noqa: BLE001
             reply = Failed(0, ErrorKind.WORKER_DIED if isinstance(e, WorkerDied) else ErrorKind.INTERNAL,
                            f"{type(e).__name__}: {e}")
         short = _OUT_OF_MEMORY.search(reply.message) is not None if isinstance(reply, Failed) else False
-        free = s.inventory.free() if short else {}  # what the devices have now (I/O: before the lock)
-        with s._cond:
+        free = self._inventory.free() if short else {}  # what the devices have now (I/O: before the lock)
+        with book.locked():
             if rec.state is not State.LOADING:  # the worker died meanwhile and said so
                 return
-            detail = _short_of(s, rec, free) if short else ""
+            detail = self._short_of(rec, free) if short else ""
             if short and not rec.second_chance:
                 # a device had less than was counted (another program took some since it was
                 # read): its waiters stay, and admission runs again on a fresh reading of the
                 # free memory, evicting idle models where that makes room, as for any load
-                rec.second_chance = True
-                s._event("load-retry", rec.name, reason=reply.message, devices_now=detail)
-                s._move(rec, State.UNLOADED, reply.message)
-                s._settle(rec)
-                s._cond.notify_all()
+                book.load_retry(rec, reply.message, detail)
+                self._settle(rec)
                 return
             if short:  # twice: say where memory was short, by how much, and who else holds it
                 reply = Failed(reply.req_id, reply.kind, f"{reply.message} ({detail})")
-            rec.second_chance = False
             if isinstance(reply, Loaded):
-                s._move(rec, State.LOADED)
-                rec.worker, rec.live, rec.identity = worker, dict(reply.pools), ident
-                rec.last_used = time.monotonic()
-                rec.loads += 1
-                s.counters["loads"] += 1
-                s._event("load", rec.name, seconds=round(reply.seconds, 3))
-                for sibling in s._registry.instances(rec.primary or rec):  # the requests spread over one more
+                book.loaded(rec, worker, reply.pools, ident, reply.seconds)
+                for sibling in book.instances(rec.primary or rec):  # the requests spread over one more
                     if sibling is not rec:
-                        s.end_follows(sibling)
-                loaded = True
+                        book.end_follows(sibling)
             else:
-                loaded = False
-                s._move(rec, State.UNLOADED, reply.message)
-                rec.error_epoch += 1
-                s.counters["load_failures"] += 1
-                s._event("load-failed", rec.name, reason=reply.message)
-            s._settle(rec)
-            s._cond.notify_all()
-        if loaded:
+                book.load_failed(rec, reply.message)
+            self._settle(rec)
+        if isinstance(reply, Loaded):
             self.refresh_overhead(worker)
 
-    def replicate(self, rec: Record) -> None:
+    def replicate(self, rec: Record, lease: Callable[..., Any], release: Callable[[Any], None]) -> None:
         """An extra instance of a model whose requests wait: loaded where admission finds room
-        within a turn (it drains nothing: see Scheduler._admit), else given up (dropped)."""
-        s = self._s
+        within a turn (it drains nothing: see Scheduler._admit), else given up (dropped).
+        ``lease`` and ``release``: the scheduler's."""
+        book = self._book
         try:
-            s.release(s.lease(rec.name, s.options.turn, autoload=True))
+            release(lease(rec.name, self._options.turn, autoload=True))
         except RouterError as e:
-            with s._cond:
-                s.bus.publish("replica-not-loaded", rec.primary.name if rec.primary else rec.name, "",
-                              instance=rec.name, reason=str(e))
+            with book.locked():
+                book.bus.publish("replica-not-loaded", rec.primary.name if rec.primary else rec.name, "",
+                                 instance=rec.name, reason=str(e))
                 if rec.state is State.UNLOADED:
-                    s._registry.drop(rec)
-                s._cond.notify_all()
+                    book.drop(rec)
 
     def _load_timed_out(self, rec: Record, worker: WorkerHandle) -> None:
         """The worker is still loading after the load timeout: the load fails for its
         waiters, and is cancelled in the worker (UnloadModel: the engine is freed once
         its load lands); its bytes stay held (UNLOADING) until the worker says so, or
         ends."""
-        s = self._s
-        with s._cond:
+        book = self._book
+        with book.locked():
             if rec.state is not State.LOADING:  # the worker died meanwhile and said so
                 return
-            s._move(rec, State.UNLOADING)
-            rec.worker, rec.identity = worker, None
-            rec.error_epoch += 1
-            rec.reason = f"the load did not end within {s.options.load_timeout:g} s (cancelled in the worker)"
-            s.counters["load_failures"] += 1
-            s._event("load-failed", rec.name, reason=rec.reason)
-            s._cond.notify_all()
+            book.load_cancelled(rec, worker, f"the load did not end within {self._options.load_timeout:g} s "
+                                             f"(cancelled in the worker)")
         self.unload(rec)
 
+    def unload_now(self, rec: Record, evicted: bool = False) -> None:
+        """``rec`` (LOADED) unloads: UNLOADING now, its worker told in the background."""
+        self._book.begin_unload(rec, evicted)
+        self.spawn(self.unload, rec)
+
     def unload(self, rec: Record) -> None:
-        s = self._s
-        with s._cond:
+        book, options = self._book, self._options
+        with book.locked():
             worker, ident = rec.worker, rec.identity
-        keep = s.keep is not None and ident is not None
+        keep = book.keep is not None and ident is not None
         if worker is not None and worker.alive:
             try:
-                reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep)).get(s.options.load_timeout)
+                reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep)).get(options.load_timeout)
                 if keep and isinstance(reply, Unloaded):
-                    s.keep.add(ident, list(reply.kept))  # I/O: outside the lock
-                    s.keep.hit(reply.hits)
+                    book.keep.add(ident, list(reply.kept))  # I/O: outside the lock
+                    book.keep.hit(reply.hits)
             except TimeoutError:  # a worker that cannot unload is hung: its end frees the memory
                 worker.kill()
-                worker.wait_dead(s.options.load_timeout)
+                worker.wait_dead(options.load_timeout)
             except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
                 pass
-        with s._cond:
-            if rec.state is State.UNLOADING:
-                s._move(rec, State.UNLOADED)
-                s._event("unloaded", rec.name)
-            s._settle(rec)
-            s._cond.notify_all()
-        if s.options.worker_idle_timeout == 0:
-            s.reap_workers()  # its worker may be empty now: it goes at once
+        with book.locked():
+            book.unloaded(rec)
+            self._settle(rec)
+            book.notify()
+        if options.worker_idle_timeout == 0:
+            self._reap()  # its worker may be empty now: it goes at once
 
-    def stop_worker(self, worker: WorkerHandle) -> None:
-        """A retired worker's process ends; then its bytes are no longer held."""
-        s = self._s
+    def stop_worker(self, worker: WorkerHandle, reason: str, **data: Any) -> None:
+        """An empty worker goes (the Book's lock held): retired now, its process ended in the
+        background; its bytes stay held until then."""
+        self._book.stop_worker(worker, reason, **data)
+        self.spawn(self._end_worker, worker)
+
+    def _end_worker(self, worker: WorkerHandle) -> None:
         worker.stop()
-        with s._cond:
-            s.workers.stopped(worker)
-            s.bus.publish("worker-stopped", "", "+".join(sorted(worker.devices)), pid=worker.pid)
-            s._cond.notify_all()
+        self._book.worker_stopped(worker)

@@ -8,10 +8,10 @@ import enum
 from dataclasses import dataclass, field
 
 from pyllmrouter.config import ModelConfig
-from pyllmrouter.router.fitbook import Fits, Fitted
-from pyllmrouter.router.pool import WorkerHandle
-from pyllmrouter.router.placement import COUNT
-from pyllmrouter.router.state import State, holds_memory
+from pyllmrouter.router.policy.fitbook import Fits, Fitted
+from pyllmrouter.router.workers.pool import WorkerHandle
+from pyllmrouter.router.policy.placement import COUNT
+from pyllmrouter.router.policy.state import State, holds_memory
 from pyllmrouter.spec import ModelSpec
 
 __all__ = ["Record", "Lease", "Ticket", "Fate"]

@@ -29,7 +29,7 @@ from typing import Iterable, Mapping
 
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.router.records import Fate, Record
-from pyllmrouter.router.state import State
+from pyllmrouter.router.policy.state import State
 
 __all__ = ["Registry", "Fate", "Step", "step", "Changes", "diff", "API"]
 

@@ -40,9 +40,9 @@ from pyllmrouter.errors import RouterError, UnknownModel, WorkerDied
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage, page
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
-from pyllmrouter.router.services import Services
+from pyllmrouter.router.services.tools import Services
 from pyllmrouter.server.body import BODY_METHODS, form, read_or_refuse, replay
-from pyllmrouter.router.conduit import Connection, Served
+from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Refusal
 from pyllmrouter.server.connection import HANDOVER, Handover, HttpProtocol
 from pyllmrouter.server.cors import Cors
@@ -85,7 +85,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     and /cors-proxy (None: llama-server's 403, the features are off); ``allowed_hosts``:
     the Host names accepted beside the local ones (None: no Host check, see browser.py);
     ``native``: a worker answers a model's request on the client's connection itself where it
-    can (router/conduit.py); False: every response is relayed through this process;
+    can (router/workers/conduit.py); False: every response is relayed through this process;
     ``follow_ms``: how often such a worker, reading the connection's next requests like the
     last itself, tells the router of its answers (0: it never reads them)."""
     keys = tuple(k for k in ([api_key] if api_key else []) + list((settings or {}).get("api_keys", ())) if k)
@@ -192,7 +192,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     async def hand_over(scope, receive, model: str, raw: bytes, headers: dict[str, str], query: dict[str, str],
                         handover: Handover) -> Response | None:
         """The request answered by its model's worker on the client's connection (None once it
-        has: the native data path, router/conduit.py), or relayed where the worker cannot take
+        has: the native data path, router/workers/conduit.py), or relayed where the worker cannot take
         the connection now (the response to write)."""
         t0 = time.perf_counter()
         endpoint = scope["path"]

@@ -17,7 +17,7 @@ uvicorn has), whose connections a request can hand over to a worker.
                    where the router's parser has read a byte past this request
 
 A request handed over is one uvicorn never writes a byte of: the worker writes the
-whole response to the socket (router/conduit.py, csrc/conduit.h), and ``finish`` ends
+whole response to the socket (router/workers/conduit.py, csrc/conduit.h), and ``finish`` ends
 uvicorn's request cycle as its own ``send`` would after the last body chunk (the
 pipelined requests it holds start, or the keep-alive timer runs).  Header names are
 written as the app or the worker spells them; HTTP compares them without regard to case.

@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pyllmrouter.errors import RouterError
 from pyllmrouter.protocol import HttpReply
-from pyllmrouter.router.streams import Stream
+from pyllmrouter.router.services.streams import Stream
 from pyllmrouter.server.errors import from_router_error
 
 __all__ = ["relay", "Relayed"]

@@ -16,8 +16,8 @@ from pyllmrouter.config import MiB, RouterOptions
 from pyllmrouter.devices import EmulatedInventory, RpcInventory, SystemInventory, parse_budgets
 from pyllmrouter.errors import WorkerDied
 from pyllmrouter.router.api import Router
-from pyllmrouter.router.services import Services, settings, wanted
-from pyllmrouter.router.sources import Sources
+from pyllmrouter.router.services.tools import Services, settings, wanted
+from pyllmrouter.router.services.sources import Sources
 from pyllmrouter.server.browser import is_loopback_bind
 
 __all__ = ["add_serve_arguments", "allowed_hosts", "parse_serve_args", "router_from_args", "serve"]

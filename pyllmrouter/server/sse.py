@@ -19,7 +19,7 @@ import json
 import threading
 from typing import Any, AsyncIterator
 
-from pyllmrouter.router.events import Event, EventBus
+from pyllmrouter.router.services.events import Event, EventBus
 
 __all__ = ["payload", "event_stream"]
 

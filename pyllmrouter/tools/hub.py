@@ -50,10 +50,10 @@ class LocalHub:
                 pass
 
             def do_HEAD(self) -> None:
-                hub._serve(self, body=False)
+                hub.serve(self, body=False)
 
             def do_GET(self) -> None:
-                hub._serve(self, body=True)
+                hub.serve(self, body=True)
 
         self._server = ThreadingHTTPServer((host, 0), Handler)
         self.endpoint = f"http://{host}:{self._server.server_address[1]}/"
@@ -95,7 +95,7 @@ class LocalHub:
         except (BrokenPipeError, ConnectionResetError):
             pass  # the downloader stopped
 
-    def _serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
+    def serve(self, h: BaseHTTPRequestHandler, body: bool) -> None:
         path = unquote(urlparse(h.path).path)
         with self._lock:
             self.hits[path] = self.hits.get(path, 0) + 1

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from pyllmrouter.router import placement
+from pyllmrouter.router.policy import placement
 from pyllmrouter.devices import HOST
-from pyllmrouter.router.fitbook import Fits, Fitted, mib
+from pyllmrouter.router.policy.fitbook import Fits, Fitted, mib
 from pyllmrouter.spec import ModelSpec
 
 __all__ = ["Option", "View", "Request", "Admit", "Evict", "Wait", "Never", "FitJob", "decide"]

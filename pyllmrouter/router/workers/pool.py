@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection, Pipe
 from typing import Any, Callable
 
 from pyllmrouter.errors import WorkerDied
-from pyllmrouter.router.conduit import Conduit, channel
+from pyllmrouter.router.workers.conduit import Conduit, channel
 from pyllmrouter.protocol import FINAL, Batch, Cancel, ErrorKind, Failed, Ping, Ready, Shutdown
 
 __all__ = ["WorkerHandle", "Pending", "WORKER_ENTRY"]

@@ -25,7 +25,7 @@ import time
 from typing import Any, Callable
 
 from pyllmrouter.errors import Busy
-from pyllmrouter.router.events import EventBus
+from pyllmrouter.router.services.events import EventBus
 
 __all__ = ["Downloads"]
 

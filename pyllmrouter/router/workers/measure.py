@@ -32,11 +32,11 @@ from dataclasses import asdict
 from typing import Any, Callable, Mapping
 
 from pyllmrouter.devices import HOST, Inventory
-from pyllmrouter.router.fitbook import Fitted
+from pyllmrouter.router.policy.fitbook import Fitted
 from pyllmrouter.memory import MemoryEstimate, ProbeError, cached_estimate
 from pyllmrouter.protocol import ErrorKind, Failed, Fit, Probe
 from pyllmrouter.spec import ModelSpec
-from pyllmrouter.router.pool import WorkerHandle
+from pyllmrouter.router.workers.pool import WorkerHandle
 
 __all__ = ["Measurer", "worker_spec"]
 

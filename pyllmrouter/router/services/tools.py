@@ -24,8 +24,8 @@ from typing import Any, Awaitable, Callable
 
 from pyllmrouter.errors import WorkerDied
 from pyllmrouter.protocol import SERVICES, Call, Chunk, Failed, HttpReply, StartServices
-from pyllmrouter.router.pool import WorkerHandle
-from pyllmrouter.router.streams import Stream, unless_gone, value_of
+from pyllmrouter.router.workers.pool import WorkerHandle
+from pyllmrouter.router.services.streams import Stream, unless_gone, value_of
 
 __all__ = ["Services", "settings", "wanted"]
 

@@ -21,8 +21,8 @@ import threading
 from typing import Callable, Iterable
 
 from pyllmrouter.devices import Inventory
-from pyllmrouter.router import placement
-from pyllmrouter.router.pool import WorkerHandle
+from pyllmrouter.router.policy import placement
+from pyllmrouter.router.workers.pool import WorkerHandle
 
 __all__ = ["WorkerSet", "worker_name", "WORKER"]
 

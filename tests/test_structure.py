@@ -1,0 +1,120 @@
+"""The package's shape, as docs/ARCHITECTURE.md draws it: no import circle, no module that
+reaches into another object's underscored names, policy that does no I/O, files of a
+readable length.  Read from the source (ast), so a change that breaks a rule fails here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pyllmrouter
+
+ROOT = Path(pyllmrouter.__file__).parent
+MAX_LINES = 600
+# what pure policy may import: no I/O, no clock, no threads
+POLICY_MAY_IMPORT = {"__future__", "dataclasses", "enum", "typing", "collections", "math", "itertools", "functools",
+                     "collections.abc",
+                     "pyllmrouter.devices", "pyllmrouter.spec", "pyllmrouter.tables", "pyllmrouter.router.policy"}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for f in ROOT.rglob("*.py"):
+        rel = f.relative_to(ROOT.parent).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        out[".".join(parts)] = f
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules ``name`` imports (TYPE_CHECKING imports included: a circle is
+    a circle to the reader)."""
+    tree = ast.parse(path.read_text())
+    base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            mod = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module or ""
+            subs = {f"{mod}.{a.name}" for a in node.names}
+            pkg_dir = ROOT.parent.joinpath(*mod.split("."))
+            compiled = [a.name for a in node.names if [*pkg_dir.glob(a.name + ".*.so"), *pkg_dir.glob(a.name + ".pyi")]]
+            out |= (subs & known) or (set() if compiled else {mod})  # the extension is no module of ours
+    return {m for m in out if m in known and m != name}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_has_no_import_circle():
+    mods = modules()
+    graph = {m: imports(m, p, set(mods)) for m, p in mods.items()}
+    assert circles(graph) == []
+
+
+def test_circles_are_found_where_there_are_some():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_reaches_into_another_objects_underscored_names():
+    reaches = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                v = node.value
+                own = isinstance(v, ast.Name) and v.id in ("self", "cls")
+                allowed = isinstance(v, ast.Name) and (v.id, node.attr) in {("os", "_exit"), ("sys", "_getframe")}
+                sup = isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super"
+                if not (own or allowed or sup):
+                    reaches.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert reaches == []
+
+
+def test_policy_does_no_io_keeps_no_clock_and_starts_no_thread():
+    mods = modules()
+    for name, path in mods.items():
+        if not name.startswith("pyllmrouter.router.policy"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            for n in names:
+                assert any(n == ok or n.startswith(ok + ".") for ok in POLICY_MAY_IMPORT), f"{name} imports {n}"
+
+
+def test_files_are_of_a_readable_length():
+    long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
+            if (n := p.read_text().count("\n")) > MAX_LINES}
+    assert long == {}
