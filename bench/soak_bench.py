@@ -15,10 +15,15 @@ the start and at the end.
 
 With ``--max-queue N`` (the router's bound on waiting requests) and ``--model-max-queue
 N`` (each model's preset key ``max-queue``), requests past a bound are refused (503 and
-429, with Retry-After): they are counted apart, and still none may hang.
+429, with Retry-After): they are counted apart, and still none may hang.  With
+``--replicas N`` each model may run as N instances (one more loads where its requests
+wait); with ``--reload-every S`` the preset is rewritten and read again (``GET
+/models?reload=1``) every S seconds, in turn changing a model's context (it finishes its
+requests, unloads and comes back) and a model's priority (tuned in place).  Once the
+clients stop, every instance's requests in flight must come back to 0 (no lease left).
 
     python bench/soak_bench.py [--minutes 10] [--clients 16] [--max-queue N] [--model-max-queue N]
-                               [--out FILE]
+                               [--replicas N] [--reload-every S] [--out FILE]
 """
 
 from __future__ import annotations
@@ -142,6 +147,27 @@ def stopper(base: str, stop: threading.Event, period: float, log: list) -> None:
             os.kill(pid, signal.SIGCONT)
 
 
+def reloader(base: str, preset: Path, versions: list[str], stop: threading.Event, period: float,
+             log: list) -> None:
+    """Every period: the preset's next version written, and the list read again."""
+    k = 0
+    while not stop.wait(period):
+        k += 1
+        preset.write_text(versions[k % len(versions)])
+        try:
+            r = httpx.get(base + "/models?reload=1", timeout=60)
+            log.append({"reload": k, "status": r.status_code})
+        except httpx.HTTPError as e:
+            log.append({"reload": k, "error": type(e).__name__})
+
+
+def leases_left(base: str) -> float:
+    """Requests in flight, every instance of every model (/metrics)."""
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pyllmrouter_model_requests_in_flight{"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -149,15 +175,22 @@ def main() -> None:
     ap.add_argument("--heartbeat", type=float, default=3.0)
     ap.add_argument("--max-queue", type=int, default=0, help="serve --max-queue (0: no bound)")
     ap.add_argument("--model-max-queue", type=int, default=0, help="each model's max-queue (0: no bound)")
+    ap.add_argument("--replicas", type=int, default=1, help="each model's replicas (instances by demand)")
+    ap.add_argument("--reload-every", type=float, default=0.0, help="rewrite and reload the preset every S seconds")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak_bench.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         m = tinymodels.write_tiny_set(Path(tmp) / "models")
         preset = Path(tmp) / "models.ini"
         bound = f"max-queue = {args.model_max_queue}\n" if args.model_max_queue else ""
-        preset.write_text(f"[chat]\nmodel = {m['tiny-llama']}\nc = 2048\nnp = 4\n{bound}\n"
-                          f"[moe]\nmodel = {m['tiny-moe']}\nc = 2048\nnp = 4\n{bound}\n"
-                          f"[small]\nmodel = {m['tiny-llama']}\nc = 512\nnp = 2\n{bound}")
+        bound += f"replicas = {args.replicas}\n" if args.replicas > 1 else ""
+
+        def version(small_ctx: int, priority: int) -> str:
+            return (f"[chat]\nmodel = {m['tiny-llama']}\nc = 2048\nnp = 4\n{bound}priority = {priority}\n\n"
+                    f"[moe]\nmodel = {m['tiny-moe']}\nc = 2048\nnp = 4\n{bound}\n"
+                    f"[small]\nmodel = {m['tiny-llama']}\nc = {small_ctx}\nnp = 2\n{bound}")
+        versions = [version(512, 0), version(1024, 0), version(1024, 3), version(512, 3)]
+        preset.write_text(versions[0])
         proc, base = start_serve(["--models-preset", str(preset), "--no-models-cache",
                                   "--emulate-devices", "GPU0=5MiB,GPU1=5MiB", "--models-memory-margin", "0",
                                   "--heartbeat", str(args.heartbeat), "--queue-timeout", "30",
@@ -169,6 +202,10 @@ def main() -> None:
             threads = [threading.Thread(target=client, args=(base, ["chat", "moe", "small"], tally, stop, i, ids),
                                         daemon=True) for i in range(args.clients)]
             threads.append(threading.Thread(target=stopper, args=(base, stop, 60.0, log), daemon=True))
+            reloads: list = []
+            if args.reload_every > 0:
+                threads.append(threading.Thread(target=reloader, daemon=True,
+                                                args=(base, preset, versions, stop, args.reload_every, reloads)))
             for t in threads:
                 t.start()
             t0 = time.monotonic()
@@ -179,6 +216,9 @@ def main() -> None:
             for t in threads:
                 t.join(HUNG_AFTER + 10)
             hung = tally.hung() + sum(t.is_alive() for t in threads)
+            deadline, left = time.monotonic() + 30, None
+            while time.monotonic() < deadline and (left := leases_left(base)) > 0:
+                time.sleep(0.5)
             rss_end = rss_mib(proc.pid)
             health = httpx.get(base + "/health", timeout=10).status_code
             status = httpx.get(base + "/devices", timeout=10).json()
@@ -194,12 +234,15 @@ def main() -> None:
             ["hung (no end in 120 s)", hung], ["workers stopped", len([e for e in log if "pid" in e])],
             ["... killed by the heartbeat", len([e for e in log if e.get("killed_after_s") is not None])],
             *[[f"router: {k}", int(counters[k])] for k in ("loads", "evictions", "worker_deaths") if k in counters],
+            ["reloads (ok / all)", f"{sum(1 for r in reloads if r.get('status') == 200)} / {len(reloads)}"],
+            ["requests in flight once the clients stopped", int(left or 0)],
             ["router RSS start (MiB)", f"{rss_start:.1f}"], ["router RSS end (MiB)", f"{rss_end:.1f}"],
             ["/health at the end", health]]
     print(render(["", "value"], rows))
     save(args.out, {
         "bench": "soak", "minutes": args.minutes, "clients": args.clients, "heartbeat": args.heartbeat,
-        "max_queue": args.max_queue, "model_max_queue": args.model_max_queue,
+        "max_queue": args.max_queue, "model_max_queue": args.model_max_queue, "replicas": args.replicas,
+        "reload_every": args.reload_every, "reloads": reloads, "in_flight_after": left,
         "answered": answered, "errors": errors, "hung": hung, "stops": log, "counters": counters,
         "rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1)}, "health_at_end": health,
         "workers_at_end": status["workers"]})

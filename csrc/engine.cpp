@@ -568,6 +568,12 @@ std::string Engine::slot_file(bool save, int slot, const std::string & path) {
     return safe_json_to_str(result->is_error() ? json{{"error", out}} : out);
 }
 
+std::size_t Engine::slot_state_size(int slot) const {
+    const std::shared_ptr<EngineCore> core = current();
+    llama_context * lctx = core ? core->ctx.get_llama_context() : nullptr;
+    return lctx ? llama_state_seq_get_size(lctx, slot) : 0;
+}
+
 std::vector<BufferRow> Engine::breakdown() const {
     const std::shared_ptr<EngineCore> core = current();
     const llama_context * lctx = core ? core->ctx.get_llama_context() : nullptr;

@@ -166,6 +166,9 @@ class Engine {
     // save/restore task posted on the engine's own queue.  llama-server's JSON result
     // ({"n_saved", "n_written"...}), or its error ({"error": ...}).
     std::string slot_file(bool save, int slot, const std::string & path);
+    // The bytes of slot `slot`'s KV state (llama_state_seq_get_size: what a save writes,
+    // beside its tokens), with no request running; 0 when nothing is loaded.
+    std::size_t slot_state_size(int slot) const;
 
     std::vector<BufferRow> breakdown() const;
     int n_parallel() const;

@@ -252,6 +252,8 @@ void bind_engine(py::module_ & m) {
              py::call_guard<py::gil_scoped_release>(),
              "Save (or restore) a slot's state to (from) path: the router's own keep store, out of any client's "
              "reach; llama-server's JSON result, or {\"error\": ...}.")
+        .def("slot_state_size", &Engine::slot_state_size, py::arg("slot"),
+             "The bytes of a slot's KV state (what a save writes beside its tokens), no request running.")
         .def("breakdown", [](const Engine & e) { return rows_list(e.breakdown()); },
              "The per-buffer-type breakdown of the engine's llama_context.")
         .def_property_readonly("n_parallel", &Engine::n_parallel)

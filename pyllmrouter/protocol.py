@@ -32,8 +32,8 @@ class LoadModel:
     req_id: int
     name: str
     spec: ModelSpec
-    keep_dir: str | None = None  # where the router saves and restores slot states (its own calls only)
-    restore: tuple[str, ...] = ()  # slot state files in keep_dir to restore, one per slot
+    keep_dir: str | None = None  # where the router saves slot states (its own calls only)
+    restore: tuple[str, ...] = ()  # slot state files to restore (paths: in RAM or on disk), one per slot
     stream_interval: float = 0.0  # seconds at least between two sends of the model's stream chunks
     alias: str | None = None  # what replies call the model, where not ``name`` (an extra instance's model)
 
@@ -43,6 +43,7 @@ class UnloadModel:
     req_id: int
     name: str
     keep: bool = False  # save each slot's state into the model's keep_dir first
+    budget: int | None = None  # the most bytes those states may take (the router's RAM for them)
 
 
 # the name a Call gives to reach llama-server's services (no model is named "")

@@ -101,12 +101,16 @@ def test_without_a_disk_directory_what_overflows_is_dropped(tmp_path):
     assert not (tmp_path / "ram" / "a" / "slot0.bin").exists()
 
 
-def test_prepare_brings_states_back_from_disk_and_consumed_deletes_them(tmp_path):
+def test_prepare_offers_states_where_they_lie_and_consumed_deletes_them(tmp_path):
+    """A load restores the states from RAM and from disk as they lie: none moves back into
+    RAM (which would pass its budget), and after a load that fails they are where they were."""
     store = KeepStore(ram_budget=100, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram")
     store.add("a", [saved(store, "a", "slot0.bin", 80), saved(store, "a", "slot1.bin", 80)])  # one to disk
     assert store.status()["a"] == {"ram": 80, "disk": 80, "files": 2}
     names = store.prepare("a")
-    assert names == ["slot0.bin", "slot1.bin"] and all((tmp_path / "ram" / "a" / n).exists() for n in names)
+    assert sorted(Path(n).parent.parent.name for n in names) == ["disk", "ram"]
+    assert [Path(n).name for n in names] == ["slot0.bin", "slot1.bin"] and all(Path(n).exists() for n in names)
+    assert store.status()["a"] == {"ram": 80, "disk": 80, "files": 2} and store.held_ram() == 80
     store.consumed("a", names, {"slot0.bin": 8}, {"slot1.bin": "invalid slot save file"})
     assert store.status() == {} and store.held_ram() == 0
     assert store.counters["restores"] == 1 and store.counters["restored_tokens"] == 8
@@ -146,7 +150,7 @@ def test_states_on_disk_are_offered_again_after_a_restart(tmp_path):
     store.close()
     again = KeepStore(ram_budget=10, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram2")
     assert again.status() == {"a": {"ram": 0, "disk": 100, "files": 1}}
-    assert again.prepare("a") == ["slot0.bin"]
+    assert again.prepare("a") == [str(tmp_path / "disk" / "a" / "slot0.bin")]  # offered where it lies
 
 
 def test_identity_follows_the_name_the_file_and_every_argument(tiny, tmp_path):
@@ -179,7 +183,7 @@ def test_llama_cpp_refuses_a_state_that_does_not_fit_the_slot(tiny, tmp_path):
     assert kept[0] == "slot0.bin" and kept[1] > 128 and kept[2] == os.path.getsize(tmp_path / "slot0.bin")
     small = load(spec.replace(n_ctx=128))
     try:
-        restored, refused = restore_all(small, str(tmp_path), ["slot0.bin"])
+        restored, refused = restore_all(small, [str(tmp_path / "slot0.bin")])
     finally:
         small.close()
     assert restored == {} and "slot0.bin" in refused

@@ -23,13 +23,24 @@ def _action(engine: Any, save: bool, slot: int, path: str) -> dict:
         return {"error": {"message": str(e)}}
 
 
-def save_all(engine: Any, directory: str) -> list[tuple[str, int, int]]:
-    """Save every slot that holds tokens as slot<N>.bin in ``directory``; (file name,
-    tokens, bytes) of each one saved."""
-    kept = []
+def save_all(engine: Any, directory: str, budget: int | None = None) -> list[tuple[str, int, int]]:
+    """Save every slot that holds tokens as slot<N>.bin in ``directory``, within ``budget``
+    bytes in all (None: no bound): a slot whose state could pass what is left is not saved
+    (its bound is known before it is written: its KV state's size, and its tokens at most
+    the context), and one that did all the same is removed at once.  (file name, tokens,
+    bytes) of each one saved."""
+    kept, left = [], budget
     for slot in range(engine.n_parallel):
         name = f"slot{slot}.bin"
         path = os.path.join(directory, name)
+        if left is not None:
+            state = engine.slot_state_size(slot)
+            if state == 0:
+                continue  # nothing in it
+            if state + 8 * engine.n_ctx + 4096 > left:
+                _LOG.info("slot %d not kept: its state (%d bytes) would pass the RAM left for kept states (%d)",
+                          slot, state, left)
+                continue
         data = _action(engine, True, slot, path)
         if not data.get("n_saved"):
             if "error" in data:
@@ -37,15 +48,22 @@ def save_all(engine: Any, directory: str) -> list[tuple[str, int, int]]:
             if os.path.exists(path):
                 os.unlink(path)
             continue
-        kept.append((name, int(data["n_saved"]), int(data["n_written"])))
+        written = int(data["n_written"])
+        if left is not None and written > left:  # bigger than its bound after all (multimodal tokens)
+            os.unlink(path)
+            continue
+        if left is not None:
+            left -= written
+        kept.append((name, int(data["n_saved"]), written))
     return kept
 
 
-def restore_all(engine: Any, directory: str, names: list[str]) -> tuple[dict[str, int], dict[str, str]]:
-    """Restore ``directory``/slot<N>.bin files into slot N; (file -> tokens restored,
-    file -> why refused)."""
+def restore_all(engine: Any, paths: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """Restore each slot<N>.bin file (a path: the router's RAM or disk directory) into slot
+    N; (file name -> tokens restored, file name -> why refused)."""
     restored, refused = {}, {}
-    for name in names:
+    for path in paths:
+        name = os.path.basename(path)
         try:
             slot = int(name.removeprefix("slot").removesuffix(".bin"))
         except ValueError:
@@ -54,7 +72,7 @@ def restore_all(engine: Any, directory: str, names: list[str]) -> tuple[dict[str
         if not 0 <= slot < engine.n_parallel:
             refused[name] = f"slot {slot} does not exist"
             continue
-        data = _action(engine, False, slot, os.path.join(directory, name))
+        data = _action(engine, False, slot, path)
         if data.get("n_restored"):
             restored[name] = int(data["n_restored"])
         else:

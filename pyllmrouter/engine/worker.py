@@ -72,8 +72,7 @@ class _Worker:
             t0 = time.perf_counter()
             engine = load(msg.spec, name=msg.alias or msg.name, progress=lambda p: self.send(Progress(msg.req_id, p)))
             pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
-            restored, refused = (restore_all(engine, msg.keep_dir, list(msg.restore)) if msg.restore and msg.keep_dir
-                                 else ({}, {}))
+            restored, refused = restore_all(engine, list(msg.restore)) if msg.restore else ({}, {})
             with self.models_lock:
                 taken = msg.name in self.models
                 cancelled = msg.name in self.loading and self.loading[msg.name][0].is_set()
@@ -130,7 +129,7 @@ class _Worker:
         kept: list = []
         try:
             if msg.keep and host.keep_dir:
-                kept = host.close(lambda engine: save_all(engine, host.keep_dir)) or []
+                kept = host.close(lambda engine: save_all(engine, host.keep_dir, msg.budget)) or []
             else:
                 host.close()
         except Exception:  # noqa: BLE001 - a state not saved is a state not kept; the unload goes on

@@ -38,6 +38,8 @@ __all__ = ["Ingress", "NODE_RESOURCE", "node_ids"]
 
 NODE_RESOURCE = "pyllmrouter"  # the custom resource that marks a node for one replica
 FAN_OUT = ("/models", "/v1/models", "/devices", "/events")
+# a node's refusals of a request it has not begun: tried on another node (each node once)
+RETRIED = frozenset({507, 429, 503})
 ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
 
 
@@ -143,11 +145,14 @@ class Ingress:
         return await self._respond(replace(plain, model=model), model, stream=data.get("stream") is True)
 
     async def _respond(self, plain: NodeRequest, model: str | None, stream: bool = True) -> Response:
-        """``plain`` on the node the request router picks; a node that refuses it (507)
-        is left out of the next attempt, until every node has refused.  A request that
-        does not ask for a stream takes its reply in one piece (one message, not one per
-        chunk)."""
+        """``plain`` on the node the request router picks; a node that refuses it before
+        doing anything (507: it never fits there; 429 or 503: its queue is full, or it
+        cannot serve it now) is left out of the next attempt, each node once, until every
+        node has refused: then 507 with each node's figures where every one said 507, else
+        the last refusal as that node gave it.  A request that does not ask for a stream
+        takes its reply in one piece (one message, not one per chunk)."""
         refusals: dict[str, Any] = {}
+        refused: tuple[Head, bytes] | None = None  # the last 429 or 503
         while True:
             try:
                 if stream:
@@ -163,13 +168,18 @@ class Ingress:
             except RayActorError as e:
                 raise ApiError(502, f"the node serving '{model or plain.path}' died: {type(e).__name__}",
                                "server_error", "node_died") from None
-            if head.status != 507 or model is None:
+            if head.status not in RETRIED or model is None:
                 return await _relay(head, rest, model)
-            body = json.loads((rest if isinstance(rest, bytes) else b"".join([c async for c in rest])) or b"{}")
+            data = rest if isinstance(rest, bytes) else b"".join([c async for c in rest])
             repeated = head.node in refusals  # the request router had no other node left
-            refusals[head.node] = body
+            if head.status == 507:
+                refusals[head.node] = json.loads(data or b"{}")
+            else:
+                refusals[head.node], refused = None, (head, data)
             if repeated or set(node_ids()) <= set(refusals):
-                return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
+                if refused is None:
+                    return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
+                return await _relay(*refused, model)
             plain = replace(plain, exclude=plain.exclude | {head.node})
 
     async def _ask_all(self, plain: NodeRequest) -> dict[str, Any]:

@@ -56,11 +56,14 @@ class Choice:
 
 
 def classify(model: str, stats: Mapping[str, Any]) -> Choice:
+    """How ``model`` would be served on one node: loaded (any of its instances there: its
+    own, or an extra one while its own is evicted), else by what its admission would do."""
     m = stats["models"].get(model)
     if m is None:
         return Choice("never", 0, f"node {stats['node']} does not serve {model}")
-    if m["state"] in ("loaded", "loading"):
-        return Choice(LOADED, m["leases"] + stats["queue"])
+    instances = [i for n, i in stats["models"].items() if n == model or i.get("replica_of") == model]
+    if any(i["state"] in ("loaded", "loading") for i in instances):
+        return Choice(LOADED, sum(i["leases"] for i in instances) + stats["queue"])
     if not m["requirement"]:
         return Choice(EVER, 0, "not measured yet")  # its replica measures every model at start
     capacity = {d: v["capacity"] for d, v in stats["devices"].items()}

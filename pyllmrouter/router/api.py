@@ -158,16 +158,23 @@ class Router:
             return self._sched.reconcile(models)
 
     def _watch(self, period: float) -> None:
+        """The sources read again once they change; a reload that fails (a preset being
+        edited, a name still held by a model finishing its requests) is tried again each
+        period until it succeeds, its failure told once per change."""
         seen = self._sources.stamp()
+        told = None  # the sources' stamp whose failure was told
         while not self._stop.wait(period):
             now = self._sources.stamp()
             if now == seen:
                 continue
-            seen = now
             try:
                 self.reload()
-            except (ValueError, RuntimeError) as e:  # a preset being edited: the next change retries
-                self._sched.bus.publish("models_reload_failed", "*", reason=str(e))
+            except (ValueError, RuntimeError) as e:
+                if told != now:
+                    self._sched.bus.publish("models_reload_failed", "*", reason=str(e))
+                    told = now
+                continue
+            seen = now
 
     def pull(self, name: str) -> None:
         """Download ``org/repo[:tag]`` into llama.cpp's cache, in a short-lived process; it

@@ -24,7 +24,6 @@ A model's state changes in one place, ``move``, which checks the transition (sta
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import threading
@@ -174,15 +173,21 @@ class Book:
             return out
 
     def candidates(self, rec: Record) -> list[frozenset[str]]:
-        """The device sets a model may load on (an extra instance: where its model's others are not)."""
+        """The device sets a model may load on: its pinned ones, else each GPU (the host
+        without one).  An instance goes where the model's other instances that hold memory
+        are not (an extra one: nowhere else; the model's own, back while extra ones serve:
+        anywhere if they hold every set).  An instance that holds no memory holds no set."""
         with self._cond:
-            if rec.primary is not None:
-                others = {r.device_set for r in self._registry.instances(rec.primary) if r is not rec and r.device_set}
-                return [ds for ds in self.candidates(rec.primary) if ds not in others]
-            if rec.config.devices:
-                return [frozenset(rec.config.devices)]
-            gpus = [n for n, d in self.devices.items() if d.kind != "cpu"]
-            return [frozenset({g}) for g in gpus] or [frozenset({HOST})]
+            primary = rec.primary or rec
+            if primary.config.devices:
+                base = [frozenset(primary.config.devices)]
+            else:
+                gpus = [n for n, d in self.devices.items() if d.kind != "cpu"]
+                base = [frozenset({g}) for g in gpus] or [frozenset({HOST})]
+            others = {r.device_set for r in self._registry.instances(primary)
+                      if r is not rec and r.device_set and holds_memory(r.state)}
+            free = [ds for ds in base if ds not in others]
+            return free if free or rec.primary is not None else base
 
     def busy_sets(self) -> set[frozenset[str]]:
         """Device sets in use: a model there, or a waiting request that may go there."""
@@ -208,17 +213,12 @@ class Book:
         return queueing.rank(ticket.rec.config.priority, ticket.created, ticket.seq,
                              time.monotonic() if now is None else now, self.options.priority_age)
 
-    def waiting(self) -> tuple[collections.Counter, list[Record]]:
-        """(tickets per model name, every record): what a queue limit counts, read once."""
-        with self._cond:
-            return collections.Counter(t.rec.name for t in self._queue), self._registry.records()
-
     # -- the queue ----------------------------------------------------------------------
 
-    def enqueue(self, rec: Record) -> Ticket:
-        """A waiting request for ``rec`` joins the queue."""
+    def enqueue(self, rec: Record, loader: bool = False) -> Ticket:
+        """A waiting request for ``rec`` joins the queue (``loader``: an instance's load)."""
         with self._cond:
-            ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic())
+            ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic(), loader=loader)
             self._queue.append(ticket)
             return ticket
 
@@ -227,12 +227,16 @@ class Book:
         return Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic())
 
     def dequeue(self, ticket: Ticket) -> None:
-        """A waiting request leaves the queue, and the drain it set, if any."""
+        """A waiting request leaves the queue, and the drain it set, if any; the last waiter
+        of a model whose load is to be tried again (its second chance) takes that with it."""
         with self._cond:
             self._queue.remove(ticket)
             for r in self._registry.records():
                 if r.drain is not None and r.drain[1] == ticket.seq:
                     r.drain = None  # its waiter is gone; a later waiter sets its own
+            rec = ticket.rec
+            if rec.second_chance and rec.state is State.UNLOADED and not any(t.rec is rec for t in self._queue):
+                rec.second_chance = False  # nobody retried: the next load's failure gets its own chance
             self._cond.notify_all()
 
     def follow(self, ticket: Ticket) -> Record:
@@ -317,13 +321,23 @@ class Book:
                     rec.reason = reason
             self._cond.notify_all()
 
-    def start_load(self, rec: Record, device_set: frozenset[str], need: dict[str, int], spec, fit: Fitted | None) -> None:
-        """``rec`` admitted: LOADING on ``device_set``, ``need`` reserved there."""
+    def start_load(self, rec: Record, device_set: frozenset[str], need: dict[str, int], spec,
+                   fit: Fitted | None) -> int:
+        """``rec`` admitted: LOADING on ``device_set``, ``need`` reserved there; the load's
+        attempt number (what its job reports back with: a late answer of an earlier
+        attempt changes nothing)."""
         with self._cond:
             self.move(rec, State.LOADING)
             rec.device_set, rec.need, rec.reason = device_set, dict(need), None
             rec.load_spec, rec.fit = spec, fit
+            rec.attempt += 1
             self.event("load-start", rec.name)
+            return rec.attempt
+
+    def loading(self, rec: Record, attempt: int) -> bool:
+        """Whether ``rec`` is LOADING, in this attempt."""
+        with self._cond:
+            return rec.state is State.LOADING and rec.attempt == attempt
 
     def failed(self, rec: Record, reason: str, counted: bool = False) -> None:
         """``rec``'s waiters give up with ``reason`` (a failed probe, fit or load, or a model
@@ -462,11 +476,16 @@ class Book:
             self._cond.notify_all()
             return rec
 
-    def check(self, cfgs: list[ModelConfig]) -> None:
-        """ValueError if these configs could not stand together (names, aliases, devices)."""
-        probe = Registry(self.devices)
-        for cfg in cfgs:
-            probe.add(cfg)
+    def trial(self, apply: Callable[[Registry], None]) -> None:
+        """``apply`` the list's changes to a copy of it first (ValueError: one would not
+        stand; nothing is changed then)."""
+        with self._cond:
+            apply(self._registry.trial())
+
+    def revive(self, rec: Record, cfg: ModelConfig) -> None:
+        with self._cond:
+            self._registry.revive(rec, cfg)
+            self._cond.notify_all()
 
     def retire(self, rec: Record, replacement: ModelConfig | None) -> None:
         with self._cond:

@@ -132,7 +132,9 @@ class Jobs:
         if usage:
             self._book.set_overhead(worker, usage)
 
-    def load(self, rec: Record) -> None:
+    def load(self, rec: Record, attempt: int) -> None:
+        """Load attempt ``attempt`` of ``rec``: what it finds is applied only while the model
+        is still in that attempt (a worker that died under it may have let a new one start)."""
         book, options = self._book, self._options
         worker = None
         try:
@@ -141,6 +143,8 @@ class Jobs:
             worker = book.workers.ensure(rec.device_set)
             free = self._inventory.free()
             with book.locked():
+                if not book.loading(rec, attempt):  # ended meanwhile (its worker died)
+                    return
                 # the worker's measured overhead now counts: does the reservation still fit?
                 available = book.available(free)
                 mine = {d: available.get(d, 0) + n for d, n in rec.need.items()}
@@ -162,7 +166,7 @@ class Jobs:
                     book.bus.publish("load-progress", rec.name, "+".join(sorted(rec.device_set or ())),
                                      progress=reply.value)
             except TimeoutError:
-                self._load_timed_out(rec, worker)
+                self._load_timed_out(rec, worker, attempt)
                 return
             if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused
                 book.keep.consumed(ident, restore, reply.restored, reply.refused)
@@ -172,7 +176,9 @@ class Jobs:
         short = _OUT_OF_MEMORY.search(reply.message) is not None if isinstance(reply, Failed) else False
         free = self._inventory.free() if short else {}  # what the devices have now (I/O: before the lock)
         with book.locked():
-            if rec.state is not State.LOADING:  # the worker died meanwhile and said so
+            if not book.loading(rec, attempt):  # the worker died meanwhile and said so (maybe a new load began)
+                if isinstance(reply, Loaded) and worker is not None and worker.alive:  # an engine nobody counts: it goes
+                    self.spawn(self._unload_stale, worker, rec.name)
                 return
             detail = self._short_of(rec, free) if short else ""
             if short and not rec.second_chance:
@@ -195,13 +201,14 @@ class Jobs:
         if isinstance(reply, Loaded):
             self.refresh_overhead(worker)
 
-    def replicate(self, rec: Record, lease: Callable[..., Any], release: Callable[[Any], None]) -> None:
-        """An extra instance of a model whose requests wait: loaded where admission finds room
-        within a turn (it drains nothing: see Scheduler._admit), else given up (dropped).
-        ``lease`` and ``release``: the scheduler's."""
+    def replicate(self, rec: Record, lease: Callable[[], Any], release: Callable[[Any], None]) -> None:
+        """An instance of a model whose requests wait (an extra one, or its own back): loaded
+        where admission finds room within a turn (it drains nothing: see Scheduler._admit),
+        else given up (an extra one dropped).  ``lease()`` takes the instance's loader lease,
+        ``release`` gives it back (the scheduler's)."""
         book = self._book
         try:
-            release(lease(rec.name, self._options.turn, autoload=True))
+            release(lease())
         except RouterError as e:
             with book.locked():
                 book.bus.publish("replica-not-loaded", rec.primary.name if rec.primary else rec.name, "",
@@ -209,14 +216,20 @@ class Jobs:
                 if rec.state is State.UNLOADED:
                     book.drop(rec)
 
-    def _load_timed_out(self, rec: Record, worker: WorkerHandle) -> None:
+    def _unload_stale(self, worker: WorkerHandle, name: str) -> None:
+        try:
+            worker.call(lambda rid: UnloadModel(rid, name, False)).get(self._options.load_timeout)
+        except Exception:  # noqa: BLE001 - a worker gone has freed it anyway
+            pass
+
+    def _load_timed_out(self, rec: Record, worker: WorkerHandle, attempt: int) -> None:
         """The worker is still loading after the load timeout: the load fails for its
         waiters, and is cancelled in the worker (UnloadModel: the engine is freed once
         its load lands); its bytes stay held (UNLOADING) until the worker says so, or
         ends."""
         book = self._book
         with book.locked():
-            if rec.state is not State.LOADING:  # the worker died meanwhile and said so
+            if not book.loading(rec, attempt):  # the worker died meanwhile and said so
                 return
             book.load_cancelled(rec, worker, f"the load did not end within {self._options.load_timeout:g} s "
                                              f"(cancelled in the worker)")
@@ -231,18 +244,25 @@ class Jobs:
         book, options = self._book, self._options
         with book.locked():
             worker, ident = rec.worker, rec.identity
-        keep = book.keep is not None and ident is not None
+        store = book.keep if ident is not None else None
         if worker is not None and worker.alive:
+            # the RAM the states may take, held from now on (admission counts it at once)
+            token, budget = store.reserve() if store is not None else (None, 0)
+            keep = budget > 0
             try:
-                reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep)).get(options.load_timeout)
+                reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep, budget)).get(options.load_timeout)
                 if keep and isinstance(reply, Unloaded):
-                    book.keep.add(ident, list(reply.kept))  # I/O: outside the lock
-                    book.keep.hit(reply.hits)
+                    store.add(ident, list(reply.kept), token)  # I/O: outside the lock
+                    store.hit(reply.hits)
+                    token = None
             except TimeoutError:  # a worker that cannot unload is hung: its end frees the memory
                 worker.kill()
                 worker.wait_dead(options.load_timeout)
             except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
                 pass
+            finally:
+                if token is not None:
+                    store.release(token)
         with book.locked():
             book.unloaded(rec)
             self._settle(rec)

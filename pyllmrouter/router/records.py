@@ -49,6 +49,7 @@ class Record:
     unload_asked: bool = False  # an unload waits for its leases: it takes no new one meanwhile
     follow_epoch: int = 0  # the router's ends of its followed connections so far (end_follows)
     loads: int = 0
+    attempt: int = 0  # loads started (each LOADING is one attempt: a job reports back with its number)
     second_chance: bool = False  # a load that failed for want of device memory is being retried
     live: dict[str, int] = field(default_factory=dict)  # bytes the worker measured after load
     identity: str | None = None  # the loaded configuration's, for kept prompt states (keep.py)
@@ -131,6 +132,9 @@ class Ticket:
     created: float
     short: dict[str, int] = field(default_factory=dict)
     why: str = ""  # what it waits for, as last told
+    # the load of one instance of a model (an extra one, or its own back): counted in no queue
+    # limit and refused by none, drains nothing, takes that instance only
+    loader: bool = False
 
     @property
     def name(self) -> str:

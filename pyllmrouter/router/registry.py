@@ -86,10 +86,25 @@ def diff(current: Mapping[str, ModelConfig], new: Iterable[ModelConfig]) -> Chan
 class Registry:
     """Models by name and alias; the scheduler's lock is held for every call."""
 
-    def __init__(self, devices: Iterable[str]):
+    def __init__(self, devices: Iterable[str], records: Mapping[str, Record] | None = None,
+                 aliases: Mapping[str, str] | None = None):
         self._devices = tuple(devices)
-        self._records: dict[str, Record] = {}
-        self._aliases: dict[str, str] = {}
+        self._records: dict[str, Record] = dict(records or {})
+        self._aliases: dict[str, str] = dict(aliases or {})
+
+    def trial(self) -> "Registry":
+        """A copy to try changes on first: its records are copies (what a change does to
+        them stays there), its names and aliases the same."""
+        copies = {n: with_fields(r) for n, r in self._records.items()}
+        return Registry(self._devices, copies, self._aliases)
+
+    def revive(self, rec: Record, cfg: ModelConfig) -> None:
+        """A removed model, still finishing its requests, listed again: it stays, as it is
+        (the same config) or to be replaced by ``cfg`` once it has finished."""
+        if cfg == rec.config:
+            rec.fate, rec.replacement = None, None
+        else:
+            self.retire(rec, cfg)
 
     def get(self, name: str) -> Record | None:
         return self._records.get(self._aliases.get(name, name))
@@ -124,6 +139,12 @@ class Registry:
         if rec.primary is not None and self._records.get(rec.name) is rec:
             del self._records[rec.name]
             rec.gone = True
+
+    def held_by_leaving(self, cfg: ModelConfig) -> bool:
+        """Whether ``cfg``'s name or an alias is held by a model that is leaving (removed,
+        still finishing its requests): it can join once that one has gone."""
+        names = {cfg.name, *cfg.aliases}
+        return any(r.fate is Fate.REMOVE and names & {r.name, *r.config.aliases} for r in self._records.values())
 
     def check(self, cfg: ModelConfig, replacing: Record | None = None) -> None:
         """ValueError if ``cfg`` cannot join: its name or an alias is taken, or it names a

@@ -23,7 +23,7 @@ from pyllmrouter.config import ModelConfig
 from pyllmrouter.router.book import Book
 from pyllmrouter.router.jobs import Jobs
 from pyllmrouter.router.policy import replicas
-from pyllmrouter.router.policy.state import State
+from pyllmrouter.router.policy.state import State, holds_memory
 from pyllmrouter.router.records import Fate, Record
 from pyllmrouter.router.registry import Changes, Step, diff, step
 
@@ -36,6 +36,8 @@ class Roster:
         self._book = book
         self._jobs = jobs
         self._load_instance = load_instance
+        # the last list reconciled and the models in it that join once a leaving model has gone
+        self._later: tuple[list[ModelConfig], list[ModelConfig]] | None = None
 
     def add(self, cfg: ModelConfig) -> None:
         """A new model, servable at once (ValueError: its name or an alias is taken)."""
@@ -43,22 +45,48 @@ class Roster:
         self._book.event("added", cfg.name, source=cfg.source)
 
     def reconcile(self, configs: Iterable[ModelConfig]) -> Changes:
-        """The sources' new list: each change checked first, so a bad list changes nothing
-        (ValueError); models added through the API stay (the Book's lock held)."""
+        """The sources' new list: every change tried on a copy of the list first, in the
+        order it is then made, so a bad list changes nothing (ValueError); models added
+        through the API stay.  A name the list gives back while its model, removed, still
+        finishes its requests, brings that model back; a new model whose name or alias a
+        leaving model still holds joins once that one has gone (the list is reconciled
+        again then).  The Book's lock held."""
         book = self._book
-        changes = diff(book.configs(), list(configs))
-        keep = {n: c for n, c in book.configs().items() if n not in changes.remove}
-        keep.update({c.name: c for c in (*changes.replace, *changes.tune)})
-        book.check([*keep.values(), *changes.add])
-        for cfg in changes.add:
-            self.add(cfg)
+        wanted = list(configs)
+        changes = diff(book.configs(), wanted)
+        back = {c.name: book.get(c.name) for c in changes.add}
+        back = {n: r for n, r in back.items() if r is not None and r.name == n and r.fate is Fate.REMOVE}
+        later: list[ModelConfig] = []
+
+        def apply(registry) -> None:  # the order the changes are made in, on the copy first
+            for name in changes.remove:
+                registry.retire(registry.get(name), None)
+            for cfg in changes.replace:
+                registry.retire(registry.get(cfg.name), cfg)
+            for cfg in changes.add:
+                if cfg.name in back:
+                    registry.revive(registry.get(cfg.name), cfg)
+                elif registry.held_by_leaving(cfg):
+                    later.append(cfg)
+                else:
+                    registry.add(cfg)
+        book.trial(apply)
         for name in changes.remove:
             self.retire(book.get(name), None)
         for cfg in changes.replace:
             self.retire(book.get(cfg.name), cfg)
+        for cfg in changes.add:
+            if cfg.name in back:
+                book.revive(back[cfg.name], cfg)
+                book.event("added", cfg.name, source=cfg.source)
+            elif cfg not in later:
+                self.add(cfg)
         for cfg in changes.tune:
             self._tune(book.get(cfg.name), cfg)
-        return changes
+        self._later = (wanted, later) if later else None
+        if later:
+            book.event("models_reload_later", "*", models=[c.name for c in later])
+        return Changes(tuple(c for c in changes.add if c not in later), changes.remove, changes.replace, changes.tune)
 
     def _tune(self, rec: Record, cfg: ModelConfig) -> None:
         """A new priority, max-queue or replica count, in place: the model stays loaded and
@@ -106,9 +134,18 @@ class Roster:
                     book.keep.forget(rec.name)  # its kept states can serve no one
                 new = book.finish(rec)
                 book.event("model_remove" if new is None else "replaced", rec.name)
+                if self._later is not None:  # models waiting for a name this one held
+                    wanted, self._later = self._later[0], None
+                    try:
+                        self.reconcile(wanted)
+                    except ValueError as e:
+                        book.event("models_reload_failed", "*", reason=str(e))
 
-    def grow(self, rec: Record) -> None:
-        """One more instance of ``rec``'s model where its requests wait and it may."""
+    def grow(self, rec: Record, arriving: int = 0) -> None:
+        """One more instance of ``rec``'s model where its requests wait and it may
+        (``arriving``: requests about to take a lease, counted as in flight).  Where the
+        model's own instance is unloaded (evicted, or its worker died) while an extra one
+        serves, that one loads again first, on any device set its others leave free."""
         book = self._book
         with book.locked():
             if rec.config.replicas <= 1 or rec.fate is not None or book.closed:
@@ -116,16 +153,20 @@ class Roster:
             instances = book.instances(rec)
             running = [replicas.Instance(r.name, r.leases, book.slots(r), r.primary is None)
                        for r in instances if r.state is State.LOADED]
-            loading = sum(1 for r in instances if r.primary is not None and r.state is not State.LOADED)
-            used = {r.device_set for r in instances if r.device_set}
+            # an instance with no memory (UNLOADED) holds no device set: its old one is free
+            loading = sum(1 for r in instances if r.state is State.LOADING
+                          or (r.primary is not None and r.state is State.UNLOADED))
+            used = {r.device_set for r in instances if r.device_set and holds_memory(r.state)}
             free_sets = [ds for ds in book.candidates(rec) if ds not in used]
-            if not replicas.wants_more(rec.config.replicas, running, loading, len(free_sets)):
+            if not replicas.wants_more(rec.config.replicas, running, loading, len(free_sets), arriving):
                 return
-            taken = {r.name for r in instances}
-            k = next(k for k in range(2, rec.config.replicas + 2) if replicas.replica_name(rec.name, k) not in taken)
-            cfg = dataclasses.replace(rec.config, name=replicas.replica_name(rec.name, k), aliases=(), devices=None,
-                                      source="replica", hidden=True, load_on_startup=False, persistent=False,
-                                      replicas=1)
-            extra = book.add_replica(cfg, rec)
-            book.event("replica-start", rec.name, instance=extra.name)
+            if rec.state is State.UNLOADED:
+                book.event("replica-start", rec.name, instance=rec.name)
+                extra = rec  # the model's own instance, back
+            else:
+                cfg = dataclasses.replace(rec.config, name=replicas.free_name(rec.name, lambda n: book.get(n) is not None),
+                                          aliases=(), devices=None, source="replica", hidden=True,
+                                          load_on_startup=False, persistent=False, replicas=1)
+                extra = book.add_replica(cfg, rec)
+                book.event("replica-start", rec.name, instance=extra.name)
         self._load_instance(extra)

@@ -96,6 +96,16 @@ class Scheduler:
         return self._book.bus
 
     @property
+    def book(self) -> Book:
+        """The scheduler's state, and its one owner (book.py)."""
+        return self._book
+
+    @property
+    def jobs(self) -> Jobs:
+        """The scheduler's background half (jobs.py)."""
+        return self._jobs
+
+    @property
     def workers(self) -> WorkerSet:
         return self._book.workers
 
@@ -158,11 +168,13 @@ class Scheduler:
     # -- leases ----------------------------------------------------------------------------
 
     def lease(self, name: str, timeout: float | None = None, autoload: bool | None = None,
-              gone=None, prefer: str | None = None) -> Lease:
+              gone=None, prefer: str | None = None, loader: bool = False) -> Lease:
         """Block until ``name`` is LOADED and take a lease on it.  Once ``gone`` is set
         (``withdraw``) the wait ends with Withdrawn: the ticket leaves the queue, and what
         it alone asked for (a load, a drain of a busy model) does not happen.  ``prefer``:
-        the instance of the model to take where it has a free slot (a conversation's last)."""
+        the instance of the model to take where it has a free slot (a conversation's last).
+        ``loader``: the lease that loads the instance ``name`` itself (roster.grow): no
+        queue limit refuses or counts it, and it drains nothing."""
         book = self._book
         timeout = self.options.queue_timeout if timeout is None else timeout
         autoload = self.options.autoload if autoload is None else autoload
@@ -172,10 +184,10 @@ class Scheduler:
             rec = book.resolve(name)
             if rec.state is not State.LOADED and not autoload:
                 raise NotLoaded(rec.name, rec.state.value)
-            refused = self._queue_refusal(rec)
+            refused = None if loader else self._queue_refusal(rec)
             if refused is not None:
                 raise QueueFull(rec.name, refused.scope, refused.limit, refused.waiting)
-            ticket = book.enqueue(rec)
+            ticket = book.enqueue(rec, loader)
         deadline = ticket.created + timeout
         free: dict[str, int] | None = None  # the inventory's reading, taken since the last wait
         try:
@@ -227,13 +239,15 @@ class Scheduler:
             return self._take(ready, ticket) if ready is not None else None
 
     def _load_instance(self, rec: Record) -> None:
-        """An extra instance loads by a lease of its own, in the background (jobs.replicate)."""
-        self._jobs.spawn(self._jobs.replicate, rec, self.lease, self.release)
+        """An instance loads by a lease of its own, in the background (jobs.replicate)."""
+        self._jobs.spawn(self._jobs.replicate, rec,
+                         lambda: self.lease(rec.name, self.options.turn, autoload=True, loader=True), self.release)
 
     def _take(self, rec: Record, ticket: Ticket) -> Lease:
-        lease = self._book.take(rec, ticket)
-        self._roster.grow(rec.primary or rec)
-        return lease
+        """A lease, taken last: what may fail before it (growing the model) has not failed."""
+        if not ticket.loader:
+            self._roster.grow(rec.primary or rec, arriving=1)
+        return self._book.take(rec, ticket)
 
     def _ready_instance(self, rec: Record, ticket: Ticket, prefer: str | None = None) -> Record | None:
         """The loaded instance of ``rec``'s model a request goes to (lock held): ``prefer``
@@ -242,7 +256,7 @@ class Scheduler:
         can take it now.  A name that is an extra instance's (a resumable stream's owner)
         is that instance alone."""
         book = self._book
-        candidates = [rec] if rec.primary is not None else book.instances(rec)
+        candidates = [rec] if rec.primary is not None or ticket.loader else book.instances(rec)
         ready = {r.name: r for r in candidates
                  if r.state is State.LOADED and r.fate is None and not r.gone and self._may_lease(r, ticket)}
         last = ready.get(prefer) if prefer is not None else None
@@ -273,17 +287,15 @@ class Scheduler:
 
     def _queue_refusal(self, rec: Record) -> "queueing.Refusal | None":
         """The limit one more request of ``rec``'s model (all its instances) would cross,
-        if any (lock held).  Requests holding no slot: queued here, or past a model's slots;
-        the queue is read once."""
+        if any (lock held).  Requests holding no slot: queued here, or past a model's slots
+        (queueing.tally: an instance's own load is none)."""
         if not (rec.config.max_queue or self.options.max_queue):
             return None
-        tickets, records = self._book.waiting()
-        model = rec.primary or rec
-        total = mine = 0
-        for r in records:
-            n = queueing.waiting(tickets[r.name], r.leases, self._book.slots(r), r.state is State.LOADED)
-            total += n
-            mine += n if (r.primary or r) is model else 0
+        book = self._book
+        queued = [queueing.Queued(t.rec.name, t.loader) for t in book.tickets()]
+        held = [queueing.Held(r.name, (r.primary or r).name, r.leases, book.slots(r), r.state is State.LOADED)
+                for r in book.records()]
+        mine, total = queueing.tally((rec.primary or rec).name, queued, held)
         return queueing.refusal(mine, rec.config.max_queue, total, self.options.max_queue)
 
     # -- the live model list (roster.py) ------------------------------------------------
@@ -367,7 +379,7 @@ class Scheduler:
                 job = decision.fit
                 self._jobs.spawn(self._jobs.fit, rec, job.device_set, job.spec, dict(job.grant))
             deadline = ticket.created + self.options.turn
-            for v in (decision.drain if rec.primary is None else ()):  # an extra instance drains nothing
+            for v in (decision.drain if rec.primary is None and not ticket.loader else ()):  # an instance's load drains nothing
                 victim = book.get(v)
                 owner = next((t for t in book.tickets() if victim.drain and t.seq == victim.drain[1]), None)
                 if victim.drain is None or owner is None or book.rank(ticket) < book.rank(owner):
@@ -377,8 +389,8 @@ class Scheduler:
                 book.note(ticket, ticket.why, decision.short)
                 book.event("waiting", rec.name, why=decision.why, short=dict(decision.short))
             return decision.why
-        book.start_load(rec, decision.device_set, decision.need, decision.spec, decision.fit)
-        self._jobs.spawn(self._jobs.load, rec)
+        attempt = book.start_load(rec, decision.device_set, decision.need, decision.spec, decision.fit)
+        self._jobs.spawn(self._jobs.load, rec, attempt)
         return "loading"
 
     def _residents(self, ticket: Ticket, ignore_busy: bool = False, leaving: bool = False) -> list[placement.Resident]:

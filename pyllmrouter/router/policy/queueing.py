@@ -7,6 +7,8 @@
     waiting(tickets, leases, slots, loaded)  requests of one model that hold no slot: those
                                              queued in the router for a load, and those past
                                              its parallel slots, queued in its engine
+    tally(model, queued, instances)          (the model's, everyone's) waiting requests: an
+                                             instance's own load is no request, never counted
     refusal(...)                             the limit a new request would cross, if any:
                                              the model's ``max-queue`` (429) or the router's
                                              ``--max-queue`` (503)
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["rank", "waiting", "Refusal", "refusal"]
+__all__ = ["rank", "waiting", "Queued", "Held", "tally", "Refusal", "refusal"]
 
 
 def rank(priority: int, created: float, seq: int, now: float, age: float) -> tuple[int, int]:
@@ -32,6 +34,40 @@ def rank(priority: int, created: float, seq: int, now: float, age: float) -> tup
 def waiting(tickets: int, leases: int, slots: int, loaded: bool) -> int:
     """A model's requests that hold no slot of its engine."""
     return tickets + (max(0, leases - slots) if loaded else 0)
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A waiting request: the instance it waits for, and whether it is that instance's own
+    load (roster.grow's), which is no request of a client's."""
+
+    instance: str
+    loader: bool = False
+
+
+@dataclass(frozen=True)
+class Held:
+    """An instance: its name, its model's name, requests in flight, slots, whether loaded."""
+
+    name: str
+    model: str
+    leases: int
+    slots: int
+    loaded: bool
+
+
+def tally(model: str, queued: list[Queued], instances: list[Held]) -> tuple[int, int]:
+    """(requests of ``model`` that hold no slot, all models' such requests)."""
+    tickets: dict[str, int] = {}
+    for q in queued:
+        if not q.loader:
+            tickets[q.instance] = tickets.get(q.instance, 0) + 1
+    mine = total = 0
+    for i in instances:
+        n = waiting(tickets.get(i.name, 0), i.leases, i.slots, i.loaded)
+        total += n
+        mine += n if i.model == model else 0
+    return mine, total
 
 
 @dataclass(frozen=True)

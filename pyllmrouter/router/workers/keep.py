@@ -21,7 +21,18 @@ counts as held.  Only the router writes there (its own slot save and restore cal
 never a client's: see engine/slots.py).  The directory is this router's while it runs:
 its ``.owner`` file is locked (flock) for the router's life, so the lock goes with the
 process however it ends, and a router that starts removes every directory whose lock
-is free (a router that crashed or was killed), never a live one's.  The store does file I/O under its own lock only, never under
+is free (a router that crashed or was killed), never a live one's.
+
+Another local user has no way in.  The disk directory (``--kv-keep-dir``) must be the
+router user's own and writable by nobody else, or the router refuses to start (naming
+it, its owner and its mode); one it makes is 0700.  Only our own plain files in our own
+subdirectories are indexed (a link, a FIFO or another user's file is left alone), files
+are opened without following links, and every file the store writes is written under a
+temporary name and renamed (a link planted at the final name is replaced, never
+followed).  The RAM the states take never passes ``--kv-keep-ram``: an unload reserves
+what is left of it before its worker writes (``reserve``: counted as held at once), and
+the worker saves a slot only where its state's size, known before it is written, fits;
+a load restores the states from where they lie (RAM or disk), moving nothing back.  The store does file I/O under its own lock only, never under
 the scheduler's; what the scheduler reads under its lock (``held_ram``) is a
 number the store publishes after each change, read without the store's lock,
 so the scheduler never waits on the store's file work.
@@ -29,8 +40,10 @@ so the scheduler never waits on the store's file work.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -43,6 +56,7 @@ import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pyllmrouter.router.policy.replicas import SEPARATOR
 from pyllmrouter.spec import ModelSpec
 
 __all__ = ["KeepStore", "Kept", "identity", "reclaim"]
@@ -71,6 +85,91 @@ def _claim(base: Path | None) -> tuple[Path, int]:
     final = tmp.with_name(_PREFIX + tmp.name.removeprefix(_NEW))
     os.rename(tmp, final)
     return final, fd
+
+
+def _trusted(path: Path, what: str) -> None:
+    """``path`` made where it is missing (0700), or ValueError where it is not a directory
+    of ours that nobody else may write."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.mkdir(path, _DIR_MODE)
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{what} {path} is not a directory (a link or a file is not used for kept states)")
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        try:
+            import pwd  # noqa: PLC0415 - its owner's name, for the message
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except (ImportError, KeyError):
+            owner = str(st.st_uid)
+        raise ValueError(f"{what} {path} belongs to {owner} with mode {stat.S_IMODE(st.st_mode):04o}: kept states "
+                         f"are conversations' tokens, and their directory must be the router user's own and "
+                         f"writable by nobody else (chmod 0700, or another directory)")
+
+
+def _safe_subdir(parent: Path, name: str) -> Path | None:
+    """``parent/name``, a directory of ours nobody else may write (made 0700 where missing);
+    None where something else holds the name."""
+    d = parent / name
+    try:
+        os.mkdir(d, _DIR_MODE)
+    except FileExistsError:
+        pass
+    except OSError:
+        return None
+    try:
+        st = os.lstat(d)
+    except OSError:
+        return None
+    ok = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
+    return d if ok else None
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """``data`` as ``path``: written under a temporary name (never a link's target) and
+    renamed over it (a link at ``path`` is replaced, not followed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _move_file(src: Path, dst: Path) -> None:
+    """``src`` (a plain file, not followed if a link) to ``dst``: renamed where both are on
+    one file system, else copied under a temporary name and renamed; ``src`` removed."""
+    try:
+        os.rename(src, dst)  # never follows a link at dst: it replaces the entry
+        return
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
+    try:
+        with os.fdopen(fd, "rb") as r, os.fdopen(out, "wb") as w:
+            shutil.copyfileobj(r, w, 1 << 22)
+        os.rename(tmp, dst)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    os.unlink(src)
 
 
 def _ours(path: Path, kind: int) -> bool:
@@ -149,8 +248,13 @@ class Kept:
 
 
 def _crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
+    """The CRC-32 of a plain file of ours (OSError for a link, or another user's file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise OSError(f"{path} is not a plain file of ours")
+        crc = 0
         while block := f.read(1 << 22):
             crc = zlib.crc32(block, crc)
     return crc
@@ -159,65 +263,82 @@ def _crc(path: Path) -> int:
 class KeepStore:
     def __init__(self, ram_budget: int, disk_dir: str | os.PathLike | None = None, disk_budget: int = 0,
                  ram_dir: str | os.PathLike | None = None):
+        """ValueError where ``disk_dir`` (or ``ram_dir``) is not a directory of ours that
+        nobody else may write."""
         self.ram_budget = max(0, ram_budget)
         self.disk_budget = max(0, disk_budget) if disk_dir else 0
         self._lock = threading.Lock()
         self._files: dict[tuple[str, str], Kept] = {}  # (identity, name) -> where and how big
         self._models: dict[str, str] = {}  # identity -> the model's name
-        self._ram_bytes = 0  # the RAM files' bytes, published by _settle
+        self._reserved: dict[int, int] = {}  # unloads under way: RAM held for the states they write
+        self._reservations = itertools.count(1)
+        self._ram_bytes = 0  # the RAM files' and reservations' bytes, published by _settle
         self._snapshot: dict = {"models": {}, "counters": {}}  # what report() returns, published by _settle
         self.counters = {"saved": 0, "restores": 0, "restored_tokens": 0, "hits": 0, "discarded": 0, "dropped": 0}
         self._owner: int | None = None  # the fd holding our RAM directory's lock
         self._closed = False
-        if ram_dir is None:
+        self.disk_dir = Path(disk_dir) if disk_dir else None
+        if self.disk_dir is not None:
+            _trusted(self.disk_dir, "the kept-state directory (--kv-keep-dir)")
+        if ram_dir is not None:
+            _trusted(Path(ram_dir), "the kept-state RAM directory")
+        else:
             base = _ram_base()
             for d in reclaim(base):
                 _LOG.info("removed %s: the kept states of a router that no longer runs", d)
             ram_dir, self._owner = _claim(base)
         self.ram_dir = Path(ram_dir)
-        self.ram_dir.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-        self.disk_dir = Path(disk_dir) if disk_dir else None
         if self.disk_dir is not None:
-            self.disk_dir.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
             self._index_disk()
         with self._lock:
             self._settle()
 
     def _index_disk(self) -> None:
         """States a previous run left on disk, with their sidecars (by identity: safe to
-        offer again; checked when offered)."""
-        for f in sorted(self.disk_dir.glob("*/*.bin")):
-            try:
-                meta = json.loads(f.with_suffix(".meta").read_text())
-                st = f.stat()
-            except (OSError, ValueError):
-                f.unlink(missing_ok=True)
+        offer again; checked when offered).  Only our own plain files in our own
+        subdirectories: anything else is left alone, never indexed or removed."""
+        for sub in sorted(self.disk_dir.iterdir()):
+            if _safe_subdir(self.disk_dir, sub.name) != sub:
                 continue
-            self._files[(f.parent.name, f.name)] = Kept(f.parent.name, f.name, meta["tokens"], meta["size"], "disk",
+            for f in sorted(sub.glob("*.bin")):
+                if not _ours(f, stat.S_IFREG):
+                    continue
+                try:
+                    fd = os.open(f.with_suffix(".meta"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    with os.fdopen(fd) as m:
+                        if os.fstat(m.fileno()).st_uid != os.getuid():
+                            continue
+                        meta = json.loads(m.read())
+                    st = os.lstat(f)
+                except (OSError, ValueError):
+                    f.unlink(missing_ok=True)  # ours, without its sidecar: it cannot be checked
+                    continue
+                self._files[(sub.name, f.name)] = Kept(sub.name, f.name, meta["tokens"], meta["size"], "disk",
                                                        time.monotonic() - (time.time() - st.st_mtime), meta["crc"])
 
     def _path(self, k: Kept) -> Path:
         return (self.ram_dir if k.place == "ram" else self.disk_dir) / k.identity / k.name
 
     def dir_for(self, ident: str, model: str | None = None) -> Path:
-        """Where the engine of this identity (of model ``model``) saves and restores its slots
-        (after close(): a directory that is not made, so nothing is saved)."""
+        """Where the engine of this identity (of model ``model``) saves its slots (after
+        close(): a directory that is not made, so nothing is saved)."""
         d = self.ram_dir / ident
         if not self._closed:
-            d.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+            _safe_subdir(self.ram_dir, ident)
         if model is not None:
             with self._lock:
                 self._models[ident] = model
         return d
 
     def held_ram(self) -> int:
-        """Bytes in RAM, as of the last change (no lock: the scheduler reads it under its own)."""
+        """Bytes in RAM, the reservations of unloads under way included, as of the last
+        change (no lock: the scheduler reads it under its own)."""
         return self._ram_bytes
 
     def _settle(self) -> None:
         """Publish the RAM bytes and the report (store lock held, at the end of every change):
         readers take them without the store's lock, so they never wait on its file work."""
-        self._ram_bytes = sum(k.size for k in self._files.values() if k.place == "ram")
+        self._ram_bytes = sum(k.size for k in self._files.values() if k.place == "ram") + sum(self._reserved.values())
         models: dict[str, dict[str, int]] = {}
         for k in self._files.values():
             s = models.setdefault(self._models.get(k.identity, k.identity), {"ram": 0, "disk": 0, "files": 0})
@@ -226,25 +347,42 @@ class KeepStore:
         self._snapshot = {"enabled": True, "ram_budget": self.ram_budget, "disk_budget": self.disk_budget,
                           "models": models, "counters": dict(self.counters)}
 
-    def add(self, ident: str, files: list[tuple[str, int, int]]) -> None:
-        """Slot files the engine of ``ident`` saved in dir_for(ident): (name, tokens, bytes)."""
+    def reserve(self) -> tuple[int, int]:
+        """(token, bytes): the RAM left within the budget, held for an unload's states from
+        now on (counted in ``held_ram``) until ``add`` or ``release`` gives the token back."""
+        with self._lock:
+            free = max(0, self.ram_budget - self._ram_bytes) if not self._closed else 0
+            token = next(self._reservations)
+            self._reserved[token] = free
+            self._settle()
+            return token, free
+
+    def release(self, token: int) -> None:
+        """An unload's reservation given back (its states were not saved)."""
+        with self._lock:
+            self._reserved.pop(token, None)
+            self._settle()
+
+    def add(self, ident: str, files: list[tuple[str, int, int]], token: int | None = None) -> None:
+        """Slot files the engine of ``ident`` saved in dir_for(ident): (name, tokens, bytes);
+        ``token``: the reservation they were written within, given back."""
         now = time.monotonic()
         checked = []
         for name, tokens, size in files:  # read back before the lock: the files are the engine's new ones
             path = self.ram_dir / ident / name
             try:
-                os.chmod(path, _FILE_MODE)  # a conversation's tokens: the user's alone
+                os.chmod(path, _FILE_MODE, follow_symlinks=False)  # a conversation's tokens: the user's alone
                 crc = _crc(path)
-                meta = os.open(path.with_suffix(".meta"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                               _FILE_MODE)
-                with os.fdopen(meta, "w") as f:
-                    f.write(json.dumps({"tokens": tokens, "size": size, "crc": crc}))
-            except OSError as e:
+                _write_new(path.with_suffix(".meta"), json.dumps({"tokens": tokens, "size": size, "crc": crc}).encode())
+            except (OSError, NotImplementedError) as e:
                 _LOG.warning("kept state %s of %s cannot be read back: %s", name, ident, e)
                 continue
             checked.append(Kept(ident, name, tokens, size, "ram", now, crc))
         with self._lock:
+            if token is not None:
+                self._reserved.pop(token, None)
             if self._closed:
+                self._settle()
                 return
             for k in checked:
                 old = self._files.pop((ident, k.name), None)
@@ -256,38 +394,33 @@ class KeepStore:
             self._settle()
 
     def prepare(self, ident: str) -> list[str]:
-        """The files of ``ident``, all in its RAM directory, for the engine to restore."""
+        """The files of ``ident`` for the engine to restore, as paths where they lie (RAM or
+        disk: none is moved, so a load never passes the RAM budget, and one that fails leaves
+        them where they were), each checked first."""
         with self._lock:
-            names = []
-            for key, k in sorted(self._files.items(), key=lambda kv: kv[0][1]):
+            paths = []
+            for _, k in sorted(self._files.items(), key=lambda kv: kv[0][1]):
                 if k.identity != ident:
                     continue
-                if k.place == "disk":
-                    try:
-                        self._move(k, self.dir_for(ident))
-                    except OSError as e:
-                        _LOG.warning("kept state %s cannot be moved back: %s", k.name, e)
-                        self._drop(k, "discarded")
-                        continue
-                    k = self._files[key] = replace(k, place="ram")
                 path = self._path(k)
                 try:
-                    intact = path.stat().st_size == k.size and _crc(path) == k.crc
+                    intact = os.lstat(path).st_size == k.size and _crc(path) == k.crc
                 except OSError:
                     intact = False
                 if not intact:  # llama.cpp would assert on it: never offered
                     _LOG.warning("kept state %s of %s is damaged (size or checksum): discarded", k.name, ident)
                     self._drop(k, "discarded")
                     continue
-                names.append(k.name)
+                paths.append(str(path))
             self._settle()
-            return names
+            return paths
 
-    def consumed(self, ident: str, names: list[str], restored: dict[str, int], refused: dict[str, str]) -> None:
-        """After a load: ``restored`` (name -> tokens) live in the KV now, ``refused`` (name
-        -> llama.cpp's reason) were not usable; either way the files go."""
+    def consumed(self, ident: str, paths: list[str], restored: dict[str, int], refused: dict[str, str]) -> None:
+        """After a load: ``restored`` (file name -> tokens) live in the KV now, ``refused``
+        (file name -> llama.cpp's reason) were not usable; either way the files go."""
         with self._lock:
-            for name in names:
+            for path in paths:
+                name = os.path.basename(path)
                 k = self._files.get((ident, name))
                 if k is None:
                     continue
@@ -308,9 +441,12 @@ class KeepStore:
             self._settle()
 
     def forget(self, model: str) -> None:
-        """Every state of ``model`` goes (it left the router's list: no one can use them)."""
+        """Every state of ``model`` and of its instances (``model#k``) goes (it left the
+        router's list: no one can use them)."""
+        def its(name: str | None) -> bool:
+            return name is not None and (name == model or name.startswith(model + SEPARATOR))
         with self._lock:
-            for k in [k for k in self._files.values() if self._models.get(k.identity) == model]:
+            for k in [k for k in self._files.values() if its(self._models.get(k.identity))]:
                 self._drop(k, "dropped")
             self._settle()
 
@@ -361,7 +497,7 @@ class KeepStore:
             total -= k.size
             if self.disk_dir is not None and k.size <= self.disk_budget:
                 try:
-                    self._move(k, self.disk_dir / k.identity)
+                    self._move(k, self.disk_dir)
                     self._files[(k.identity, k.name)] = replace(k, place="disk")
                     continue
                 except OSError as e:
@@ -381,13 +517,17 @@ class KeepStore:
         if counter:
             self.counters[counter] += 1
 
-    def _move(self, k: Kept, directory: Path) -> None:
-        """The file and its sidecar into ``directory``."""
-        directory.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+    def _move(self, k: Kept, base: Path) -> None:
+        """The file and its sidecar into ``base``'s directory of their identity (ours, made
+        0700 where missing; OSError where something else holds its name)."""
+        directory = _safe_subdir(base, k.identity)
+        if directory is None:
+            raise OSError(f"{base / k.identity} is not a directory of ours")
         path = self._path(k)
-        shutil.move(path, directory / k.name)
-        if path.with_suffix(".meta").exists():
-            shutil.move(path.with_suffix(".meta"), directory / (Path(k.name).stem + ".meta"))
+        _move_file(path, directory / k.name)
+        meta = path.with_suffix(".meta")
+        if os.path.lexists(meta):
+            _move_file(meta, directory / (Path(k.name).stem + ".meta"))
 
     def _unlink(self, k: Kept) -> None:
         for p in (self._path(k), self._path(k).with_suffix(".meta")):
