@@ -239,3 +239,53 @@ def test_a_load_short_of_memory_gets_a_second_chance(tmp_path):
         with pytest.raises(LoadFailed, match=r"GPU0: needs .* MiB, .* MiB free, .* MiB held by other programs"):
             r.complete("a", "hi", max_tokens=2)
         assert [w for _, w, n, _ in r.scheduler.events if n == "a"][-2:] == ["load-retry", "load-failed"]
+
+
+class CountingInventory(EmulatedInventory):
+    """Emulated devices that count the readings of their free memory."""
+
+    def __init__(self, sizes: dict[str, int]):
+        super().__init__(sizes)
+        self.readings = 0
+
+    def free(self) -> dict[str, int]:
+        self.readings += 1
+        return super().free()
+
+
+def test_a_models_later_waiters_leave_its_admission_to_the_first(tiny):
+    """Requests for a model that waits for its load wait behind the first of them: however
+    many wait, a wake-up reads free memory and decides admission once for the model, not once
+    per request (at overload every release woke hundreds of waiters that each read
+    /proc/meminfo and weighed every device: the router took more CPU than the engine)."""
+    inventory = CountingInventory({"GPU0": 1 << 40})
+    path = tiny["tiny-llama"]
+    router = Router([ModelConfig("a", ModelSpec(path)), ModelConfig("b", ModelSpec(path))],
+                    inventory=inventory, max_models=1)
+    try:
+        held = router.scheduler.lease("a", 60)  # a busy: b cannot load while it is held
+        leases, waiters = [], []
+        for _ in range(20):
+            t = threading.Thread(target=lambda: leases.append(router.scheduler.lease("b", 60)), daemon=True)
+            t.start()
+            waiters.append(t)
+        book = router.scheduler.book
+        wait_for(lambda: len(book.tickets()) == 20, 30)
+        time.sleep(0.5)
+        before = inventory.readings
+        wakes = 40
+        for _ in range(wakes):
+            book.notify()
+            time.sleep(0.01)
+        readings = inventory.readings - before
+        whys = [t.why for t in book.tickets()]
+        assert readings <= 2 * wakes, f"{readings} readings of free memory for {wakes} wake-ups of 20 waiters"
+        assert whys.count("queued behind earlier requests for the same devices") == 19, whys
+        router.scheduler.release(held)
+        for t in waiters:
+            t.join(60)
+        assert len(leases) == 20  # every waiter was served once a was free
+        for lease in leases:
+            router.scheduler.release(lease)
+    finally:
+        router.close()

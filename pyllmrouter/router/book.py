@@ -67,6 +67,8 @@ class Book:
         self._cond = threading.Condition(threading.RLock())
         self._registry = Registry(self.devices)
         self._queue: list[Ticket] = []
+        self._queue_version = 0  # changes whenever a ticket joins, leaves or follows a new record
+        self._firsts: tuple[int, dict[int, Ticket]] = (-1, {})  # (version, id(record) -> its first ticket)
         self._seq = itertools.count(1)
         self._closed = False
         self._spilling = False  # kept states are leaving RAM for host memory a load wants
@@ -220,7 +222,21 @@ class Book:
         with self._cond:
             ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic(), loader=loader)
             self._queue.append(ticket)
+            self._queue_version += 1
             return ticket
+
+    def first_waiting(self, rec: Record) -> Ticket | None:
+        """The earliest waiting request for ``rec``: the one that drives its load (within one
+        model arrival order is rank order: one priority, aged alike).  Read once per change of
+        the queue, however many of its waiters ask."""
+        with self._cond:
+            version, firsts = self._firsts
+            if version != self._queue_version:
+                firsts = {}
+                for t in self._queue:
+                    firsts.setdefault(id(t.rec), t)
+                self._firsts = (self._queue_version, firsts)
+            return firsts.get(id(rec))
 
     def ticket(self, rec: Record) -> Ticket:
         """A request's place, for one that takes a lease at once (not queued)."""
@@ -231,6 +247,7 @@ class Book:
         of a model whose load is to be tried again (its second chance) takes that with it."""
         with self._cond:
             self._queue.remove(ticket)
+            self._queue_version += 1
             for r in self._registry.records():
                 if r.drain is not None and r.drain[1] == ticket.seq:
                     r.drain = None  # its waiter is gone; a later waiter sets its own
@@ -247,6 +264,7 @@ class Book:
                     raise ModelRemoved(ticket.rec.name)
                 ticket.rec = ticket.rec.successor
                 ticket.epoch = ticket.rec.error_epoch
+                self._queue_version += 1
             if ticket.rec.fate is Fate.REMOVE:
                 raise ModelRemoved(ticket.rec.name)
             return ticket.rec

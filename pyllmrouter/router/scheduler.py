@@ -203,11 +203,15 @@ class Scheduler:
                     ready = self._ready_instance(rec, ticket, prefer) if rec.fate is None else None
                     if ready is not None:
                         return self._take(ready, ticket)
-                    stale = rec.fate is None and rec.state is State.UNLOADED and free is None
+                    to_load = rec.fate is None and rec.state is State.UNLOADED
+                    # a later request of a model waiting for its load waits behind the first
+                    # (admission would say so): no reading of free memory, no view of the devices
+                    behind = to_load and book.first_waiting(rec) is not ticket
+                    stale = to_load and not behind and free is None
                     if not stale:
                         why = "waiting" if rec.fate is None else "waiting for its new configuration"
-                        if rec.fate is None and rec.state is State.UNLOADED:
-                            why = self._admit(rec, ticket, free)
+                        if to_load:
+                            why = admission.BEHIND if behind else self._admit(rec, ticket, free)
                         book.note(ticket, why)
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:

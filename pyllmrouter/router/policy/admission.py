@@ -107,9 +107,12 @@ class Never:
 Decision = Admit | Evict | Wait | Never
 
 
+BEHIND = "queued behind earlier requests for the same devices"
+
+
 def decide(view: View, request: Request) -> Decision:
     if request.blocked:
-        return Wait("queued behind earlier requests for the same devices")
+        return Wait(BEHIND)
     if request.options is None:
         return Wait("measuring its memory", probe=not request.probing)
     ready, why, never, job = _ready(view, request)
