@@ -12,6 +12,7 @@
 #include "params.h"
 #include "hub.h"
 #include "probe.h"
+#include "request_keys.inc"  // generated from the pinned source (cmake/request_keys.py)
 
 namespace py = pybind11;
 using namespace pyllmrouter;
@@ -269,6 +270,9 @@ void bind_engine(py::module_ & m) {
         .def("handle", &call_handler<Services>, HANDLE_ARGS, "The reply of llama-server's handler for (method, path).")
         .def("close", &Services::close, py::call_guard<py::gil_scoped_release>(),
              "End the requests in flight and the MCP servers.");
+    m.def("request_keys", [] { return std::vector<std::string>(std::begin(REQUEST_KEYS), std::end(REQUEST_KEYS)); },
+          "The request keys llama-server's handlers read (its server sources and completion schema, "
+          "at the pinned version).");
     m.def("router_settings", &router_settings, py::arg("args"),
           "JSON: what llama-server's HTTP layer makes of these arguments (CORS, API keys, tools, MCP, proxy).");
     m.def("probe_server", [](const std::vector<std::string> & args, bool vocab_free) {

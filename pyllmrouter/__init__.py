@@ -6,8 +6,8 @@ free of any GPU context; workers, probes and the CLI import ``llama_cpp``
 """
 
 from pyllmrouter.config import ModelConfig, RouterOptions
-from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueTimeout, RequestFailed, RouterError,
-                                UnknownModel, WorkerDied)
+from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueFull, QueueTimeout, RequestFailed,
+                                RequestTimeout, RouterClosed, RouterError, UnknownModel, WorkerDied)
 from pyllmrouter.memory import BufferUse, DeviceUse, MemoryEstimate, ModelFacts, ProbeError
 from pyllmrouter.engine.probe import probe
 from pyllmrouter.router.api import Router
@@ -24,9 +24,12 @@ __all__ = [
     "NeverFits",
     "NotLoaded",
     "ProbeError",
+    "QueueFull",
     "QueueTimeout",
     "RequestFailed",
+    "RequestTimeout",
     "Router",
+    "RouterClosed",
     "RouterError",
     "RouterOptions",
     "SpecError",

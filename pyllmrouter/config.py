@@ -38,8 +38,11 @@ class ModelConfig:
     replicas: int = 1  # most instances of it at once, each on a device set of its own, loaded by demand
 
     def __post_init__(self) -> None:
-        if not self.name or self.name.strip() != self.name:
+        if not isinstance(self.name, str) or not self.name or self.name.strip() != self.name:
             raise ValueError(f"bad model name {self.name!r}: empty or padded with spaces")
+        if not isinstance(self.spec, ModelSpec):
+            raise ValueError(f"model {self.name!r}: its spec is a {type(self.spec).__name__} ({self.spec!r}), not a "
+                             f"ModelSpec: ModelConfig({self.name!r}, ModelSpec(path, (llama-server arguments...)))")
         if self.ttl is not None and self.ttl <= 0:
             raise ValueError(f"model {self.name!r}: ttl must be > 0 seconds")
         if self.replicas < 1:

@@ -16,6 +16,7 @@ added to llama.cpp later too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -24,7 +25,7 @@ from typing import Any
 
 from pyllmrouter.spec import ROUTER_DEFAULTS
 
-__all__ = ["ArgsError", "resolve", "cached_models", "model_base_args"]
+__all__ = ["ArgsError", "resolve", "cached_models", "model_base_args", "check_specs"]
 
 # a checking process must not open a GPU context
 _NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1", "HIP_VISIBLE_DEVICES": "-1", "ROCR_VISIBLE_DEVICES": "-1",
@@ -71,6 +72,34 @@ def model_base_args(args: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     if not args:
         return ()
     return tuple(_run({"model_base_args": list(args)})["base_args"])
+
+
+def check_specs(specs: list[tuple[str, str, tuple[str, ...]]]) -> None:
+    """Each (model name, file, llama-server arguments) as llama-server would take it: ValueError
+    naming the model and the problem (a file that is not there; an argument llama.cpp's
+    parser refuses).  The parse runs in a short-lived process, once per file and arguments
+    (what passed is remembered in the cache directory)."""
+    from pyllmrouter.memory import cache_dir  # noqa: PLC0415
+
+    todo = []
+    for name, path, args in specs:
+        if not os.path.isfile(path):
+            raise ValueError(f"model {name!r}: its file {path} does not exist" if not os.path.exists(path)
+                             else f"model {name!r}: {path} is not a file")
+        st = os.stat(path)
+        key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, list(args)])
+        mark = cache_dir() / "checked" / (hashlib.sha256(key.encode()).hexdigest()[:24])
+        if not mark.exists():
+            todo.append((name, path, list(args), mark))
+    if not todo:
+        return
+    try:
+        _run({"specs": [[name, path, args] for name, path, args, _ in todo]})
+    except ArgsError as e:
+        raise ValueError(f"model {e.model!r}: llama.cpp's parser refused its arguments: {e.reason}") from None
+    for *_, mark in todo:
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        mark.touch()
 
 
 def cached_models() -> tuple[str, list[dict[str, str]]]:
@@ -126,6 +155,11 @@ def _main() -> None:
                 raise ArgsError("router", None, 0, str(e)) from None
         if request.get("cache"):
             out["cache"], out["cache_dir"] = native().cached_models(), native().cache_dir()
+        for name, path, args in request.get("specs", []):
+            try:
+                native().server_params(["-m", path, *ROUTER_DEFAULTS, *args])
+            except ValueError as e:
+                raise ArgsError(name, None, 0, str(e)) from None
     except ArgsError as e:
         out = {"error": {"model": e.model, "key": e.key, "line": e.line, "reason": e.reason}}
     sys.stdout.write("\n" + json.dumps(out) + "\n")

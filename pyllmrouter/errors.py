@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
-    "RouterClosed", "NotLoaded", "Withdrawn", "ModelRemoved", "Busy", "QueueFull",
+    "RouterClosed", "NotLoaded", "Withdrawn", "ModelRemoved", "Busy", "QueueFull", "RequestTimeout",
 ]
 
 
@@ -95,6 +95,15 @@ class RequestFailed(RouterError):
     def __init__(self, name: str, kind: str, message: str, status: int = 500):
         super().__init__(f"model {name!r}: {kind}: {message}")
         self.name, self.kind, self.message, self.status = name, kind, message, status
+
+
+class RequestTimeout(RouterError, TimeoutError):
+    """A request that was not done within its ``timeout`` (the Python API's): it was
+    stopped (its generation ended) and nothing more of it comes."""
+
+    def __init__(self, name: str, timeout: float):
+        super().__init__(f"model {name!r}: the request was not done within {timeout:g} s (timeout=); it was stopped")
+        self.name, self.timeout = name, timeout
 
 
 class RouterClosed(RouterError):

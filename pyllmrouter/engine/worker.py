@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -202,6 +203,9 @@ def main() -> None:
     its environment, and the pipe's descriptor is its last argument)."""
     from multiprocessing.connection import Connection  # noqa: PLC0415
 
+    # a Ctrl-C in the terminal reaches the whole process group: the router is what answers
+    # it (it stops its workers), and a worker prints no second traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     worker_main(Connection(int(sys.argv[-1])), int(sys.argv[-2]))
 
 

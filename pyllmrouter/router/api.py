@@ -20,26 +20,29 @@ request fails that request at once and the next request starts a new worker.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
-from pyllmrouter.errors import RequestFailed, RouterError, UnknownModel, Withdrawn
+from pyllmrouter.engine_args import check_specs
+from pyllmrouter.router.registry import API
+from pyllmrouter.errors import QueueTimeout, RequestTimeout, RouterError, UnknownModel, Withdrawn
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.router.services.conversations import Conversations
 from pyllmrouter.router.services.downloads import Downloads
 from pyllmrouter.router.services.sources import Sources
 from pyllmrouter.protocol import Call, Chunk, HttpReply
+from pyllmrouter.replies import Status
 from pyllmrouter.router.scheduler import Lease, Scheduler
+from pyllmrouter.router.methods import Methods, body_of, ok_or_raise, remaining
 from pyllmrouter.router.services.streams import Stream, unless_gone, value_of
 
 __all__ = ["Router"]
 
 
-class Router:
+class Router(Methods):
     def __init__(self, models: Iterable[ModelConfig], *, inventory: Inventory | None = None,
                  options: RouterOptions | None = None, sources: Sources | None = None, watch: float = 0.0,
                  **option_overrides: Any):
@@ -48,9 +51,22 @@ class Router:
         of a change (0: only on ``reload()``)."""
         options = options or RouterOptions()
         if option_overrides:
+            unknown = set(option_overrides) - set(options.__dict__)
+            if unknown:
+                raise TypeError(f"Router() got unexpected options {sorted(unknown)} (RouterOptions has "
+                                f"{', '.join(sorted(options.__dict__))})")
             options = RouterOptions(**{**options.__dict__, **option_overrides})
         self.options = options
-        self._sched = Scheduler(list(models), inventory or SystemInventory(), options)
+        models = list(models)
+        for i, m in enumerate(models):
+            if not isinstance(m, ModelConfig):
+                raise ValueError(f"Router(models=...): item {i} is a {type(m).__name__} ({m!r}), not a ModelConfig: "
+                                 f"Router([ModelConfig(name, ModelSpec(path, (llama-server arguments...)))])")
+        # the app's own models, checked as llama-server would take them: a missing file or an
+        # argument llama.cpp refuses fails here, not at the first request (a model the
+        # sources list, as llama-server's router lists it, fails at its load)
+        check_specs([(m.name, m.spec.path, m.spec.args) for m in models if m.source == API])
+        self._sched = Scheduler(models, inventory or SystemInventory(), options)
         self._sources = sources or Sources()
         self._reloading = threading.Lock()  # one reading of the sources at a time
         self._downloads = Downloads(self._sched.bus, self._downloaded)
@@ -117,7 +133,8 @@ class Router:
     # -- control ---------------------------------------------------------------
 
     def load(self, name: str, timeout: float | None = None) -> None:
-        """Load ``name`` (evicting idle models if needed) and return once LOADED."""
+        """Load ``name`` (evicting idle models if needed) and return once LOADED, within
+        ``timeout`` seconds (default: queue_timeout; then QueueTimeout)."""
         self._sched.release(self._sched.lease(name, timeout, autoload=True))
 
     def unload(self, name: str, wait: float | None = None) -> bool:
@@ -127,12 +144,17 @@ class Router:
             wait = self._sched.resolve(name).config.stop_timeout
         return self._sched.unload(name, wait)
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> Status:
+        """Every model (state, requests in flight, bytes held and probed per device set,
+        kept prompt states...), every device (total, free, what models may hold, what ours
+        hold, what other programs hold, the margin), every worker, the queue, the counters
+        and the downloads, as plain values (``pyllmrouter.replies.Status``)."""
         out = self._sched.status()
         out["downloads"] = self._downloads.status()
         return out
 
     def models(self) -> list[ModelConfig]:
+        """Every listed model's config, as it will be (a changed model's new one)."""
         return list(self._sched.configs().values())
 
     # -- the live model list ---------------------------------------------------------
@@ -216,53 +238,46 @@ class Router:
 
     # -- requests ---------------------------------------------------------------
 
-    def chat(self, model: str, messages: list[dict[str, Any]], *, stream: bool = False,
-             timeout: float | None = None, autoload: bool | None = None, **params: Any):
-        """OpenAI chat completion as llama-server answers it (a dict), or an iterator of
-        chunks with ``stream=True``."""
-        return self._openai(model, "/v1/chat/completions", dict(params, messages=messages), stream, timeout,
-                            autoload)
-
-    def complete(self, model: str, prompt: str | list[int], *, stream: bool = False, timeout: float | None = None,
-                 autoload: bool | None = None, **params: Any):
-        """OpenAI completion of a prompt (text or token ids); chunks with ``stream=True``."""
-        return self._openai(model, "/v1/completions", dict(params, prompt=prompt), stream, timeout, autoload)
-
-    def embed(self, model: str, input: str | list[str], *, timeout: float | None = None,
-              autoload: bool | None = None, **params: Any) -> dict[str, Any]:
-        return self._openai(model, "/v1/embeddings", dict(params, input=input), False, timeout, autoload)
-
-    async def achat(self, model: str, messages: list[dict[str, Any]], *, stream: bool = False,
-                    timeout: float | None = None, autoload: bool | None = None, **params: Any):
-        """``chat`` awaited in the running event loop (async iterator of chunks with ``stream=True``)."""
-        return await self._aopenai(model, "/v1/chat/completions", dict(params, messages=messages), stream,
-                                   timeout, autoload)
-
-    async def acomplete(self, model: str, prompt: str | list[int], *, stream: bool = False,
-                        timeout: float | None = None, autoload: bool | None = None, **params: Any):
-        return await self._aopenai(model, "/v1/completions", dict(params, prompt=prompt), stream, timeout, autoload)
-
-    async def aembed(self, model: str, input: str | list[str], *, timeout: float | None = None,
-                     autoload: bool | None = None, **params: Any) -> dict[str, Any]:
-        return await self._aopenai(model, "/v1/embeddings", dict(params, input=input), False, timeout, autoload)
-
-    def call(self, model: str, method: str, path: str, body: bytes = b"", query: dict[str, str] | None = None,
-             timeout: float | None = None, autoload: bool | None = None,
-             headers: dict[str, str] | None = None) -> "tuple[HttpReply, Stream | None]":
+    def call(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
+             query: dict[str, str] | None = None, timeout: float | None = None, autoload: bool | None = None,
+             headers: dict[str, str] | None = None, *, wait: float | None = None,
+             raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
         """Any llama-server request for one model (``method`` GET, POST or DELETE, ``path``
-        as llama-server serves it, ``headers`` as its client sent them): llama.cpp's reply,
-        and for a stream the Stream of its body's chunks (bytes).  The model is loaded first
-        if it must be."""
-        lease = self._sched.lease(model, timeout, autoload)
+        as llama-server serves it, ``body`` bytes or a dict sent as JSON, ``headers`` as its
+        client sent them): llama.cpp's reply, and for a stream the Stream of its body's
+        chunks (bytes).  The model is loaded first if it must be.  An error status raises
+        RequestFailed (``raise_for_status=False``: the reply is returned as it is).
+        ``timeout``: seconds the whole request may take, the stream read to its end
+        included (then RequestTimeout, the request stopped); ``wait``: seconds it may wait
+        for its model (default: the router's queue_timeout; then QueueTimeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        lease = self._lease_within(model, deadline, timeout, wait, autoload)
         if self.options.debug_fake_timing > 0:
             time.sleep(self.options.debug_fake_timing)  # busy on the model meanwhile (the lease is held)
-        pending = self._send(lease, method, path, body, query, headers)
+        pending = self._send(lease, method, path, body_of(body), query, headers)
         try:
-            first = pending.get()
+            first = pending.get(remaining(deadline))
+        except TimeoutError:
+            self._abandon(lease, pending)
+            raise RequestTimeout(model, timeout) from None
         except BaseException:
             self._abandon(lease, pending)
             raise
-        return self._opened(lease, pending, first)
+        reply, stream = self._opened(lease, pending, first, deadline, timeout)
+        return (ok_or_raise(model, reply) if raise_for_status else reply), stream
+
+    def _lease_within(self, model: str, deadline: float | None, timeout: float | None, wait: float | None,
+                      autoload: bool | None) -> Lease:
+        """A lease, waited for ``wait`` seconds at most, and no later than the request's own
+        ``deadline`` (RequestTimeout where that ends the wait)."""
+        wait = self.options.queue_timeout if wait is None else wait
+        left = remaining(deadline)
+        try:
+            return self._sched.lease(model, wait if left is None else min(wait, left), autoload)
+        except QueueTimeout:
+            if left is not None and left < wait:
+                raise RequestTimeout(model, timeout) from None
+            raise
 
     async def _alease(self, model: str, timeout: float | None, autoload: bool | None,
                       gone: Callable[[], Awaitable[Any]] | None,
@@ -288,13 +303,14 @@ class Router:
             raise
         return lease, watch
 
-    async def acall(self, model: str, method: str, path: str, body: bytes = b"",
+    async def acall(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
                     autoload: bool | None = None, gone: Callable[[], Awaitable[Any]] | None = None,
                     headers: dict[str, str] | None = None,
                     files: dict[str, tuple[str, str, bytes]] | None = None,
                     leased: Callable[[str], None] | None = None,
-                    prefer: str | None = None) -> "tuple[HttpReply, Stream | None]":
+                    prefer: str | None = None, *, wait: float | None = None,
+                    raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
         """``call`` from a coroutine.  A model that can take the request now is leased in
         the event loop (no thread hop before the worker has it); otherwise the lease is
         waited for in a thread.  A caller that leaves (the coroutine is cancelled, or
@@ -302,20 +318,34 @@ class Router:
         model (Withdrawn: no lease, no load, no eviction) and cancels a request in flight.
         ``files``: a multipart request's files (its fields are ``body``, as JSON); ``leased``
         gets the name of the instance that takes the request (the model's, or an extra one's);
-        ``prefer``: the instance to take where it has a free slot (a conversation's last)."""
-        lease, watch = await self._alease(model, timeout, autoload, gone, prefer)
+        ``prefer``: the instance to take where it has a free slot (a conversation's last).
+        ``timeout`` (the first reply; a stream's reader bounds the rest), ``wait`` and
+        ``raise_for_status`` as in ``call``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        wait = self.options.queue_timeout if wait is None else wait
+        left = remaining(deadline)
+        try:
+            lease, watch = await self._alease(model, wait if left is None else min(wait, left), autoload, gone, prefer)
+        except QueueTimeout:
+            if left is not None and left < wait:
+                raise RequestTimeout(model, timeout) from None
+            raise
         try:
             if leased is not None:
                 leased(lease.name)
-            pending = self._send(lease, method, path, body, query, headers, files)
+            pending = self._send(lease, method, path, body_of(body), query, headers, files)
             try:
                 while (first := pending.get_nowait()) is None:
                     watch = watch or _departure(gone)
-                    await unless_gone(pending.wait_async(), watch, model)
+                    try:
+                        await asyncio.wait_for(unless_gone(pending.wait_async(), watch, model), remaining(deadline))
+                    except asyncio.TimeoutError:
+                        raise RequestTimeout(model, timeout) from None
             except BaseException:
                 self._abandon(lease, pending)
                 raise
-            return self._opened(lease, pending, first)
+            reply, stream = self._opened(lease, pending, first)
+            return (ok_or_raise(model, reply) if raise_for_status else reply), stream
         finally:
             if watch is not None:
                 watch.cancel()
@@ -444,10 +474,13 @@ class Router:
             self._sched.release(lease)
             raise
 
-    def _opened(self, lease: Lease, pending, first: Any) -> "tuple[HttpReply, Stream | None]":
-        """The first reply of a Call: a whole reply, or a stream's head."""
+    def _opened(self, lease: Lease, pending, first: Any, deadline: float | None = None,
+                timeout: float | None = None) -> "tuple[HttpReply, Stream | None]":
+        """The first reply of a Call: a whole reply, or a stream's head (its chunks read no
+        later than ``deadline``)."""
         if isinstance(first, Chunk) and isinstance(first.value, HttpReply):
-            return first.value, Stream(lease.name, pending, lambda: self._sched.release(lease), first.value.body)
+            return first.value, Stream(lease.name, pending, lambda: self._sched.release(lease), first.value.body,
+                                       deadline, timeout)
         self._sched.release(lease)
         return value_of(lease.name, first), None
 
@@ -466,69 +499,6 @@ class Router:
                 pass
         finally:
             self._sched.release(lease)
-
-    def _openai(self, model: str, path: str, params: dict[str, Any], stream: bool, timeout: float | None,
-                autoload: bool | None):
-        reply, chunks = self.call(model, "POST", path, _body(model, params, stream), None, timeout, autoload)
-        return _events(model, chunks) if chunks is not None else _json(model, reply)
-
-    async def _aopenai(self, model: str, path: str, params: dict[str, Any], stream: bool,
-                       timeout: float | None, autoload: bool | None):
-        reply, chunks = await self.acall(model, "POST", path, _body(model, params, stream), None, timeout,
-                                         autoload)
-        return _aevents(model, chunks) if chunks is not None else _json(model, reply)
-
-
-def _body(model: str, params: dict[str, Any], stream: bool) -> bytes:
-    return json.dumps({**params, "model": model, **({"stream": True} if stream else {})}).encode()
-
-
-def _json(model: str, reply: HttpReply) -> dict[str, Any]:
-    """llama-server's JSON reply, or RequestFailed carrying its status and message."""
-    try:
-        data = json.loads(reply.body)
-    except ValueError:
-        data = None
-    if reply.status >= 400:
-        err = data.get("error") if isinstance(data, dict) else None
-        message = err.get("message") if isinstance(err, dict) else reply.body.decode(errors="replace")
-        raise RequestFailed(model, f"HTTP {reply.status}", message, status=reply.status)
-    return data
-
-
-def _sse(model: str, buffer: bytearray) -> Iterator[dict[str, Any]]:
-    """The complete ``data:`` events in ``buffer`` (consumed), as dicts; an ``error:`` event
-    raises RequestFailed."""
-    while (end := buffer.find(b"\n\n")) >= 0:
-        event, buffer[:] = bytes(buffer[:end]), buffer[end + 2:]
-        for line in event.split(b"\n"):
-            if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
-                yield json.loads(line[6:])
-            elif line.startswith(b"error: "):
-                err = json.loads(line[7:]).get("error", {})
-                raise RequestFailed(model, "HTTP 500", err.get("message", "stream failed"))
-
-
-def _events(model: str, stream: Stream) -> Iterator[dict[str, Any]]:
-    buffer = bytearray()
-    try:
-        for chunk in stream:
-            buffer += chunk
-            yield from _sse(model, buffer)
-    finally:
-        stream.abandon()
-
-
-async def _aevents(model: str, stream: Stream) -> AsyncIterator[dict[str, Any]]:
-    buffer = bytearray()
-    try:
-        while chunks := await stream.anext_batch():
-            for chunk in chunks:
-                buffer += chunk
-                for event in _sse(model, buffer):
-                    yield event
-    finally:
-        stream.abandon()
 
 
 def _departure(gone: Callable[[], Awaitable[Any]] | None) -> "asyncio.Future | None":

@@ -135,7 +135,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             reply, stream = await router.acall(model, request.method, endpoint, raw, query,
                                                autoload=autoload_param(request) if autoload is None else autoload,
                                                gone=gone or (lambda: _disconnected(request)), headers=headers,
-                                               files=files, leased=leased, prefer=prefer)
+                                               files=files, leased=leased, prefer=prefer, raise_for_status=False)
         except RouterError as e:
             err = from_router_error(e)
             metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)

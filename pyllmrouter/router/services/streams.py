@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from typing import Any, Awaitable, Callable
 
-from pyllmrouter.errors import RequestFailed, RouterError, WorkerDied, Withdrawn
+from pyllmrouter.errors import RequestFailed, RequestTimeout, RouterError, WorkerDied, Withdrawn
 from pyllmrouter.protocol import Chunk, ErrorKind, Failed
 
 __all__ = ["Stream", "unless_gone", "value_of", "error_of"]
@@ -25,8 +26,12 @@ class Stream:
     reply arrives, whether the stream was read to its end, closed or cancelled.
     """
 
-    def __init__(self, name: str, pending, on_end: Callable[[], None], first: bytes = b""):
+    def __init__(self, name: str, pending, on_end: Callable[[], None], first: bytes = b"",
+                 deadline: float | None = None, timeout: float | None = None):
+        """``deadline`` (time.monotonic): a reader still waiting then ends the stream (its
+        generation stopped) with RequestTimeout, naming ``timeout``, the request's own."""
         self._name = name  # what the errors name (the model)
+        self._deadline, self._timeout = deadline, timeout
         self._first = [first] if first else []  # the chunk that came with the head
         self._pending = pending
         self._on_end = on_end
@@ -52,10 +57,18 @@ class Stream:
                 return self._first.pop()
             if self._done:
                 raise StopIteration
-            msg = self._pending.get()
+            try:
+                msg = self._pending.get(None if self._deadline is None else max(0.0, self._deadline - time.monotonic()))
+            except TimeoutError:
+                msg = None
             if isinstance(msg, Chunk):
                 return msg.value
-            self._finish(msg)
+            if msg is not None:
+                self._finish(msg)
+        if msg is None:  # past the request's deadline: it stops, and its end is read in the background
+            self._deadline = None
+            self.abandon()
+            raise RequestTimeout(self._name, self._timeout)
         if isinstance(msg, Failed):
             raise error_of(self._name, msg)
         raise StopIteration
