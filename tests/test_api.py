@@ -24,10 +24,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def script(code: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``code`` run as a user's script runs: a fresh interpreter, the package as installed."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=timeout)
+def script(*parts: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """The ``parts`` of a user's script (each indented as it likes) run as one: a fresh
+    interpreter, the package as installed."""
+    code = "".join(textwrap.dedent(p) for p in parts)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
 
 
 def last_json(out: subprocess.CompletedProcess) -> dict:
@@ -47,7 +48,7 @@ PRELUDE = """
 
 def test_a_misspelled_option_is_a_type_error_naming_the_nearest_and_extra_body_sends_anything(tiny):
     """``chat(..., max_token=4)``: before, ignored (a 2020-token answer in 27 s)."""
-    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])) + """
+    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])), """
         with router(ModelConfig("m", ModelSpec(M, ("-c", "512")))) as r:
             t0 = time.monotonic()
             try:
@@ -69,7 +70,7 @@ def test_timeout_bounds_the_whole_request_and_stops_it(tiny):
     """``timeout=0.3`` on a long reply: RequestTimeout (a TimeoutError) soon after, the
     generation stopped (the model's lease back), for a whole reply and a stream (before:
     the timeout bounded the wait for the model only, and the reply took seconds)."""
-    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])) + """
+    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])), """
         long = dict(max_tokens=20000, ignore_eos=True)
         with router(ModelConfig("m", ModelSpec(M, ("-c", "32768", "-np", "1")))) as r:
             r.load("m")
@@ -96,7 +97,7 @@ def test_timeout_bounds_the_whole_request_and_stops_it(tiny):
 
 
 def test_configuration_mistakes_raise_value_error_when_the_router_is_made(tiny, tmp_path):
-    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])) + f"""
+    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])), f"""
         errors = {{}}
         def attempt(name, make):
             try:
@@ -119,7 +120,7 @@ def test_configuration_mistakes_raise_value_error_when_the_router_is_made(tiny, 
 def test_call_raises_on_an_error_status_and_takes_a_dict(tiny):
     """``call()`` with a dict body; an error status raises RequestFailed (before: a 500
     HttpReply came back, and a dict body was a TypeError from the extension)."""
-    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])) + """
+    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])), """
         with router(ModelConfig("m", ModelSpec(M, ("-c", "512")))) as r:
             reply, _ = r.call("m", "POST", "/tokenize", {"content": "hi"})
             try:
@@ -134,7 +135,7 @@ def test_call_raises_on_an_error_status_and_takes_a_dict(tiny):
 
 
 def test_tokens_both_ways_and_embeddings_as_the_readme_shows_them(tiny):
-    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])) + f"""
+    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])), f"""
         import asyncio
         with router(ModelConfig("m", ModelSpec(M, ("-c", "512"))),
                     ModelConfig("e", ModelSpec({str(tiny["tiny-bert"])!r}, ("--embedding", "--pooling", "mean"))),
@@ -169,7 +170,7 @@ def test_the_package_is_typed_and_exports_its_errors():
 def test_a_ctrl_c_prints_no_worker_traceback(tiny, tmp_path):
     """SIGINT to the script's process group (a terminal's Ctrl-C): the script's own
     KeyboardInterrupt only (before, each worker printed a second traceback)."""
-    code = textwrap.dedent(PRELUDE.format(model=str(tiny["tiny-llama"])) + """
+    code = textwrap.dedent(PRELUDE.format(model=str(tiny["tiny-llama"]))) + textwrap.dedent("""
         import sys
         with router(ModelConfig("m", ModelSpec(M, ("-c", "512")))) as r:
             r.load("m")

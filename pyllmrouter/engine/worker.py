@@ -49,6 +49,12 @@ def _rss() -> int:
     return 0
 
 
+# The models of a worker share its cores.  llama.cpp's threads poll for work after each step
+# (--poll, right for llama-server's one model per process); here the threads of a model that
+# has stepped would spin against the next model's.  They wait without polling unless the
+# model's own arguments set --poll.
+SHARED_CORES = ("--poll", "0")
+
 class _Worker:
     def __init__(self, conn, conduit):
         self.conn = conn
@@ -71,7 +77,9 @@ class _Worker:
 
         try:
             t0 = time.perf_counter()
-            engine = load(msg.spec, name=msg.alias or msg.name, progress=lambda p: self.send(Progress(msg.req_id, p)))
+            shared = () if "--poll" in msg.spec.args else SHARED_CORES
+            engine = load(msg.spec, *shared, name=msg.alias or msg.name,
+                          progress=lambda p: self.send(Progress(msg.req_id, p)))
             pools = {d.device: d.total for d in aggregate(live_breakdown(engine))}
             restored, refused = restore_all(engine, list(msg.restore)) if msg.restore else ({}, {})
             with self.models_lock:
