@@ -31,9 +31,13 @@ probed; a GPU's size with ``--gpu``).  Systems, each started afresh for each rat
   - llama-server router, max K+1  one more: it overcommits (the seconds its loaded models'
                                   bytes pass the budget are reported: a GPU would OOM there).
 
+(Replicas are off by default, so "ours" is ours without them; bench/replica_bench.py
+measures what a second instance buys one hot model.)
+
 Per system and rate: SLO attainment at several TTFT thresholds, p50/p90/p99 TTFT and
 end-to-end latency, loads, evictions, failed requests, the peak bytes held against the
-budget and the seconds over it; then, per system, its goodput: the highest rate at which
+budget and the seconds over it, and the CPU seconds of the router's own process (its
+workers or children apart: on 2 cores the router competes with the engines); then, per system, its goodput: the highest rate at which
 90 % of requests get their first token within ``--slo`` seconds (interpolated between
 rates), and the ratio ours / llama-server router (max K).  Writes JSON (default
 bench/results/trace_bench.json) and a PNG (attainment against rate per system; TTFT and
