@@ -99,7 +99,7 @@ def test_seed_incident_with_a_projector_the_second_model_fits_only_without_it(ti
         busy = r.complete("text", "hello", max_tokens=8, stream=True, temperature=0.0)
         next(busy)
         with pytest.raises(QueueTimeout, match="'vision'.*busy"):
-            r.chat("vision", image_chat(), max_tokens=2, timeout=1.0)
+            r.chat("vision", image_chat(), max_tokens=2, wait=1.0)
         assert r.status()["models"]["text"]["state"] == "loaded"
         r.scheduler.check_invariant()
         list(busy)

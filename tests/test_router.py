@@ -128,7 +128,7 @@ def test_second_model_pinned_to_a_full_gpu_waits_then_evicts_and_never_oversubsc
     with make(specs, ["a", "b", "c"], {"GPU0": gpu0, "GPU1": 1 << 30}, pins=pins) as r:
         busy = held_stream(r, "a")
         with pytest.raises(QueueTimeout, match="'b'.*busy"):
-            r.chat("b", HI, max_tokens=2, timeout=1.0)
+            r.chat("b", HI, max_tokens=2, wait=1.0)
         assert r.status()["models"]["a"]["state"] == "loaded"  # busy: not evicted
         r.scheduler.check_invariant()
         list(busy)  # the request in flight finishes
@@ -177,7 +177,7 @@ def test_waiter_that_times_out_leaves_without_side_effects(specs, need):
     with make(specs, ["a", "b"], {"GPU0": max(need.values()) + 1}, pins=pins) as r:
         busy = held_stream(r, "a")
         with pytest.raises(QueueTimeout):
-            r.complete("b", "x", timeout=0.5)
+            r.complete("b", "x", wait=0.5)
         st = r.status()
         assert st["queue"] == 0 and st["models"]["b"]["state"] == "unloaded"
         assert loads(r) == [("load", "a")]
@@ -192,7 +192,7 @@ def test_persistent_model_is_never_evicted(specs, need):
     with Router(models, inventory=inv, margin=0) as r:
         r.load("a")
         with pytest.raises(QueueTimeout):
-            r.complete("b", "x", timeout=0.8)
+            r.complete("b", "x", wait=0.8)
         assert r.status()["models"]["a"]["state"] == "loaded"
 
 

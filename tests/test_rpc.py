@@ -90,7 +90,7 @@ def test_two_device_incident_on_rpc_devices(rpc_servers, tiny):
         from pyllmrouter import QueueTimeout
 
         with pytest.raises(QueueTimeout):
-            r.complete("b", "x", max_tokens=2, timeout=1.0)  # never co-loaded next to a busy a
+            r.complete("b", "x", max_tokens=2, wait=1.0)  # never co-loaded next to a busy a
         list(busy)
         assert r.complete("b", "x", max_tokens=2)["choices"]
         st = r.status()

@@ -21,16 +21,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Literal, Mapping, Sequence, overload
+from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Sequence, overload
 
 from pyllmrouter.errors import RequestFailed, RequestTimeout
 from pyllmrouter.protocol import HttpReply
 from pyllmrouter.replies import ChatCompletion, ChatCompletionChunk, Completion, Embeddings, Message
 from pyllmrouter.router.options import check
 from pyllmrouter.router.services.streams import Stream
-
-if TYPE_CHECKING:  # the methods' host, for a type checker only
-    from pyllmrouter.router.api import Router
 
 __all__ = ["Methods", "body_of", "ok_or_raise", "remaining"]
 
@@ -104,7 +101,22 @@ async def _aevents(model: str, stream: Stream, deadline: float | None, timeout: 
 
 
 class Methods:
-    """``Router``'s request methods (see the module's docstring)."""
+    """``Router``'s request methods (see the module's docstring), over the two its host
+    gives: ``call`` and ``acall``."""
+
+    def call(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
+             query: dict[str, str] | None = None, timeout: float | None = None, autoload: bool | None = None,
+             headers: dict[str, str] | None = None, *, wait: float | None = None,
+             raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
+        """Any llama-server request for one model (the host's: ``Router.call``)."""
+        raise NotImplementedError
+
+    async def acall(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
+                    query: dict[str, str] | None = None, timeout: float | None = None,
+                    autoload: bool | None = None, *args: Any, wait: float | None = None,
+                    raise_for_status: bool = True, **kwargs: Any) -> "tuple[HttpReply, Stream | None]":
+        """``call`` from a coroutine (the host's: ``Router.acall``)."""
+        raise NotImplementedError
 
     # -- chat ---------------------------------------------------------------------------------
 
@@ -235,7 +247,7 @@ class Methods:
 
     # -- the shared part -------------------------------------------------------------------------------
 
-    def _openai(self: "Router", where: str, model: str, path: str, fixed: dict[str, Any], options: Mapping[str, Any],
+    def _openai(self, where: str, model: str, path: str, fixed: dict[str, Any], options: Mapping[str, Any],
                 extra: Mapping[str, Any] | None, stream: bool, timeout: float | None, wait: float | None,
                 autoload: bool | None):
         check(where, options)
@@ -243,7 +255,7 @@ class Methods:
         reply, chunks = self.call(model, "POST", path, body, timeout=timeout, wait=wait, autoload=autoload)
         return _events(model, chunks) if chunks is not None else json.loads(reply.body)
 
-    async def _aopenai(self: "Router", where: str, model: str, path: str, fixed: dict[str, Any],
+    async def _aopenai(self, where: str, model: str, path: str, fixed: dict[str, Any],
                        options: Mapping[str, Any], extra: Mapping[str, Any] | None, stream: bool,
                        timeout: float | None, wait: float | None, autoload: bool | None):
         check(where, options)
