@@ -98,20 +98,21 @@ def test_streamed_usage_matches_the_unstreamed_request(client):
 
 def test_a_client_that_leaves_a_stream_stops_generation_and_frees_the_model(server, http):
     url, router = server
-    body = dict(model="b", prompt="go", max_tokens=500, temperature=0, logit_bias={"2": -100, "4": -100})
-    http.post("/models/load", json={"model": "b"}).raise_for_status()
+    # a's one slot of 2048 tokens: a generation long enough that stopping it shows
+    body = dict(model="a", prompt="go", max_tokens=2000, temperature=0, logit_bias={"2": -100, "4": -100})
+    http.post("/models/load", json={"model": "a"}).raise_for_status()
     t0 = time.perf_counter()
-    assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 500
-    whole = time.perf_counter() - t0  # generating all 500 tokens, the model loaded
+    assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 2000
+    whole = time.perf_counter() - t0  # generating all 2000 tokens, the model loaded
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
         with c.stream("POST", "/v1/completions", json=dict(body, stream=True)) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
-            assert router.status()["models"]["b"]["leases"] == 1
+            assert router.status()["models"]["a"]["leases"] == 1
     t0 = time.perf_counter()  # the connection is closed: the slot and the lease are freed
-    while router.status()["models"]["b"]["leases"] and time.perf_counter() - t0 < whole:
+    while router.status()["models"]["a"]["leases"] and time.perf_counter() - t0 < whole:
         time.sleep(0.005)
-    assert router.status()["models"]["b"]["leases"] == 0
+    assert router.status()["models"]["a"]["leases"] == 0
     assert time.perf_counter() - t0 < whole / 4, (time.perf_counter() - t0, whole)
 
 
