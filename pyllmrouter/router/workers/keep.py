@@ -55,6 +55,7 @@ import time
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 from pyllmrouter.router.policy.replicas import SEPARATOR
 from pyllmrouter.spec import ModelSpec
@@ -131,13 +132,19 @@ def _safe_subdir(parent: Path, name: str) -> Path | None:
 
 
 def _write_new(path: Path, data: bytes) -> None:
-    """``data`` as ``path``: written under a temporary name (never a link's target) and
-    renamed over it (a link at ``path`` is replaced, not followed)."""
+    """``data`` as ``path`` (``_replace_with``)."""
+    _replace_with(path, lambda f: f.write(data))
+
+
+def _replace_with(path: Path, fill: Callable[[BinaryIO], object]) -> None:
+    """``path`` as ``fill`` writes it: written under a temporary name (never a link's target)
+    and renamed over it (a link at ``path`` is replaced, not followed); nothing left of a
+    write that fails."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            fill(f)
         os.rename(tmp, path)
     except BaseException:
         try:
@@ -156,19 +163,8 @@ def _move_file(src: Path, dst: Path) -> None:
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
-    try:
-        with os.fdopen(fd, "rb") as r, os.fdopen(out, "wb") as w:
-            shutil.copyfileobj(r, w, 1 << 22)
-        os.rename(tmp, dst)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with os.fdopen(os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as r:
+        _replace_with(dst, lambda w: shutil.copyfileobj(r, w, 1 << 22))
     os.unlink(src)
 
 
