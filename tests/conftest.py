@@ -11,7 +11,7 @@ import textwrap
 import pytest
 from hypothesis import settings
 
-from pyllmrouter.tools import tinymodels
+from pyllmrouter.tools import scripted, tinymodels
 from pyllmrouter.tools.loopback import RpcServers, rpc_server_binary
 
 # Property tests: the README's test command (and CI) runs a fixed, derandomized search, so a
@@ -70,6 +70,13 @@ def _empty_llama_cache(_session_llama_cache, tmp_path_factory, monkeypatch):
 def tiny(tmp_path_factory) -> dict:
     """The three tiny models (llama, qwen3moe, bert), written once per session."""
     return tinymodels.write_tiny_set(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def story(tmp_path_factory):
+    """A model that tells its story again and again: a stream that lasts until it is stopped."""
+    d = tmp_path_factory.mktemp("story")
+    return scripted.write_scripted(d / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
 
 
 @pytest.fixture(scope="session")

@@ -19,16 +19,9 @@ import pytest
 from pyllmrouter import ModelConfig, ModelSpec, Router, probe
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.router.workers.keep import KeepStore
-from pyllmrouter.tools import scripted
 from test_live import serving, wait_for
 
 CHAT = [{"role": "user", "content": "a story"}]
-
-
-@pytest.fixture(scope="module")
-def story(tmp_path_factory):
-    d = tmp_path_factory.mktemp("edges-story")
-    return scripted.write_scripted(d / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
 
 
 class Stream:

@@ -16,18 +16,11 @@ from pyllmrouter import ModelConfig, ModelSpec, Router, probe
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.presets import read_preset
 from pyllmrouter.remote import ps_table
-from pyllmrouter.tools import scripted
 from test_follow import CLIENTS
 from test_live import serving, wait_for
 from test_scheduling import CHAT, Streams
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def story(tmp_path_factory):
-    d = tmp_path_factory.mktemp("replica-story")
-    return scripted.write_scripted(d / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
 
 
 def test_the_preset_key_reads(tmp_path, tiny):

@@ -16,19 +16,12 @@ import pytest
 from pyllmrouter import ModelConfig, ModelSpec, Router, probe
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.errors import LoadFailed
-from pyllmrouter.tools import scripted, tinymodels
+from pyllmrouter.tools import tinymodels
 from test_live import serving, sse_events, wait_for
 
 pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "a story"}]
-
-
-@pytest.fixture(scope="module")
-def story(tmp_path_factory):
-    """A model that tells its story again and again: a stream that lasts until it is stopped."""
-    d = tmp_path_factory.mktemp("story")
-    return scripted.write_scripted(d / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
 
 
 class Streams:
