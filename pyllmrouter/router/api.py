@@ -20,9 +20,10 @@ request fails that request at once and the next request starts a new worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
@@ -251,7 +252,8 @@ class Router(Methods):
         included (then RequestTimeout, the request stopped); ``wait``: seconds it may wait
         for its model (default: the router's queue_timeout; then QueueTimeout)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        lease = self._lease_within(model, deadline, timeout, wait, autoload)
+        with self._wait_within(model, deadline, timeout, wait) as bound:
+            lease = self._sched.lease(model, bound, autoload)
         if self.options.debug_fake_timing > 0:
             time.sleep(self.options.debug_fake_timing)  # busy on the model meanwhile (the lease is held)
         pending = self._send(lease, method, path, body_of(body), query, headers)
@@ -266,14 +268,16 @@ class Router(Methods):
         reply, stream = self._opened(lease, pending, first, deadline, timeout)
         return (ok_or_raise(model, reply) if raise_for_status else reply), stream
 
-    def _lease_within(self, model: str, deadline: float | None, timeout: float | None, wait: float | None,
-                      autoload: bool | None) -> Lease:
-        """A lease, waited for ``wait`` seconds at most, and no later than the request's own
-        ``deadline`` (RequestTimeout where that ends the wait)."""
+    @contextlib.contextmanager
+    def _wait_within(self, model: str, deadline: float | None, timeout: float | None,
+                     wait: float | None) -> Iterator[float]:
+        """The seconds a request may wait for its model: ``wait`` (default queue_timeout), and
+        no later than the request's own ``deadline``; a QueueTimeout that the deadline caused
+        is the request's RequestTimeout."""
         wait = self.options.queue_timeout if wait is None else wait
         left = remaining(deadline)
         try:
-            return self._sched.lease(model, wait if left is None else min(wait, left), autoload)
+            yield wait if left is None else min(wait, left)
         except QueueTimeout:
             if left is not None and left < wait:
                 raise RequestTimeout(model, timeout) from None
@@ -322,14 +326,8 @@ class Router(Methods):
         ``timeout`` (the first reply; a stream's reader bounds the rest), ``wait`` and
         ``raise_for_status`` as in ``call``."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        wait = self.options.queue_timeout if wait is None else wait
-        left = remaining(deadline)
-        try:
-            lease, watch = await self._alease(model, wait if left is None else min(wait, left), autoload, gone, prefer)
-        except QueueTimeout:
-            if left is not None and left < wait:
-                raise RequestTimeout(model, timeout) from None
-            raise
+        with self._wait_within(model, deadline, timeout, wait) as bound:
+            lease, watch = await self._alease(model, bound, autoload, gone, prefer)
         try:
             if leased is not None:
                 leased(lease.name)
