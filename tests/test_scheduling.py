@@ -4,6 +4,7 @@ runs short of memory."""
 
 from __future__ import annotations
 
+import asyncio
 import resource
 import subprocess
 import sys
@@ -154,6 +155,44 @@ def test_a_higher_priority_is_admitted_first(story, tiny):
             streams.close()  # a's turn ends
         low.join(120)
         high.join(120)
+        loads = [name for _, what, name, _ in r.scheduler.events if what == "load"]
+        assert loads == ["a", "c", "b"], loads
+        assert sorted(answers) == [("b", 200), ("c", 200)]
+
+
+def test_a_request_that_waited_on_a_lost_node_keeps_its_place_in_line(story):
+    """Three models that fit one at a time: while the first is busy, a request for b comes,
+    then one for c that had waited 30 s on a node that was lost (``waited``, as a cluster's
+    ingress sends it on): c counts as the earlier, and loads before b."""
+    spec = ModelSpec(story, ("-np", "1", "-c", "2048"))
+    one = probe(spec).total
+    models = [ModelConfig(name, spec.replace(args=(*spec.args, "--temp", temp)))
+              for name, temp in (("a", "0.8"), ("b", "0.7"), ("c", "0.9"))]
+    with Router(models, inventory=EmulatedInventory({"GPU0": one + one // 2}), margin=0, turn=0.5) as r, \
+            serving(r) as base:
+        streams, first = Streams(base), threading.Event()
+        answers: list = []
+
+        def ask(model, waited):
+            async def call():
+                reply, _ = await r.acall(model, "POST", "/v1/chat/completions",
+                                         {"messages": CHAT, "max_tokens": 4}, waited=waited)
+                return reply.status
+            answers.append((model, asyncio.run(call())))
+
+        try:
+            streams.open("a", first)
+            assert first.wait(60)
+            later = threading.Thread(target=ask, args=("b", 0.0))
+            later.start()
+            wait_for(lambda: r.status()["models"]["b"]["waiting"]["requests"] == 1, what="b waiting")
+            earlier = threading.Thread(target=ask, args=("c", 30.0))
+            earlier.start()
+            wait_for(lambda: r.status()["models"]["c"]["waiting"]["requests"] == 1, what="c waiting")
+        finally:
+            streams.close()  # a's turn ends
+        later.join(120)
+        earlier.join(120)
         loads = [name for _, what, name, _ in r.scheduler.events if what == "load"]
         assert loads == ["a", "c", "b"], loads
         assert sorted(answers) == [("b", 200), ("c", 200)]

@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
+import time
 from dataclasses import replace
 from typing import Any
 
 import ray
 import uvicorn
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pyllmrouter.ray import cluster
-from pyllmrouter.ray.messages import Head, NodeRequest
+from pyllmrouter.ray import cluster, failover
+from pyllmrouter.ray.messages import Head, NodeRequest, Started
 from pyllmrouter.server.app import HTTP_PROTOCOL, guard_error, json_object
 from pyllmrouter.server.body import read_or_refuse, replay
 from pyllmrouter.server.errors import ApiError, error_response
@@ -41,6 +43,9 @@ FAN_OUT = ("/models", "/v1/models", "/devices", "/events")
 # a node's refusals of a request it has not begun: tried on another node (each node once)
 RETRIED = frozenset({507, 429, 503})
 ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
+PING_TIMEOUT = 2.0  # seconds a node has to answer, after a call to some node failed
+
+_LOG = logging.getLogger("pyllmrouter.ray")
 
 
 class Ingress:
@@ -50,6 +55,8 @@ class Ingress:
     async def __init__(self, nodes, host: str, port: int, api_key: str | None = None, max_body: int = 8 << 20,
                        access_log: bool = False):
         self.nodes = nodes  # the NodeRouter deployment's handle
+        self._lost = failover.LostNodes(time.monotonic)  # this event loop's only
+        self._probing: asyncio.Future | None = None  # the round of pings under way
         self.api_key, self.max_body = api_key, max_body
         try:  # bound here: a port in use is this constructor's error (uvicorn would exit the process)
             listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -149,38 +156,73 @@ class Ingress:
         doing anything (507: it never fits there; 429 or 503: its queue is full, or it
         cannot serve it now) is left out of the next attempt, each node once, until every
         node has refused: then 507 with each node's figures where every one said 507, else
-        the last refusal as that node gave it.  A request that does not ask for a stream
-        takes its reply in one piece (one message, not one per chunk)."""
+        the last refusal as that node gave it.  A node lost before its reply began
+        (failover.py) is left out and the request sent to another, once, with the seconds
+        it waited.  A request that does not ask for a stream takes its reply in one piece
+        (Started, then one message, not one per chunk)."""
         refusals: dict[str, Any] = {}
         refused: tuple[Head, bytes] | None = None  # the last 429 or 503
+        arrived = time.monotonic()
+        retried: str | None = None  # the lost nodes, once the request was sent on
         while True:
+            plain = replace(plain, exclude=plain.exclude | self._lost.now(), whole=not stream)
+            replies = self.nodes.options(stream=True).handle.remote(plain)
+            began = False
             try:
-                if stream:
-                    replies = self.nodes.options(stream=True).handle.remote(plain)
-                    head, rest = await replies.__anext__(), replies
-                else:
-                    call = self.nodes.handle_whole.remote(plain)
-                    try:
-                        head, rest = await call
-                    except asyncio.CancelledError:  # the client left: the node stops the request
-                        call.cancel()
-                        raise
+                first = await replies.__anext__()
+                if isinstance(first, Started):
+                    began = True
+                    first = await replies.__anext__()
+            except asyncio.CancelledError:  # the client left: the node stops the request
+                replies.cancel()
+                raise
             except RayActorError as e:
-                raise ApiError(502, f"the node serving '{model or plain.path}' died: {type(e).__name__}",
-                               "server_error", "node_died") from None
+                lost = await self._find_lost()
+                if failover.after_loss(began, retried is not None, model is not None) == failover.FAIL:
+                    raise ApiError(502, _lost_message(model or plain.path, e, began, retried),
+                                   "server_error", "node_died") from None
+                retried = ",".join(sorted(lost)) or "unknown"
+                _LOG.warning("a node was lost before it answered a request for '%s' (lost: %s): sent on "
+                             "after %.2f s", model, retried, time.monotonic() - arrived)
+                plain = replace(plain, waited=time.monotonic() - arrived)
+                continue
+            head, rest = first if isinstance(first, tuple) else (first, replies)
             if head.status not in RETRIED or model is None:
-                return await _relay(head, rest, model)
+                return await _relay(head, rest, model, retried)
             data = rest if isinstance(rest, bytes) else b"".join([c async for c in rest])
             repeated = head.node in refusals  # the request router had no other node left
             if head.status == 507:
                 refusals[head.node] = json.loads(data or b"{}")
             else:
                 refusals[head.node], refused = None, (head, data)
-            if repeated or set(node_ids()) <= set(refusals):
+            if repeated or set(node_ids()) - self._lost.now() <= set(refusals):
                 if refused is None:
                     return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
-                return await _relay(*refused, model)
+                return await _relay(*refused, model, retried)
             plain = replace(plain, exclude=plain.exclude | {head.node})
+
+    async def _find_lost(self) -> frozenset[str]:
+        """The nodes lost now: after a call failed, every node not left out yet is asked
+        (one such round at a time, however many requests failed at once); a node whose
+        replica does not answer within PING_TIMEOUT is left out (failover.LostNodes)."""
+        if self._probing is None or self._probing.done():
+            self._probing = asyncio.ensure_future(self._probe())
+        await asyncio.shield(self._probing)
+        return self._lost.now()
+
+    async def _probe(self) -> None:
+        gone = set()
+        for node in node_ids():  # one after the other: see _ask_all
+            if node in self._lost.now():
+                continue
+            try:
+                answer = await asyncio.wait_for(self.nodes.ping.remote(NodeRequest("GET", "/ping", node=node)),
+                                                PING_TIMEOUT)
+            except (asyncio.TimeoutError, RayError):
+                answer = None
+            if answer != node:  # no answer, or another node's: it has no replica now
+                gone.add(node)
+        self._lost.add(gone)
 
     async def _ask_all(self, plain: NodeRequest) -> dict[str, Any]:
         """``plain`` on every node: {node: its JSON answer}; a node that cannot answer
@@ -188,13 +230,20 @@ class Ingress:
         is handled share its request id, and Serve's router matches a chosen replica to
         a waiting call by that id, so two such calls routed at once could swap nodes."""
         async def one(node: str) -> Any:
-            replies = self.nodes.options(stream=True).handle.remote(replace(plain, node=node))
-            head = await replies.__anext__()
-            data = b"".join([c async for c in replies])
+            for _ in range(2):  # 421: another replica took it (Serve gave it a request routed at once); again
+                replies = self.nodes.options(stream=True).handle.remote(replace(plain, node=node))
+                head = await replies.__anext__()
+                data = b"".join([c async for c in replies])
+                if head.status != 421:
+                    break
             return json.loads(data) if head.status == 200 else {"error": data.decode(errors="replace")}
 
         answers = {}
+        lost = self._lost.now()
         for node in node_ids():
+            if node in lost:
+                answers[node] = {"error": "node lost: its replica did not answer"}
+                continue
             try:
                 answers[node] = await asyncio.wait_for(one(node), ASK_TIMEOUT)
             except (asyncio.TimeoutError, RayActorError) as e:
@@ -227,12 +276,24 @@ def node_ids() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE)]
 
 
-async def _relay(head: Head, replies, model: str | None) -> Response:
+def _lost_message(what: str, e: RayActorError, began: bool, retried: str | None) -> str:
+    why = f"the node serving '{what}' died: {type(e).__name__}"
+    if began:
+        return f"{why} (the request was running there)"
+    if retried:
+        return f"{why} (the request was sent on once already, after node {retried} was lost)"
+    return why
+
+
+async def _relay(head: Head, replies, model: str | None, retried: str | None = None) -> Response:
     """The node's reply (``replies``: its body, or the rest of its chunks): whole (a node
     that dies before its end gives 502), or as an event stream (a node that dies ends it
-    with an error event)."""
+    with an error event).  ``retried``: the nodes lost before this one took the request
+    (the x-pyllmrouter-retried header)."""
     headers = {k: v for k, v in head.headers if k.lower() not in ("content-length",)}
     headers["x-pyllmrouter-node"] = head.node
+    if retried is not None:
+        headers["x-pyllmrouter-retried"] = retried
     died = f"the node serving '{model}' died" if model else "the node died"
     if isinstance(replies, bytes):
         return Response(replies, status_code=head.status, headers=headers)

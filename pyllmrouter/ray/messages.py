@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["NodeRequest", "Head"]
+__all__ = ["NodeRequest", "Head", "Started"]
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,10 @@ class NodeRequest:
 
     ``model``: the model it is for (the request router places it by that model's bytes);
     ``node``: the one node it must go to (cluster views ask every node); ``exclude``:
-    nodes that refused the model already."""
+    nodes that refused the model already, or were lost; ``whole``: the reply comes in one
+    piece, after a ``Started`` where it runs (it took a slot of its model as it took the
+    model; one queued in the engine behind others has none); ``waited``: seconds the
+    request waited on a node lost before it began to answer (it keeps its place in line)."""
 
     method: str
     path: str
@@ -23,12 +26,22 @@ class NodeRequest:
     model: str | None = None
     node: str | None = None
     exclude: frozenset[str] = field(default_factory=frozenset)
+    whole: bool = False
+    waited: float = 0.0
+
+
+@dataclass(frozen=True)
+class Started:
+    """A whole reply's first item, where the request runs on ``node`` (it took a free slot
+    of its model): lost now, it is not sent elsewhere, its generation was under way."""
+
+    node: str
 
 
 @dataclass(frozen=True)
 class Head:
-    """The first item a replica yields: the reply's status and headers, and its node.
-    The body follows as bytes items."""
+    """The reply's status and headers, and its node: a stream's first item (the body
+    follows as bytes items); a whole reply comes as (Head, body) after its Started."""
 
     status: int
     headers: tuple[tuple[str, str], ...]

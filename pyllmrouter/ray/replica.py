@@ -2,6 +2,7 @@
 
     ingress ──NodeRequest──▶ NodeRouter.handle ──ASGI──▶ create_app(Router): the same
             ◀── Head, bytes, bytes...  ◀────────────────  code as ``pyllmrouter serve``
+            ◀── Started, (Head, body)   (a whole reply: Started once it holds its model)
 
 The replica's Router owns every device of its node.  It is built from the same
 arguments as ``pyllmrouter serve`` (and the same LLAMA_ARG_* / PYLLMROUTER_*
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from typing import Any, AsyncIterator
 from urllib.parse import urlencode
 
@@ -24,9 +26,10 @@ import ray
 
 from pyllmrouter.config import MiB
 from pyllmrouter.errors import RouterError
-from pyllmrouter.ray.messages import Head, NodeRequest
+from pyllmrouter.ray.messages import Head, NodeRequest, Started
 from pyllmrouter.ray.policy import node_stats
 from pyllmrouter.server.app import create_app
+from pyllmrouter.server.relayed import RELAYED, Relayed
 from pyllmrouter.server.run import parse_serve_args, router_from_args
 
 __all__ = ["NodeRouter"]
@@ -53,7 +56,14 @@ class NodeRouter:
                 pass  # recorded on the model: a request for it gets the reason
 
     def record_routing_stats(self) -> dict[str, Any]:
-        return node_stats(self.node, self.router.status(), self.router.options.max_models)
+        """What the request router ranks this node by; ``at`` (this node's clock) changes
+        with every reading, so statistics that stop changing are a node that stopped
+        answering (request_router.py)."""
+        return {**node_stats(self.node, self.router.status(), self.router.options.max_models), "at": time.time()}
+
+    async def ping(self, request: NodeRequest) -> str:
+        """This node's id: the ingress asks, after a call failed, which nodes still answer."""
+        return self.node
 
     async def _start(self) -> None:
         async with self._started:
@@ -62,9 +72,10 @@ class NodeRouter:
                 self._lifespan = api.router.lifespan_context(api)
                 await self._lifespan.__aenter__()
 
-    async def handle(self, request: NodeRequest) -> AsyncIterator[Head | bytes]:
+    async def handle(self, request: NodeRequest) -> AsyncIterator[Head | bytes | Started | tuple[Head, bytes]]:
         """The reply of this node's app: a Head, then the body in chunks as the app
-        writes them.  Cancelled (the client left): the app sees a disconnect, and a
+        writes them; for ``request.whole``, a Started once the request holds its model,
+        then (Head, body).  Cancelled (the client left): the app sees a disconnect, and a
         generation stops."""
         if request.node is not None and request.node != self.node:  # never answer for another node
             yield Head(421, (("content-type", "application/json"),), self.node)
@@ -80,6 +91,12 @@ class NodeRouter:
             "client": ("ray", 0), "server": ("pyllmrouter", 0),
         }
         messages: asyncio.Queue = asyncio.Queue()
+
+        def running() -> None:  # the request runs (it holds a slot): a whole reply says so first
+            if request.whole:
+                messages.put_nowait(Started(self.node))
+
+        scope["extensions"] = {RELAYED: Relayed(request.waited, running)}
         left = asyncio.Event()
         body_given = False
 
@@ -98,21 +115,26 @@ class NodeRouter:
                 messages.put_nowait(None)
 
         task = asyncio.get_running_loop().create_task(run())
+        head, body = None, []
         try:
             while (message := await messages.get()) is not None:
-                if message["type"] == "http.response.start":
+                if isinstance(message, Started):
+                    yield message
+                elif message["type"] == "http.response.start":
                     headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"])
-                    yield Head(message["status"], headers, self.node)
+                    head = Head(message["status"], headers, self.node)
+                    if not request.whole:
+                        yield head
                 elif message.get("body"):
-                    yield message["body"]
+                    if request.whole:
+                        body.append(message["body"])
+                    else:
+                        yield message["body"]
             task.result()  # an error in the app is this call's error
+            if request.whole:
+                yield head, b"".join(body)
         finally:
             left.set()
-
-    async def handle_whole(self, request: NodeRequest) -> tuple[Head, bytes]:
-        """``handle``'s reply in one piece, for a request that asks for no stream."""
-        parts = [part async for part in self.handle(request)]
-        return parts[0], b"".join(parts[1:])
 
     def __del__(self) -> None:
         router = getattr(self, "router", None)

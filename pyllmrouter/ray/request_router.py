@@ -6,7 +6,14 @@ the node's statistics show it, so requests in between are not placed on stale fi
 
 Serve calls ``choose_replicas`` for each request and sends it to the first rank that
 has room; a rank is one replica, and replicas take requests without limit (their own
-Router queues them), so the first is where it goes."""
+Router queues them), so the first is where it goes.
+
+A replica whose statistics have not changed for ``SILENT`` seconds (each reading
+carries its node's clock, ``at``, so a live one changes every period) has stopped
+answering them: it is left out while any other replica answers.  With Serve's
+defaults here (a reading every second, 5 s before one is given up) a replica that
+answers reads at most 6 s apart; the ingress leaves out a node whose calls fail at
+once (failover.py)."""
 
 from __future__ import annotations
 
@@ -21,20 +28,28 @@ from pyllmrouter.ray.policy import assume_routed, rank
 __all__ = ["MemoryAwareRouter"]
 
 RECENT = 5.0  # seconds a routed load is assumed before the node's statistics show it
+SILENT = 10.0  # seconds without a new reading of its statistics: a replica that stopped answering
 
 
 class MemoryAwareRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._routed: dict[str, list[tuple[float, str]]] = {}  # replica id -> (when, model), routing loop only
+        self._heard: dict[str, tuple[Any, float]] = {}  # replica id -> (its last reading's ``at``, when first seen)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
         request = _request_of(pending_request)
         if request is None:
             return [candidate_replicas]
-        if request.node is not None:  # a question for one node: that node's replica, or none yet
-            return [[r for r in candidate_replicas if r.node_id == request.node]]
+        if request.node is not None:  # a question for one node: that node's replica
+            mine = [r for r in candidate_replicas if r.node_id == request.node]
+            # none (it is lost, or not placed yet): another answers 421, at once; a request
+            # left unrouted would wait, and Serve hands the next replica chosen to the
+            # oldest request waiting, whichever it asked for
+            return [mine or candidate_replicas[:1]]
         live = [r for r in candidate_replicas if r.node_id not in request.exclude]
+        answering = [r for r in live if not self._silent(r)]
+        live = answering or live  # every one silent: they are all there is
         if request.model is None:
             return [live]
         ranks = rank(request.model, [(r, self._stats(r)) for r in live])
@@ -44,6 +59,15 @@ class MemoryAwareRouter(RequestRouter):
         # no node could ever hold it: a replica answers with its 507 and the figures (every
         # node left out already: one of them again, so the ingress sees the refusal repeat)
         return ranks or [live or candidate_replicas]
+
+    def _silent(self, replica: RunningReplica) -> bool:
+        """Whether ``replica``'s statistics have not changed for SILENT seconds."""
+        at, now = (replica.routing_stats or {}).get("at"), time.monotonic()
+        rid = replica.replica_id.unique_id
+        last = self._heard.get(rid)
+        if last is None or last[0] != at:
+            self._heard[rid] = last = (at, now)
+        return at is not None and now - last[1] > SILENT
 
     def _stats(self, replica: RunningReplica) -> dict:
         if not replica.routing_stats:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -285,7 +286,7 @@ class Router(Methods):
 
     async def _alease(self, model: str, timeout: float | None, autoload: bool | None,
                       gone: Callable[[], Awaitable[Any]] | None,
-                      prefer: str | None = None) -> "tuple[Lease, asyncio.Future | None]":
+                      prefer: str | None = None, waited: float = 0.0) -> "tuple[Lease, asyncio.Future | None]":
         """The model's lease, taken in the event loop where it can be now, else waited for
         with the caller's departure watched (a task: made only for a wait).  The watch comes
         back with the lease, for the caller to go on with or to cancel."""
@@ -294,7 +295,7 @@ class Router(Methods):
             lease = self._sched.try_lease(model, prefer)
             if lease is None:
                 watch = _departure(gone)
-                lease = await self._await_lease(model, timeout, autoload, watch, prefer)
+                lease = await self._await_lease(model, timeout, autoload, watch, prefer, waited)
             if self.options.debug_fake_timing > 0:
                 try:  # busy on the model meanwhile (the lease is held)
                     await asyncio.sleep(self.options.debug_fake_timing)
@@ -314,7 +315,8 @@ class Router(Methods):
                     files: dict[str, tuple[str, str, bytes]] | None = None,
                     leased: Callable[[str], None] | None = None,
                     prefer: str | None = None, *, wait: float | None = None,
-                    raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
+                    raise_for_status: bool = True, waited: float = 0.0,
+                    running: Callable[[], None] | None = None) -> "tuple[HttpReply, Stream | None]":
         """``call`` from a coroutine.  A model that can take the request now is leased in
         the event loop (no thread hop before the worker has it); otherwise the lease is
         waited for in a thread.  A caller that leaves (the coroutine is cancelled, or
@@ -323,14 +325,18 @@ class Router(Methods):
         ``files``: a multipart request's files (its fields are ``body``, as JSON); ``leased``
         gets the name of the instance that takes the request (the model's, or an extra one's);
         ``prefer``: the instance to take where it has a free slot (a conversation's last).
-        ``timeout`` (the first reply; a stream's reader bounds the rest), ``wait`` and
-        ``raise_for_status`` as in ``call``."""
+        ``waited``: seconds the request already waited on another node (it keeps its place
+        in line here); ``running`` is called where the lease found one of the instance's
+        slots free (the request runs at once, not queued in its engine).  ``timeout`` (the first reply; a stream's reader bounds the rest),
+        ``wait`` and ``raise_for_status`` as in ``call``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._wait_within(model, deadline, timeout, wait) as bound:
-            lease, watch = await self._alease(model, bound, autoload, gone, prefer)
+            lease, watch = await self._alease(model, bound, autoload, gone, prefer, waited)
         try:
             if leased is not None:
                 leased(lease.name)
+            if running is not None and lease.slot:
+                running()
             pending = self._send(lease, method, path, body_of(body), query, headers, files)
             try:
                 while (first := pending.get_nowait()) is None:
@@ -445,11 +451,13 @@ class Router(Methods):
             fut.exception()
 
     async def _await_lease(self, model: str, timeout: float | None, autoload: bool | None,
-                           watch: "asyncio.Future | None", prefer: str | None = None) -> Lease:
+                           watch: "asyncio.Future | None", prefer: str | None = None,
+                           waited: float = 0.0) -> Lease:
         """A lease waited for in a thread; withdrawn if the caller leaves meanwhile (a lease
         the thread took all the same is released when it returns)."""
         left = threading.Event()
-        fut = asyncio.get_running_loop().run_in_executor(None, self._sched.lease, model, timeout, autoload, left, prefer)
+        fut = asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self._sched.lease, model, timeout, autoload, left, prefer, waited=waited))
         try:
             return await unless_gone(asyncio.shield(fut), watch, model)
         except BaseException:

@@ -210,18 +210,23 @@ class Book:
         params = (rec.params.get(rec.device_set) or {}) if rec.device_set else {}
         return int(params.get("n_parallel") or 1)
 
-    def rank(self, ticket: Ticket, now: float | None = None) -> tuple[int, int]:
+    def rank(self, ticket: Ticket, now: float | None = None) -> tuple[int, float, int]:
         """A waiting request's place (queueing.rank): priority, raised by its wait, then FIFO."""
         return queueing.rank(ticket.rec.config.priority, ticket.created, ticket.seq,
                              time.monotonic() if now is None else now, self.options.priority_age)
 
     # -- the queue ----------------------------------------------------------------------
 
-    def enqueue(self, rec: Record, loader: bool = False) -> Ticket:
-        """A waiting request for ``rec`` joins the queue (``loader``: an instance's load)."""
+    def enqueue(self, rec: Record, loader: bool = False, waited: float = 0.0) -> Ticket:
+        """A waiting request for ``rec`` joins the queue (``loader``: an instance's load).
+        ``waited``: seconds it waited elsewhere before (a request another node took and
+        lost): it counts as arrived then, and goes before those that arrived since."""
         with self._cond:
-            ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic(), loader=loader)
-            self._queue.append(ticket)
+            ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic() - max(0.0, waited), loader=loader)
+            at = len(self._queue)
+            while at and self._queue[at - 1].created > ticket.created:
+                at -= 1
+            self._queue.insert(at, ticket)
             self._queue_version += 1
             return ticket
 
@@ -286,7 +291,7 @@ class Book:
             if self.on_wait is not None:
                 self.on_wait((rec.primary or rec).name, rec.last_used - ticket.created)
             return Lease(rec.name, rec.worker, rec, rec.drain[0] if rec.drain is not None else None,
-                         rec.follow_epoch)
+                         rec.follow_epoch, slot=rec.leases <= self.slots(rec))
 
     def release(self, lease: Lease) -> Record:
         with self._cond:

@@ -117,6 +117,9 @@ class Lease:
     # what this lease lets a worker read (the worker compares the two, whatever order the
     # hand-over and the end reach it in)
     epoch: int = 0
+    # whether one of the instance's slots was free when the lease was taken (else the
+    # request waits in its engine's queue behind the others)
+    slot: bool = True
 
 
 @dataclass(eq=False)

@@ -168,13 +168,15 @@ class Scheduler:
     # -- leases ----------------------------------------------------------------------------
 
     def lease(self, name: str, timeout: float | None = None, autoload: bool | None = None,
-              gone=None, prefer: str | None = None, loader: bool = False) -> Lease:
+              gone=None, prefer: str | None = None, loader: bool = False, waited: float = 0.0) -> Lease:
         """Block until ``name`` is LOADED and take a lease on it.  Once ``gone`` is set
         (``withdraw``) the wait ends with Withdrawn: the ticket leaves the queue, and what
         it alone asked for (a load, a drain of a busy model) does not happen.  ``prefer``:
         the instance of the model to take where it has a free slot (a conversation's last).
         ``loader``: the lease that loads the instance ``name`` itself (roster.grow): no
-        queue limit refuses or counts it, and it drains nothing."""
+        queue limit refuses or counts it, and it drains nothing.  ``waited``: seconds the
+        request waited on another node before (it keeps its place in line: Book.enqueue);
+        ``timeout`` counts from now."""
         book = self._book
         timeout = self.options.queue_timeout if timeout is None else timeout
         autoload = self.options.autoload if autoload is None else autoload
@@ -187,8 +189,8 @@ class Scheduler:
             refused = None if loader else self._queue_refusal(rec)
             if refused is not None:
                 raise QueueFull(rec.name, refused.scope, refused.limit, refused.waiting)
-            ticket = book.enqueue(rec, loader)
-        deadline = ticket.created + timeout
+            ticket = book.enqueue(rec, loader, waited)
+        deadline = time.monotonic() + timeout
         free: dict[str, int] | None = None  # the inventory's reading, taken since the last wait
         try:
             while True:

@@ -45,6 +45,7 @@ from pyllmrouter.server.body import BODY_METHODS, form, read_or_refuse, replay
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Refusal
 from pyllmrouter.server.connection import HANDOVER, Handover, HttpProtocol
+from pyllmrouter.server.relayed import RELAYED, Relayed
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
@@ -131,11 +132,14 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         client's disconnect)."""
         t0 = time.perf_counter()
         endpoint, query, headers = _for_engine(request)
+        relayed: Relayed | None = request.scope.get("extensions", {}).get(RELAYED)
         try:
             reply, stream = await router.acall(model, request.method, endpoint, raw, query,
                                                autoload=autoload_param(request) if autoload is None else autoload,
                                                gone=gone or (lambda: _disconnected(request)), headers=headers,
-                                               files=files, leased=leased, prefer=prefer, raise_for_status=False)
+                                               files=files, leased=leased, prefer=prefer, raise_for_status=False,
+                                               waited=relayed.waited if relayed is not None else 0.0,
+                                               running=relayed.running if relayed is not None else None)
         except RouterError as e:
             err = from_router_error(e)
             metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)

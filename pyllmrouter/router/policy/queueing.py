@@ -2,8 +2,10 @@
 
     rank(priority, created, seq, now, age)   a waiting request's place: the higher priority
                                              first (a preset's ``priority``), then first come
-                                             first served; every ``age`` seconds of waiting
-                                             lift it one level, so none waits forever
+                                             first served (by arrival: a request sent on from
+                                             another node arrived when it first did); every
+                                             ``age`` seconds of waiting lift it one level, so
+                                             none waits forever
     waiting(tickets, leases, slots, loaded)  requests of one model that hold no slot: those
                                              queued in the router for a load, and those past
                                              its parallel slots, queued in its engine
@@ -25,10 +27,10 @@ from dataclasses import dataclass
 __all__ = ["rank", "waiting", "Queued", "Held", "tally", "Refusal", "refusal"]
 
 
-def rank(priority: int, created: float, seq: int, now: float, age: float) -> tuple[int, int]:
+def rank(priority: int, created: float, seq: int, now: float, age: float) -> tuple[int, float, int]:
     """Lower ranks go first."""
     lift = int(max(0.0, now - created) // age) if age > 0 else 0
-    return (-(priority + lift), seq)
+    return (-(priority + lift), created, seq)
 
 
 def waiting(tickets: int, leases: int, slots: int, loaded: bool) -> int:

@@ -1,0 +1,124 @@
+"""ray_bench.py --kill-node: one node of the cluster lost under load, and started again.
+
+``drive`` sends the round's requests from ``clients`` threads, in order; once
+``kill_at`` of them have been sent, the node is killed (its raylet and every process
+under it, SIGKILL: pyllmrouter.tools.nodekill), and once ``restart_at`` have been, a
+node is started in its place (as ``ray start`` would: a new node id).  Every request
+is recorded: when it was sent and answered, its status, the node that answered and,
+for ours, the nodes lost before it was sent on (x-pyllmrouter-retried).
+
+``summary`` reads a round: ok, retried, failed by kind; the seconds from the kill to
+the first success of a model that lived on the killed node (the node that answered it
+last before the kill); the seconds from the restart to the new node's first answer;
+p99 latency of the requests sent before the kill, between the kill and the restart,
+and after the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from _load import percentile  # noqa: E402
+
+from pyllmrouter.tools.nodekill import kill_node
+
+
+@dataclass
+class Outage:
+    """The node to kill and what starts it again: ``restart()`` returns the new node."""
+
+    node: Any
+    restart: Callable[[], Any]
+    killed_at: float | None = None
+    restarted_at: float | None = None
+    new_node: Any = None
+    events: list[str] = field(default_factory=list)
+
+
+def drive(base: str, order: list[str], clients: int, headers_for, outage: Outage, kill_at: float,
+          restart_at: float) -> list[dict]:
+    queue = list(enumerate(order))
+    lock = threading.Lock()
+    records: list[dict] = []
+    kill_n, restart_n = int(kill_at * len(order)), int(restart_at * len(order))
+
+    def act(sent: int) -> None:  # the client that sent the kill_n-th request kills, in its thread
+        if sent == kill_n:
+            outage.killed_at = time.monotonic()
+            outage.events.append(f"killed {kill_node(outage.node)} processes")
+        elif sent == restart_n:
+            outage.restarted_at = time.monotonic()
+            outage.new_node = outage.restart()
+
+    def client() -> None:
+        http = httpx.Client(base_url=base, timeout=300)
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i, model = queue.pop(0)
+            if i in (kill_n, restart_n):
+                act(i)
+            t0 = time.monotonic()
+            try:
+                r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 8},
+                              headers=headers_for(model))
+                status, headers, text = r.status_code, r.headers, r.text
+            except httpx.HTTPError as e:
+                status, headers, text = 0, {}, f"{type(e).__name__}: {e}"
+            with lock:
+                records.append({"i": i, "model": model, "sent": t0, "done": time.monotonic(), "status": status,
+                                "node": headers.get("x-pyllmrouter-node"), "retried": headers.get("x-pyllmrouter-retried"),
+                                "kind": None if status == 200 else _kind(status, text)})
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sorted(records, key=lambda r: r["i"])
+
+
+def _kind(status: int, text: str) -> str:
+    """A failure's kind: its status and error code (or the first words of its text)."""
+    try:
+        err = json.loads(text).get("error", {})
+        what = err.get("code") if isinstance(err, dict) else None
+        what = what or (err.get("message", "") if isinstance(err, dict) else str(err))[:40]
+    except (ValueError, AttributeError):
+        what = text[:40]
+    return f"{status} {what}".strip()
+
+
+def summary(records: list[dict], outage: Outage) -> dict:
+    killed, new = outage.node.node_id, outage.new_node.node_id if outage.new_node is not None else None
+    k, r = outage.killed_at, outage.restarted_at or float("inf")
+    last: dict[str, str | None] = {}
+    for rec in sorted((x for x in records if x["done"] < k and x["status"] == 200), key=lambda x: x["done"]):
+        last[rec["model"]] = rec["node"]
+    lived = {m for m, n in last.items() if n == killed}
+    moved = [x["done"] - k for x in records if x["model"] in lived and x["done"] > k and x["status"] == 200
+             and x["node"] != killed]
+    back = [x["done"] - r for x in records if new is not None and x["node"] == new]
+    failed: dict[str, int] = {}
+    for x in records:
+        if x["kind"]:
+            failed[x["kind"]] = failed.get(x["kind"], 0) + 1
+
+    def p99(sel) -> float:
+        xs = [x["done"] - x["sent"] for x in records if sel(x) and x["status"] == 200]
+        return percentile(xs, 0.99) * 1e3 if xs else float("nan")
+
+    return {"ok": sum(x["status"] == 200 for x in records), "retried": sum(bool(x["retried"]) for x in records),
+            "failed": sum(failed.values()), "failed_kinds": failed,
+            "lost_unanswered_failed": sum(1 for x in records if x["kind"] and x["sent"] < k < x["done"]),
+            "models_on_killed_node": sorted(lived), "first_moved_success_s": min(moved) if moved else None,
+            "rejoin_s": min(back) if back else None,
+            "p99_ms_before": p99(lambda x: x["sent"] < k), "p99_ms_during": p99(lambda x: k <= x["sent"] < r),
+            "p99_ms_after": p99(lambda x: x["sent"] >= r)}

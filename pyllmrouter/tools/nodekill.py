@@ -1,0 +1,45 @@
+"""Take a node of a local Ray cluster (``ray.cluster_utils.Cluster``) away as a machine
+that dies would go: its raylet and every process under it (the replica, its workers)
+killed at once with SIGKILL, nothing told first.  For the tests and ``bench/ray_bench.py``."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+__all__ = ["kill_node", "process_tree"]
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every live process under it (Linux: read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, ()))
+    return tree
+
+
+def kill_node(node: Any) -> int:
+    """SIGKILL ``node``'s raylet (a ``Cluster.add_node`` result) and every process under
+    it, all at once; the number of processes killed."""
+    pids = [p for info in node.all_processes["raylet"] for p in process_tree(info.process.pid)]
+    killed = 0
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    return killed

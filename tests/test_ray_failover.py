@@ -1,0 +1,209 @@
+"""A node lost under load on a real local Ray cluster (a head and three nodes of one
+emulated 64 MiB device each): its raylet and every process under it SIGKILLed with
+requests in every state on it, then a node started again in its place.
+
+Models (bytes by the probe): a, b ~6 MiB (one slot each); big, big2, big3 ~51 MiB
+(one per node, beside a and b).  Placement is best fit, so a, b and big share the
+first node they are asked of.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pyllmrouter.ray import failover  # noqa: E402
+from pyllmrouter.tools.loopback import free_port  # noqa: E402
+from pyllmrouter.tools.nodekill import kill_node  # noqa: E402
+
+pytestmark = [pytest.mark.slow]  # a Ray cluster, Serve and worker processes
+
+NODE = {"PYLLMROUTER_EMULATE_DEVICES": "GPU0=64MiB"}
+MODELS = {"a": ("tiny-llama", 2048), "b": ("tiny-moe", 2048), "big": ("tiny-llama", 32768),
+          "big2": ("tiny-moe", 32768), "big3": ("tiny-llama", 32769)}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny, tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    from pyllmrouter import cli
+
+    d = tmp_path_factory.mktemp("ray-failover")
+    preset = d / "models.ini"
+    preset.write_text("".join(f"[{name}]\nmodel = {tiny[kind]}\nctx-size = {ctx}\nparallel = 1\n\n"
+                              for name, (kind, ctx) in MODELS.items()))
+    env = {**NODE, "PYLLMROUTER_CACHE": str(d / "cache")}
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    nodes = [c.add_node(num_cpus=1, resources={"pyllmrouter": 1}, env_vars=env) for _ in range(3)]
+    ray.init(address=c.address)
+    port = free_port()
+    try:
+        assert cli.main(["ray", "--models-preset", str(preset), "--models-memory-margin", "0",
+                         "--queue-timeout", "120", "--port", str(port), "--address", c.address]) == 0
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=180)
+        _wait_measured(client, {n.node_id for n in nodes})
+        yield c, client, nodes, env
+    finally:
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        c.shutdown()
+
+
+def _wait_measured(client: httpx.Client, nodes: set[str], timeout: float = 180) -> None:
+    """Until every node in ``nodes`` answers /models with every model measured, and the
+    request router has read their statistics since (a period is 1 s)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = client.get("/models").json()
+        if set(view["nodes"]) >= nodes and view["data"] and all(
+                all(e.get("memory", {}).get("requirement") for n, e in m["nodes"].items() if n in nodes)
+                and set(m["nodes"]) >= nodes for m in view["data"]):
+            time.sleep(2.0)
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the nodes did not measure their models in {timeout} s: {view}")
+
+
+def _state(client: httpx.Client, node: str, model: str) -> str:
+    view = client.get("/models", params={"node": node}).json()
+    return next(m["status"]["value"] for m in view["data"] if m["id"] == model)
+
+
+def _in_flight(client: httpx.Client, node: str, model: str) -> int:
+    view = client.get("/models", params={"node": node}).json()
+    return next(m["in_flight"] for m in view["data"] if m["id"] == model)
+
+
+def _where(client: httpx.Client) -> dict[str, list[str]]:
+    return {m["id"]: m["loaded_on"] for m in client.get("/models").json()["data"]}
+
+
+def _events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+
+def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
+    """On the killed node: a stream under way (it ends with an error event), a whole
+    request running (502, it ran there), requests queued in a's engine behind the stream
+    (whole and streamed) and a load in progress (big: the node's worker is stopped first,
+    so the load cannot end before the kill).  Those that had not begun are
+    answered by another node, sent on once, and the first within 10 s of the kill."""
+    c, client, nodes, _ = cluster
+    r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+    x = r.headers["x-pyllmrouter-node"]
+    r = client.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] == x  # best fit: beside a
+    victim = next(n for n in nodes if n.node_id == x)
+    results: dict[str, tuple] = {}
+
+    def send(key: str, body: dict, started: threading.Event | None = None) -> None:
+        try:
+            with client.stream("POST", "/v1/completions", json=body) as r:
+                chunks = r.iter_raw()
+                first = next(chunks, b"")
+                if started is not None:
+                    started.set()
+                data = first + b"".join(chunks)
+                results[key] = (r.status_code, dict(r.headers), data.decode(errors="replace"), time.monotonic())
+        except httpx.HTTPError as e:
+            results[key] = (0, {}, repr(e), time.monotonic())
+
+    long = {"prompt": "hi", "max_tokens": 6000, "ignore_eos": True}
+    streaming = threading.Event()
+    threads = [threading.Thread(target=send, args=("stream", {"model": "a", "stream": True, **long}, streaming))]
+    threads[0].start()
+    assert streaming.wait(60)
+    threads.append(threading.Thread(target=send, args=("running", {"model": "b", **long})))
+    threads[-1].start()
+    deadline = time.monotonic() + 30
+    while _in_flight(client, x, "b") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # x's worker stopped (a machine that hangs before it dies): the load of big that
+    # comes next stays under way, and nothing on x answers any more
+    worker = next(w["pid"] for w in client.get("/devices", params={"node": x}).json()["workers"]
+                  if w["devices"] == ["GPU0"])
+    os.kill(worker, signal.SIGSTOP)
+    for i in range(3):  # behind the stream in a's one slot
+        threads.append(threading.Thread(target=send, args=(f"queued{i}", {"model": "a", "prompt": "hi",
+                                                                           "max_tokens": 4})))
+    threads.append(threading.Thread(target=send, args=("queued-stream", {"model": "a", "prompt": "hi",
+                                                                          "max_tokens": 4, "stream": True})))
+    threads.append(threading.Thread(target=send, args=("load", {"model": "big", "prompt": "hi", "max_tokens": 4})))
+    for t in threads[2:]:
+        t.start()
+    deadline = time.monotonic() + 30
+    while (_in_flight(client, x, "a") < 5 or _state(client, x, "big") != "loading") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert _state(client, x, "big") == "loading" and _in_flight(client, x, "a") == 5
+    killed_at = time.monotonic()
+    assert kill_node(victim) > 1
+    for t in threads:
+        t.join(120)
+    c.remove_node(victim, allow_graceful=False)
+
+    status, _, text, _ = results["stream"]
+    assert status == 200 and "died" in text and _events(text)[-1]["error"]["code"] == 502, text[-300:]
+    status, _, text, _ = results["running"]
+    assert status == 502 and json.loads(text)["error"]["code"] == "node_died" and "running" in text, text
+    moved = [k for k in results if k.startswith("queued") or k == "load"]
+    for key in moved:
+        status, headers, text, _ = results[key]
+        assert status == 200, (key, text)
+        assert headers["x-pyllmrouter-retried"] == x and headers["x-pyllmrouter-node"] != x, (key, headers)
+        assert not any("error" in e for e in _events(text)), (key, text)
+    assert min(results[k][3] for k in moved) - killed_at < 10
+    where = _where(client)
+    assert x not in {n for on in where.values() for n in on}
+    assert where["big"] and where["a"]
+
+
+def test_a_lost_node_is_left_out_until_the_cluster_has_seen_it_gone():
+    now = [100.0]
+    lost = failover.LostNodes(lambda: now[0], hold=30)
+    lost.add({"x"})
+    now[0] += 29
+    lost.add({"y"})
+    assert lost.now() == {"x", "y"}
+    now[0] += 2
+    assert lost.now() == {"y"}  # x's hold is over: a paused node is tried again
+
+
+@pytest.mark.parametrize("began,retried,for_model,then", [
+    (False, False, True, failover.RETRY),   # nothing sent yet: to another node
+    (False, True, True, failover.FAIL),     # lost a second time: not sent on twice
+    (True, False, True, failover.FAIL),     # it ran there (a status, or a whole reply's Started)
+    (False, False, False, failover.FAIL),   # a question for one named node
+])
+def test_only_a_request_that_had_not_begun_is_sent_on_and_only_once(began, retried, for_model, then):
+    assert failover.after_loss(began, retried, for_model) == then
+
+
+def test_a_node_started_again_rejoins_and_takes_requests(cluster):
+    """A node started as the lost one was (ray start): its replica is placed, measures
+    its models and the request router sends it what fits only there, no redeploy."""
+    c, client, nodes, env = cluster
+    alive = [n for n in nodes if n in c.worker_nodes]  # the killed one was removed from the cluster's list
+    assert len(alive) == 2
+    for model in ("big", "big2"):  # one on each node left: neither can take another big one
+        assert client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}).status_code == 200
+    where = _where(client)
+    assert sorted(where["big"] + where["big2"]) == sorted(n.node_id for n in alive)
+    t0 = time.monotonic()
+    back = c.add_node(num_cpus=1, resources={"pyllmrouter": 1}, env_vars=env)
+    _wait_measured(client, {back.node_id})
+    rejoined = time.monotonic() - t0
+    r = client.post("/v1/completions", json={"model": "big3", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] == back.node_id, (r.text, rejoined)
+    assert _where(client)["big"] and _where(client)["big2"]  # nothing was evicted for it
