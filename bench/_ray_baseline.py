@@ -78,9 +78,13 @@ class _Replica:
     async def __call__(self, request) -> dict:
         from pyllmrouter.engine.loader import request as engine_request
 
+        from starlette.responses import JSONResponse
+
         model = await self.get_model(serve.get_multiplexed_model_id())
         body = json.loads(await request.body())
-        return await asyncio.to_thread(engine_request, model.engine, "/v1/completions", body)
+        answer = await asyncio.to_thread(engine_request, model.engine, "/v1/completions", body)
+        # the node that answered, under the header ours sends (ray_bench --kill-node reads it)
+        return JSONResponse(answer, headers={"x-pyllmrouter-node": ray.get_runtime_context().get_node_id()})
 
 
 def build(preset: str, replicas: int, per_replica: int):

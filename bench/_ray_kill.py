@@ -43,18 +43,13 @@ class Outage:
 
 def drive(base: str, order: list[str], clients: int, headers_for, outage: Outage, kill_at: float,
           restart_at: float) -> list[dict]:
+    """The caller's thread kills and restarts (Ray starts a node from the main thread only)
+    when the clients have sent the kill_at-th and restart_at-th request."""
     queue = list(enumerate(order))
     lock = threading.Lock()
     records: list[dict] = []
     kill_n, restart_n = int(kill_at * len(order)), int(restart_at * len(order))
-
-    def act(sent: int) -> None:  # the client that sent the kill_n-th request kills, in its thread
-        if sent == kill_n:
-            outage.killed_at = time.monotonic()
-            outage.events.append(f"killed {kill_node(outage.node)} processes")
-        elif sent == restart_n:
-            outage.restarted_at = time.monotonic()
-            outage.new_node = outage.restart()
+    reached = {kill_n: threading.Event(), restart_n: threading.Event()}
 
     def client() -> None:
         http = httpx.Client(base_url=base, timeout=300)
@@ -63,8 +58,8 @@ def drive(base: str, order: list[str], clients: int, headers_for, outage: Outage
                 if not queue:
                     return
                 i, model = queue.pop(0)
-            if i in (kill_n, restart_n):
-                act(i)
+            if i in reached:
+                reached[i].set()
             t0 = time.monotonic()
             try:
                 r = http.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 8},
@@ -80,6 +75,12 @@ def drive(base: str, order: list[str], clients: int, headers_for, outage: Outage
     threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
         t.start()
+    if reached[kill_n].wait(600):
+        outage.killed_at = time.monotonic()
+        outage.events.append(f"killed {kill_node(outage.node)} processes")
+    if reached[restart_n].wait(600):
+        outage.restarted_at = time.monotonic()
+        outage.new_node = outage.restart()
     for t in threads:
         t.join()
     return sorted(records, key=lambda r: r["i"])
@@ -115,9 +116,13 @@ def summary(records: list[dict], outage: Outage) -> dict:
         xs = [x["done"] - x["sent"] for x in records if sel(x) and x["status"] == 200]
         return percentile(xs, 0.99) * 1e3 if xs else float("nan")
 
-    return {"ok": sum(x["status"] == 200 for x in records), "retried": sum(bool(x["retried"]) for x in records),
+    start = min(x["sent"] for x in records)
+    return {"wall_s": max(x["done"] for x in records) - start, "kill_s": k - start,
+            "restart_s": (outage.restarted_at - start) if outage.restarted_at else None,
+            "ok": sum(x["status"] == 200 for x in records), "retried": sum(bool(x["retried"]) for x in records),
             "failed": sum(failed.values()), "failed_kinds": failed,
-            "lost_unanswered_failed": sum(1 for x in records if x["kind"] and x["sent"] < k < x["done"]),
+            "in_flight_at_kill": sum(1 for x in records if x["sent"] < k < x["done"]),
+            "in_flight_at_kill_failed": sum(1 for x in records if x["kind"] and x["sent"] < k < x["done"]),
             "models_on_killed_node": sorted(lived), "first_moved_success_s": min(moved) if moved else None,
             "rejoin_s": min(back) if back else None,
             "p99_ms_before": p99(lambda x: x["sent"] < k), "p99_ms_during": p99(lambda x: k <= x["sent"] < r),

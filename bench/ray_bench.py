@@ -20,7 +20,15 @@ the geometric mean of the per-round requests/s ratios with a 95 % confidence
 interval (the machine is shared and noisy: one round is not a comparison).  Prints
 a table and writes JSON (default bench/results/ray_bench.json).
 
+With ``--kill-node`` every run loses the 48 MiB node under load (its raylet and every
+process under it SIGKILLed once ``--kill-at`` of the requests have been sent) and
+starts a node in its place once ``--restart-at`` have been (bench/_ray_kill.py); the
+table then gives per round ok, sent on (ours), failed by kind, the seconds from the kill
+to the first success of a model that lived there, and p99 latency before, during and
+after (default bench/results/ray_kill_bench.json).
+
     python bench/ray_bench.py [--requests N] [--clients C] [--per-replica K,K] [--rounds R] [--out FILE]
+    python bench/ray_bench.py --kill-node [--kill-at 0.3] [--restart-at 0.5] ...
 """
 
 from __future__ import annotations
@@ -40,10 +48,12 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).parent))
+import _ray_kill  # noqa: E402
 from _load import percentile, ratio_interval, run_clients  # noqa: E402
 from _ray_baseline import COUNTERS, Counters, build as build_baseline  # noqa: E402
 
 from pyllmrouter.ray.deploy import deploy  # noqa: E402
+from pyllmrouter.ray.ingress import node_ids  # noqa: E402
 from pyllmrouter.tables import render  # noqa: E402
 from pyllmrouter.tools import tinymodels  # noqa: E402
 from pyllmrouter.tools.loopback import free_port  # noqa: E402
@@ -89,7 +99,7 @@ def drive(base: str, order: list[str], clients: int, headers_for) -> dict:
             "rps": len(done) / run.wall, "seconds": done}
 
 
-def ours(cluster_address: str, preset: Path, port: int, order: list[str], clients: int) -> dict:
+def ours(cluster_address: str, preset: Path, port: int, order: list[str], clients: int, run=None) -> dict:
     deploy(["--models-preset", str(preset), "--models-memory-margin", "0", "--queue-timeout", "300"],
            address=cluster_address, port=port, stats_period=STATS_PERIOD)
     base = f"http://127.0.0.1:{port}"
@@ -101,7 +111,7 @@ def ours(cluster_address: str, preset: Path, port: int, order: list[str], client
             time.sleep(2 * STATS_PERIOD)  # and the request router has read every node's statistics since
             break
         time.sleep(0.5)
-    result = drive(base, order, clients, lambda m: {})
+    result = (run or drive)(base, order, clients, lambda m: {})
     view = httpx.get(base + "/models", timeout=60).json()
     events = httpx.get(base + "/events", timeout=60).json()["data"]
     result.update(loads=sum(e["loads"] for m in view["data"] for e in m["nodes"].values()),
@@ -111,10 +121,10 @@ def ours(cluster_address: str, preset: Path, port: int, order: list[str], client
     return result
 
 
-def baseline(preset: Path, port: int, order: list[str], clients: int, per_replica: int) -> dict:
+def baseline(preset: Path, port: int, order: list[str], clients: int, per_replica: int, run=None) -> dict:
     counters = Counters.options(name=COUNTERS).remote()
     serve.run(build_baseline(str(preset), len(NODES), per_replica), name="multiplexed", route_prefix="/")
-    result = drive(f"http://127.0.0.1:{port}", order, clients, lambda m: {"serve_multiplexed_model_id": m})
+    result = (run or drive)(f"http://127.0.0.1:{port}", order, clients, lambda m: {"serve_multiplexed_model_id": m})
     result.update(ray.get(counters.get.remote()))
     serve.delete("multiplexed")
     ray.kill(counters)  # its name is free for the next round's
@@ -127,8 +137,12 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--per-replica", default="2,3", help="Serve's max_num_models_per_replica, one run each")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "ray_bench.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/ray_bench.json (ray_kill_bench.json)")
+    ap.add_argument("--kill-node", action="store_true", help="lose the 48 MiB node under load in every run")
+    ap.add_argument("--kill-at", type=float, default=0.25, help="the share of requests sent before the kill")
+    ap.add_argument("--restart-at", type=float, default=0.4, help="the share sent before a node starts again")
     a = ap.parse_args()
+    a.out = a.out or str(Path(__file__).parent / "results" / ("ray_kill_bench.json" if a.kill_node else "ray_bench.json"))
 
     d = Path(tempfile.mkdtemp(prefix="ray-bench-"))
     tiny = tinymodels.write_tiny_set(d / "models")
@@ -136,9 +150,12 @@ def main() -> int:
     preset.write_text("".join(f"[{name}]\nmodel = {tiny[kind]}\nctx-size = {ctx}\nparallel = 1\n\n"
                               for name, (kind, ctx, _) in MODELS.items()))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    for mib in NODES:
-        cluster.add_node(num_cpus=1, resources={"pyllmrouter": 1},
-                         env_vars={"PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB", "PYLLMROUTER_CACHE": str(d / "cache")})
+
+    def start_node(mib: int):
+        return cluster.add_node(num_cpus=1, resources={"pyllmrouter": 1}, env_vars={
+            "PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB", "PYLLMROUTER_CACHE": str(d / "cache")})
+
+    nodes = [start_node(mib) for mib in NODES]
     ray.init(address=cluster.address)
     port, base_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": base_port}, proxy_location="HeadOnly")
@@ -149,14 +166,26 @@ def main() -> int:
     try:
         for rnd in range(a.rounds):
             for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                outage = run = None
+                if a.kill_node:  # the middle node, lost and started again
+                    outage = _ray_kill.Outage(nodes[1], lambda: start_node(NODES[1]))
+
+                    def run(base, order_, clients_, headers_for, outage=outage):
+                        records = _ray_kill.drive(base, order_, clients_, headers_for, outage, a.kill_at, a.restart_at)
+                        return {**_ray_kill.summary(records, outage), "records": records}
                 if name == "pyllmrouter":
-                    runs[name].append(ours(cluster.address, preset, port, order, a.clients))
+                    runs[name].append(ours(cluster.address, preset, port, order, a.clients, run))
                 else:
-                    runs[name].append(baseline(preset, base_port, order, a.clients, per_replica[name]))
+                    runs[name].append(baseline(preset, base_port, order, a.clients, per_replica[name], run))
+                if outage is not None:
+                    nodes[1] = _recover(cluster, outage, start_node)
     finally:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+
+    if a.kill_node:
+        return _kill_report(a, names, runs)
 
     def per_round(name: str, key: str) -> str:
         return "/".join(str(r[key]) for r in runs[name])
@@ -187,6 +216,51 @@ def main() -> int:
     out = {"nodes_mib": NODES, "models": {m: v[:2] for m, v in MODELS.items()}, "requests": a.requests,
            "clients": a.clients, "rounds": a.rounds, "summary": summary, "runs": runs,
            "rps_ratio": {n: list(v) for n, v in ratios.items()}}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {a.out}")
+    return 0
+
+
+def _recover(cluster: Cluster, outage: "_ray_kill.Outage", start_node) -> object:
+    """After a round that lost a node: the node started again (if the round ended first),
+    the lost one dropped from the cluster's list, and Ray's view back to three live nodes
+    (a redeploy counts the live nodes): the node that stands in for the lost one."""
+    new = outage.new_node or start_node(NODES[1])
+    cluster.remove_node(outage.node, allow_graceful=False)
+    deadline = time.monotonic() + 120
+    while len(node_ids()) != len(NODES) and time.monotonic() < deadline:
+        time.sleep(1)
+    return new
+
+
+def _kill_report(a, names: list[str], runs: dict[str, list[dict]]) -> int:
+    keys = ("wall_s", "kill_s", "restart_s", "ok", "retried", "failed", "in_flight_at_kill", "in_flight_at_kill_failed",
+            "first_moved_success_s", "rejoin_s",
+            "p99_ms_before", "p99_ms_during", "p99_ms_after")
+
+    def cell(r: dict, key: str) -> str:
+        v = r[key]
+        return "-" if v is None else (f"{v:.1f}" if isinstance(v, float) else str(v))
+
+    rows = [[k] + ["/".join(cell(r, k) for r in runs[n]) for n in names] for k in keys]
+    def kinds(name: str) -> str:  # over all rounds
+        total: dict[str, int] = {}
+        for r in runs[name]:
+            for kind, count in r["failed_kinds"].items():
+                total[kind] = total.get(kind, 0) + count
+        return "; ".join(f"{kind}: {count}" for kind, count in sorted(total.items())) or "-"
+
+    rows.append(["failed, by kind (all rounds)"] + [kinds(n) for n in names])
+    print(f"{a.requests} requests, {a.clients} clients, 3 nodes ({', '.join(f'{n} MiB' for n in NODES)}), the "
+          f"{NODES[1]} MiB node killed after {a.kill_at:.0%} of the requests were sent and started again after "
+          f"{a.restart_at:.0%}; {a.rounds} rounds (each cell: round 1/2/3)\n")
+    print(render([""] + names, rows))
+    for rs in runs.values():
+        for r in rs:
+            r.pop("records")
+    out = {"nodes_mib": NODES, "killed_mib": NODES[1], "kill_at": a.kill_at, "restart_at": a.restart_at,
+           "requests": a.requests, "clients": a.clients, "rounds": a.rounds, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {a.out}")

@@ -207,3 +207,25 @@ def test_a_node_started_again_rejoins_and_takes_requests(cluster):
     r = client.post("/v1/completions", json={"model": "big3", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] == back.node_id, (r.text, rejoined)
     assert _where(client)["big"] and _where(client)["big2"]  # nothing was evicted for it
+
+
+def test_a_replica_that_stops_answering_its_statistics_is_left_out(cluster):
+    """A node's replica stopped (SIGSTOP: it neither answers nor fails): once its
+    statistics have not changed for request_router.SILENT seconds, a request for the
+    model it holds goes to another node; resumed, it is used again."""
+    from pyllmrouter.ray.request_router import SILENT
+
+    _, client, _, _ = cluster
+    r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+    y = r.headers["x-pyllmrouter-node"]
+    worker = client.get("/devices", params={"node": y}).json()["workers"][0]["pid"]
+    with open(f"/proc/{worker}/stat") as f:
+        replica = int(f.read().rsplit(")", 1)[1].split()[1])  # the worker's parent: the node's replica
+    os.kill(replica, signal.SIGSTOP)
+    try:
+        time.sleep(SILENT + 2)
+        r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] != y, r.headers
+    finally:
+        os.kill(replica, signal.SIGCONT)

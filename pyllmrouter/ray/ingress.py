@@ -44,6 +44,9 @@ FAN_OUT = ("/models", "/v1/models", "/devices", "/events")
 RETRIED = frozenset({507, 429, 503})
 ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
 PING_TIMEOUT = 2.0  # seconds a node has to answer, after a call to some node failed
+# pings a node gets while another node's replica answers them: Serve hands a chosen replica
+# to the oldest call waiting, so under load one ping may be answered by another node
+PINGS = 3
 
 _LOG = logging.getLogger("pyllmrouter.ray")
 
@@ -57,6 +60,7 @@ class Ingress:
         self.nodes = nodes  # the NodeRouter deployment's handle
         self._lost = failover.LostNodes(time.monotonic)  # this event loop's only
         self._probing: asyncio.Future | None = None  # the round of pings under way
+        self._actors: dict[str, str] = {}  # a replica's actor id -> its node, as its replies say
         self.api_key, self.max_body = api_key, max_body
         try:  # bound here: a port in use is this constructor's error (uvicorn would exit the process)
             listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -177,7 +181,7 @@ class Ingress:
                 replies.cancel()
                 raise
             except RayActorError as e:
-                lost = await self._find_lost()
+                lost = self._lose(e.actor_id) or await self._find_lost()
                 if failover.after_loss(began, retried is not None, model is not None) == failover.FAIL:
                     raise ApiError(502, _lost_message(model or plain.path, e, began, retried),
                                    "server_error", "node_died") from None
@@ -187,6 +191,7 @@ class Ingress:
                 plain = replace(plain, waited=time.monotonic() - arrived)
                 continue
             head, rest = first if isinstance(first, tuple) else (first, replies)
+            self._actors[head.actor] = head.node
             if head.status not in RETRIED or model is None:
                 return await _relay(head, rest, model, retried)
             data = rest if isinstance(rest, bytes) else b"".join([c async for c in rest])
@@ -200,6 +205,15 @@ class Ingress:
                     return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
                 return await _relay(*refused, model, retried)
             plain = replace(plain, exclude=plain.exclude | {head.node})
+
+    def _lose(self, actor: str | None) -> frozenset[str]:
+        """A failed call's replica (``actor``): its node is left out at once where a reply
+        of that replica has named it; empty where none has (the nodes are then asked)."""
+        node = self._actors.get(actor or "")
+        if node is None:
+            return frozenset()
+        self._lost.add({node})
+        return self._lost.now()
 
     async def _find_lost(self) -> frozenset[str]:
         """The nodes lost now: after a call failed, every node not left out yet is asked
@@ -215,12 +229,16 @@ class Ingress:
         for node in node_ids():  # one after the other: see _ask_all
             if node in self._lost.now():
                 continue
-            try:
-                answer = await asyncio.wait_for(self.nodes.ping.remote(NodeRequest("GET", "/ping", node=node)),
-                                                PING_TIMEOUT)
-            except (asyncio.TimeoutError, RayError):
-                answer = None
-            if answer != node:  # no answer, or another node's: it has no replica now
+            for _ in range(PINGS):
+                try:
+                    answer = await asyncio.wait_for(
+                        self.nodes.ping.remote(NodeRequest("GET", "/ping", node=node)), PING_TIMEOUT)
+                except (asyncio.TimeoutError, RayError):
+                    gone.add(node)  # no answer
+                    break
+                if answer == node:
+                    break
+            else:  # another node's answer each time: it has no replica now (not a call Serve swapped)
                 gone.add(node)
         self._lost.add(gone)
 

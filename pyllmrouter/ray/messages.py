@@ -46,3 +46,4 @@ class Head:
     status: int
     headers: tuple[tuple[str, str], ...]
     node: str
+    actor: str = ""  # the replica's actor id: a call that fails names it (RayActorError.actor_id)

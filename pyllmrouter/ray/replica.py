@@ -42,6 +42,7 @@ class NodeRouter:
     def __init__(self, serve_args: list[str]):
         args = parse_serve_args(serve_args)
         self.node = ray.get_runtime_context().get_node_id()
+        self.actor = ray.get_runtime_context().get_actor_id() or ""
         self.router = router_from_args(args)
         self.app = create_app(self.router, close_router=False, max_body=int(args.max_body_mb * MiB))
         self._lifespan = None
@@ -78,7 +79,7 @@ class NodeRouter:
         then (Head, body).  Cancelled (the client left): the app sees a disconnect, and a
         generation stops."""
         if request.node is not None and request.node != self.node:  # never answer for another node
-            yield Head(421, (("content-type", "application/json"),), self.node)
+            yield Head(421, (("content-type", "application/json"),), self.node, self.actor)
             yield json.dumps({"error": {"message": f"this is node {self.node}, not {request.node}",
                                         "type": "misdirected_request", "code": 421}}).encode()
             return
@@ -122,7 +123,7 @@ class NodeRouter:
                     yield message
                 elif message["type"] == "http.response.start":
                     headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"])
-                    head = Head(message["status"], headers, self.node)
+                    head = Head(message["status"], headers, self.node, self.actor)
                     if not request.whole:
                         yield head
                 elif message.get("body"):
