@@ -10,8 +10,8 @@ for ours, the nodes lost before it was sent on (x-pyllmrouter-retried).
 ``summary`` reads a round: ok, retried, failed by kind; the seconds from the kill to
 the first success of a model that lived on the killed node (the node that answered it
 last before the kill); the seconds from the restart to the new node's first answer;
-p99 latency of the requests sent before the kill, between the kill and the restart,
-and after the restart.
+p99 latency of the requests sent before the kill, between the kill and the new node's
+first answer (the restart, where it gave none), and after.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def summary(records: list[dict], outage: Outage) -> dict:
     moved = [x["done"] - k for x in records if x["model"] in lived and x["done"] > k and x["status"] == 200
              and x["node"] != killed]
     back = [x["done"] - r for x in records if new is not None and x["node"] == new]
+    end = r + min(back) if back else r  # the outage ends with the new node's first answer
     failed: dict[str, int] = {}
     for x in records:
         if x["kind"]:
@@ -125,5 +126,5 @@ def summary(records: list[dict], outage: Outage) -> dict:
             "in_flight_at_kill_failed": sum(1 for x in records if x["kind"] and x["sent"] < k < x["done"]),
             "models_on_killed_node": sorted(lived), "first_moved_success_s": min(moved) if moved else None,
             "rejoin_s": min(back) if back else None,
-            "p99_ms_before": p99(lambda x: x["sent"] < k), "p99_ms_during": p99(lambda x: k <= x["sent"] < r),
-            "p99_ms_after": p99(lambda x: x["sent"] >= r)}
+            "p99_ms_before": p99(lambda x: x["sent"] < k), "p99_ms_during": p99(lambda x: k <= x["sent"] < end),
+            "p99_ms_after": p99(lambda x: x["sent"] >= end)}

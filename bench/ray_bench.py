@@ -52,7 +52,7 @@ import _ray_kill  # noqa: E402
 from _load import percentile, ratio_interval, run_clients  # noqa: E402
 from _ray_baseline import COUNTERS, Counters, build as build_baseline  # noqa: E402
 
-from pyllmrouter.ray.deploy import deploy  # noqa: E402
+from pyllmrouter.ray.deploy import HEAD_RESOURCE, deploy  # noqa: E402
 from pyllmrouter.ray.ingress import node_ids  # noqa: E402
 from pyllmrouter.tables import render  # noqa: E402
 from pyllmrouter.tools import tinymodels  # noqa: E402
@@ -96,7 +96,8 @@ def drive(base: str, order: list[str], clients: int, headers_for) -> dict:
     run = run_clients(make, clients, -(-len(order) // clients), errors=(RuntimeError, httpx.HTTPError))
     done = [s for s, v in zip(run.seconds, run.values) if v is not None]
     return {"ok": len(done), "errors": len(run.errors), "first_errors": run.errors[:3], "wall_s": run.wall,
-            "rps": len(done) / run.wall, "seconds": done}
+            "rps": len(done) / run.wall, "p99_ms": percentile(done, 0.99) * 1e3 if done else float("nan"),
+            "seconds": done}
 
 
 def ours(cluster_address: str, preset: Path, port: int, order: list[str], clients: int, run=None) -> dict:
@@ -122,7 +123,7 @@ def ours(cluster_address: str, preset: Path, port: int, order: list[str], client
 
 
 def baseline(preset: Path, port: int, order: list[str], clients: int, per_replica: int, run=None) -> dict:
-    counters = Counters.options(name=COUNTERS).remote()
+    counters = Counters.options(name=COUNTERS, resources={HEAD_RESOURCE: 0.001}).remote()  # not on a node killed
     serve.run(build_baseline(str(preset), len(NODES), per_replica), name="multiplexed", route_prefix="/")
     result = (run or drive)(f"http://127.0.0.1:{port}", order, clients, lambda m: {"serve_multiplexed_model_id": m})
     result.update(ray.get(counters.get.remote()))
@@ -198,6 +199,7 @@ def main() -> int:
 
     summary = {n: pooled(n) for n in names}
     rows = [[k] + [per_round(n, k) for n in names] for k in ("loads", "evictions", "failed_loads", "ok", "errors")]
+    rows.append(["p99_ms per round"] + ["/".join(f"{r['p99_ms']:.0f}" for r in runs[n]) for n in names])
     rows += [[k] + [f"{summary[n][k]:.1f}" for n in names] for k in ("rps", "p50_ms", "p99_ms")]
     ratios = {n: ratio_interval([r["rps"] for r in runs["pyllmrouter"]], [r["rps"] for r in runs[n]])
               for n in names[1:]}

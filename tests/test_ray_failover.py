@@ -169,7 +169,12 @@ def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
     assert where["big"] and where["a"]
 
 
-def test_a_lost_node_is_left_out_until_the_cluster_has_seen_it_gone():
+def test_a_replica_is_silent_after_two_readings_missed_at_their_longest():
+    assert failover.silent_after(1.0) == 2 * (1.0 + 5.0)  # Serve gives a reading up after 5 s
+    assert failover.silent_after(10.0) == 2 * (10.0 + 10.0)
+
+
+def test_a_lost_node_is_left_out_for_its_hold_then_tried_again():
     now = [100.0]
     lost = failover.LostNodes(lambda: now[0], hold=30)
     lost.add({"x"})
@@ -211,9 +216,9 @@ def test_a_node_started_again_rejoins_and_takes_requests(cluster):
 
 def test_a_replica_that_stops_answering_its_statistics_is_left_out(cluster):
     """A node's replica stopped (SIGSTOP: it neither answers nor fails): once its
-    statistics have not changed for request_router.SILENT seconds, a request for the
-    model it holds goes to another node; resumed, it is used again."""
-    from pyllmrouter.ray.request_router import SILENT
+    statistics have not changed for failover.silent_after seconds (a reading a second),
+    a request for the model it holds goes to another node."""
+    silent = failover.silent_after(1.0)
 
     _, client, _, _ = cluster
     r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})
@@ -224,7 +229,7 @@ def test_a_replica_that_stops_answering_its_statistics_is_left_out(cluster):
         replica = int(f.read().rsplit(")", 1)[1].split()[1])  # the worker's parent: the node's replica
     os.kill(replica, signal.SIGSTOP)
     try:
-        time.sleep(SILENT + 2)
+        time.sleep(silent + 1)
         r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] != y, r.headers
     finally:

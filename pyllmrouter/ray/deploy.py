@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
+from pyllmrouter.ray import failover
 from pyllmrouter.ray.ingress import NODE_RESOURCE, Ingress, node_ids
 from pyllmrouter.ray.replica import NodeRouter
 from pyllmrouter.server.run import parse_serve_args
@@ -46,7 +47,8 @@ def build(serve_args: Sequence[str], *, host: str = "127.0.0.1", port: int = 808
         ray_actor_options={"num_cpus": 0, "num_gpus": 0, "resources": {NODE_RESOURCE: 1}},
         request_router_config=RequestRouterConfig(
             request_router_class="pyllmrouter.ray.request_router:MemoryAwareRouter",
-            request_routing_stats_period_s=stats_period, request_routing_stats_timeout_s=max(5.0, stats_period)),
+            request_routing_stats_period_s=stats_period,
+            request_routing_stats_timeout_s=failover.stats_timeout(stats_period)),
     )
     # the ingress lives on the head node: a worker node taken away then ends only the
     # requests it served (an error event), not every client's connection
@@ -54,7 +56,7 @@ def build(serve_args: Sequence[str], *, host: str = "127.0.0.1", port: int = 808
                                ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001},
                                                   "runtime_env": {"env_vars": {
                                                       "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "1.0"}}})
-    return ingress.bind(nodes.bind(list(serve_args)), host, port, api_key, max_body, access_log)
+    return ingress.bind(nodes.bind(list(serve_args), stats_period), host, port, api_key, max_body, access_log)
 
 
 def deploy(serve_args: Sequence[str], *, address: str | None = "auto", host: str = "127.0.0.1", port: int = 8080,

@@ -8,20 +8,32 @@ out (pure: no Ray, no clock of its own).
       ├─ a whole reply had Started (its generation ran there): 502 node_died
       └─ a stream had its status: it ends with an error event (ingress._relay)
 
-A lost node is left out of every request for ``hold`` seconds: long enough for the
-cluster to see it gone (Ray's GCS marks a node dead after missed heartbeats, 15 s by
-default); a node the cluster still lists after that was paused, not lost, and is tried
-again.
+A lost node is left out of every request for ``hold`` seconds: longer than Ray takes
+to mark a killed node dead (its GCS misses five health checks, about 15 s), after which
+the node is no longer listed.  A node still listed after the hold is tried again: it
+was unreachable for a while (a hung node whose statistics stopped is left out by the
+request router meanwhile: ``silent_after``).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["HOLD", "RETRY", "FAIL", "after_loss", "LostNodes"]
+__all__ = ["HOLD", "RETRY", "FAIL", "after_loss", "LostNodes", "stats_timeout", "silent_after"]
 
 HOLD = 30.0  # seconds a lost node is left out
 RETRY, FAIL = "retry", "fail"
+
+
+def stats_timeout(period: float) -> float:
+    """Seconds Serve waits for a replica's statistics before it gives a reading up."""
+    return max(5.0, period)
+
+
+def silent_after(period: float) -> float:
+    """Seconds without a new reading of a replica's statistics that mean it stopped
+    answering them: two readings missed at their longest (Serve asks every ``period``)."""
+    return 2 * (period + stats_timeout(period))
 
 
 def after_loss(began: bool, retried: bool, for_model: bool) -> str:

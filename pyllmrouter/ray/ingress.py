@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 import uvicorn
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -59,7 +59,7 @@ class Ingress:
                        access_log: bool = False):
         self.nodes = nodes  # the NodeRouter deployment's handle
         self._lost = failover.LostNodes(time.monotonic)  # this event loop's only
-        self._probing: asyncio.Future | None = None  # the round of pings under way
+        self._probing: tuple[float, asyncio.Future | None] = (0.0, None)  # the last round of pings: when, what
         self._actors: dict[str, str] = {}  # a replica's actor id -> its node, as its replies say
         self.api_key, self.max_body = api_key, max_body
         try:  # bound here: a port in use is this constructor's error (uvicorn would exit the process)
@@ -174,15 +174,18 @@ class Ingress:
             began = False
             try:
                 first = await replies.__anext__()
-                if isinstance(first, Started):
+                while isinstance(first, Started):
                     began = True
                     first = await replies.__anext__()
             except asyncio.CancelledError:  # the client left: the node stops the request
                 replies.cancel()
                 raise
-            except RayActorError as e:
-                lost = self._lose(e.actor_id) or await self._find_lost()
-                if failover.after_loss(began, retried is not None, model is not None) == failover.FAIL:
+            except RayError as e:  # the node lost (or its reply, in its object store)
+                failed_at = time.monotonic()
+                replies.cancel()  # a node only unreachable for a while stops it too
+                lost = self._lose(getattr(e, "actor_id", None)) or await self._find_lost(failed_at)
+                for_model = model is not None and plain.node is None
+                if failover.after_loss(began, retried is not None, for_model) == failover.FAIL:
                     raise ApiError(502, _lost_message(model or plain.path, e, began, retried),
                                    "server_error", "node_died") from None
                 retried = ",".join(sorted(lost)) or "unknown"
@@ -192,9 +195,12 @@ class Ingress:
                 continue
             head, rest = first if isinstance(first, tuple) else (first, replies)
             self._actors[head.actor] = head.node
-            if head.status not in RETRIED or model is None:
+            if head.status not in RETRIED or model is None or began:  # one that ran is not sent on
                 return await _relay(head, rest, model, retried)
-            data = rest if isinstance(rest, bytes) else b"".join([c async for c in rest])
+            try:
+                data = rest if isinstance(rest, bytes) else b"".join([c async for c in rest])
+            except RayError:  # the node lost while it said why it refused: the refusal stands
+                data = b""
             repeated = head.node in refusals  # the request router had no other node left
             if head.status == 507:
                 refusals[head.node] = json.loads(data or b"{}")
@@ -215,14 +221,20 @@ class Ingress:
         self._lost.add({node})
         return self._lost.now()
 
-    async def _find_lost(self) -> frozenset[str]:
-        """The nodes lost now: after a call failed, every node not left out yet is asked
-        (one such round at a time, however many requests failed at once); a node whose
-        replica does not answer within PING_TIMEOUT is left out (failover.LostNodes)."""
-        if self._probing is None or self._probing.done():
-            self._probing = asyncio.ensure_future(self._probe())
-        await asyncio.shield(self._probing)
-        return self._lost.now()
+    async def _find_lost(self, failed_at: float) -> frozenset[str]:
+        """The nodes lost now, for a call that failed at ``failed_at``: every node not left
+        out yet is asked, in a round begun after that (one round at a time, however many
+        requests failed at once); a node whose replica does not answer within PING_TIMEOUT
+        is left out (failover.LostNodes)."""
+        while True:
+            began, probing = self._probing
+            if probing is not None and began >= failed_at:
+                await asyncio.shield(probing)
+                return self._lost.now()
+            if probing is None or probing.done():
+                self._probing = (time.monotonic(), asyncio.ensure_future(self._probe()))
+            else:  # a round begun before this failure may have found that node alive: the next one
+                await asyncio.shield(probing)
 
     async def _probe(self) -> None:
         gone = set()
@@ -264,7 +276,7 @@ class Ingress:
                 continue
             try:
                 answers[node] = await asyncio.wait_for(one(node), ASK_TIMEOUT)
-            except (asyncio.TimeoutError, RayActorError) as e:
+            except (asyncio.TimeoutError, RayError) as e:
                 answers[node] = {"error": f"node did not answer: {type(e).__name__}"}
         return answers
 
@@ -294,7 +306,7 @@ def node_ids() -> list[str]:
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE)]
 
 
-def _lost_message(what: str, e: RayActorError, began: bool, retried: str | None) -> str:
+def _lost_message(what: str, e: RayError, began: bool, retried: str | None) -> str:
     why = f"the node serving '{what}' died: {type(e).__name__}"
     if began:
         return f"{why} (the request was running there)"
@@ -318,7 +330,7 @@ async def _relay(head: Head, replies, model: str | None, retried: str | None = N
     if not headers.get("content-type", "").startswith("text/event-stream"):
         try:
             data = b"".join([c async for c in replies])
-        except RayActorError as e:
+        except RayError as e:
             raise ApiError(502, f"{died}: {type(e).__name__}", "server_error", "node_died") from None
         return Response(data, status_code=head.status, headers=headers)
 
@@ -326,7 +338,7 @@ async def _relay(head: Head, replies, model: str | None, retried: str | None = N
         try:
             async for chunk in replies:
                 yield chunk
-        except RayActorError as e:
+        except RayError as e:
             error = {"error": {"message": f"{died}: {type(e).__name__}", "type": "server_error", "code": 502}}
             yield b"data: " + json.dumps(error).encode() + b"\n\n"
         finally:

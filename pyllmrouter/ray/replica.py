@@ -26,6 +26,7 @@ import ray
 
 from pyllmrouter.config import MiB
 from pyllmrouter.errors import RouterError
+from pyllmrouter.ray import failover
 from pyllmrouter.ray.messages import Head, NodeRequest, Started
 from pyllmrouter.ray.policy import node_stats
 from pyllmrouter.server.app import create_app
@@ -39,8 +40,9 @@ class NodeRouter:
     """The replica class (deployed by ``pyllmrouter.ray.deploy``): ``serve_args`` are
     ``pyllmrouter serve``'s arguments without host and port."""
 
-    def __init__(self, serve_args: list[str]):
+    def __init__(self, serve_args: list[str], stats_period: float = 1.0):
         args = parse_serve_args(serve_args)
+        self.silent_after = failover.silent_after(stats_period)
         self.node = ray.get_runtime_context().get_node_id()
         self.actor = ray.get_runtime_context().get_actor_id() or ""
         self.router = router_from_args(args)
@@ -58,9 +60,10 @@ class NodeRouter:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the request router ranks this node by; ``at`` (this node's clock) changes
-        with every reading, so statistics that stop changing are a node that stopped
-        answering (request_router.py)."""
-        return {**node_stats(self.node, self.router.status(), self.router.options.max_models), "at": time.time()}
+        with every reading, so statistics that stop changing for ``silent_after`` seconds
+        are a node that stopped answering (request_router.py)."""
+        return {**node_stats(self.node, self.router.status(), self.router.options.max_models), "at": time.time(),
+                "silent_after": self.silent_after}
 
     async def ping(self, request: NodeRequest) -> str:
         """This node's id: the ingress asks, after a call failed, which nodes still answer."""
@@ -93,8 +96,12 @@ class NodeRouter:
         }
         messages: asyncio.Queue = asyncio.Queue()
 
-        def running() -> None:  # the request runs (it holds a slot): a whole reply says so first
-            if request.whole:
+        said = False
+
+        def running() -> None:  # the request runs (it holds a slot): a whole reply says so, once
+            nonlocal said
+            if request.whole and not said:
+                said = True
                 messages.put_nowait(Started(self.node))
 
         scope["extensions"] = {RELAYED: Relayed(request.waited, running)}

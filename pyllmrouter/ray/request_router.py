@@ -8,12 +8,12 @@ Serve calls ``choose_replicas`` for each request and sends it to the first rank 
 has room; a rank is one replica, and replicas take requests without limit (their own
 Router queues them), so the first is where it goes.
 
-A replica whose statistics have not changed for ``SILENT`` seconds (each reading
-carries its node's clock, ``at``, so a live one changes every period) has stopped
-answering them: it is left out while any other replica answers.  With Serve's
-defaults here (a reading every second, 5 s before one is given up) a replica that
-answers reads at most 6 s apart; the ingress leaves out a node whose calls fail at
-once (failover.py)."""
+A replica whose statistics have not changed for the ``silent_after`` seconds they
+state (failover.silent_after: two readings missed at their longest, 12 s with a
+reading a second) has stopped answering them: each reading carries its node's clock,
+``at``, so a live one changes every period.  It is left out while any other replica
+answers.  The seconds count from the first request routed after its last change.  The
+ingress leaves out a node whose calls fail at once (failover.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from pyllmrouter.ray.policy import assume_routed, rank
 __all__ = ["MemoryAwareRouter"]
 
 RECENT = 5.0  # seconds a routed load is assumed before the node's statistics show it
-SILENT = 10.0  # seconds without a new reading of its statistics: a replica that stopped answering
 
 
 class MemoryAwareRouter(RequestRouter):
@@ -61,13 +60,13 @@ class MemoryAwareRouter(RequestRouter):
         return ranks or [live or candidate_replicas]
 
     def _silent(self, replica: RunningReplica) -> bool:
-        """Whether ``replica``'s statistics have not changed for SILENT seconds."""
-        at, now = (replica.routing_stats or {}).get("at"), time.monotonic()
-        rid = replica.replica_id.unique_id
+        """Whether ``replica``'s statistics have not changed for the seconds they state."""
+        stats, now = replica.routing_stats or {}, time.monotonic()
+        at, rid = stats.get("at"), replica.replica_id.unique_id
         last = self._heard.get(rid)
         if last is None or last[0] != at:
             self._heard[rid] = last = (at, now)
-        return at is not None and now - last[1] > SILENT
+        return at is not None and now - last[1] > stats.get("silent_after", float("inf"))
 
     def _stats(self, replica: RunningReplica) -> dict:
         if not replica.routing_stats:
