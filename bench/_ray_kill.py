@@ -31,7 +31,8 @@ from pyllmrouter.tools.nodekill import kill_node
 
 @dataclass
 class Outage:
-    """The node to kill and what starts it again: ``restart()`` returns the new node."""
+    """The node to kill and what starts it again: ``restart()`` returns the new node.
+    ``node`` None: a control run (nothing killed, the same windows measured)."""
 
     node: Any
     restart: Callable[[], Any]
@@ -77,10 +78,12 @@ def drive(base: str, order: list[str], clients: int, headers_for, outage: Outage
         t.start()
     if reached[kill_n].wait(600):
         outage.killed_at = time.monotonic()
-        outage.events.append(f"killed {kill_node(outage.node)} processes")
+        if outage.node is not None:  # None: a control run, the same windows without the kill
+            outage.events.append(f"killed {kill_node(outage.node)} processes")
     if reached[restart_n].wait(600):
         outage.restarted_at = time.monotonic()
-        outage.new_node = outage.restart()
+        if outage.node is not None:
+            outage.new_node = outage.restart()
     for t in threads:
         t.join()
     return sorted(records, key=lambda r: r["i"])
@@ -92,18 +95,21 @@ def _kind(status: int, text: str) -> str:
         err = json.loads(text).get("error", {})
         what = err.get("code") if isinstance(err, dict) else None
         what = what or (err.get("message", "") if isinstance(err, dict) else str(err))[:40]
+        if what == "node_died":  # which of the two: it ran there, or its node was lost twice
+            what += " (running)" if "running there" in err.get("message", "") else " (lost twice)"
     except (ValueError, AttributeError):
         what = text[:40]
     return f"{status} {what}".strip()
 
 
 def summary(records: list[dict], outage: Outage) -> dict:
-    killed, new = outage.node.node_id, outage.new_node.node_id if outage.new_node is not None else None
+    killed = outage.node.node_id if outage.node is not None else None
+    new = outage.new_node.node_id if outage.new_node is not None else None
     k, r = outage.killed_at, outage.restarted_at or float("inf")
     last: dict[str, str | None] = {}
     for rec in sorted((x for x in records if x["done"] < k and x["status"] == 200), key=lambda x: x["done"]):
         last[rec["model"]] = rec["node"]
-    lived = {m for m, n in last.items() if n == killed}
+    lived = {m for m, n in last.items() if killed is not None and n == killed}
     moved = [x["done"] - k for x in records if x["model"] in lived and x["done"] > k and x["status"] == 200
              and x["node"] != killed]
     back = [x["done"] - r for x in records if new is not None and x["node"] == new]
@@ -127,4 +133,7 @@ def summary(records: list[dict], outage: Outage) -> dict:
             "models_on_killed_node": sorted(lived), "first_moved_success_s": min(moved) if moved else None,
             "rejoin_s": min(back) if back else None,
             "p99_ms_before": p99(lambda x: x["sent"] < k), "p99_ms_during": p99(lambda x: k <= x["sent"] < end),
-            "p99_ms_after": p99(lambda x: x["sent"] >= end)}
+            "p99_ms_after": p99(lambda x: x["sent"] >= end),
+            # by request index, the same windows with and without a kill (--control)
+            "p99_ms_first_quarter": p99(lambda x: x["i"] < len(records) // 4),
+            "p99_ms_last_quarter": p99(lambda x: x["i"] >= len(records) * 3 // 4)}

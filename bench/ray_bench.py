@@ -136,14 +136,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--clients", type=int, default=4)
-    ap.add_argument("--per-replica", default="2,3", help="Serve's max_num_models_per_replica, one run each")
+    ap.add_argument("--per-replica", default="2,3", help="Serve's max_num_models_per_replica, one run each "
+                                                            "(none: ours alone)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="default bench/results/ray_bench.json (ray_kill_bench.json)")
     ap.add_argument("--kill-node", action="store_true", help="lose the 48 MiB node under load in every run")
     ap.add_argument("--kill-at", type=float, default=0.25, help="the share of requests sent before the kill")
     ap.add_argument("--restart-at", type=float, default=0.4, help="the share sent before a node starts again")
+    ap.add_argument("--control", action="store_true", help="with --kill-node: the same runs and windows, no kill")
     a = ap.parse_args()
-    a.out = a.out or str(Path(__file__).parent / "results" / ("ray_kill_bench.json" if a.kill_node else "ray_bench.json"))
+    a.out = a.out or str(Path(__file__).parent / "results" / (
+        ("ray_kill_control.json" if a.control else "ray_kill_bench.json") if a.kill_node else "ray_bench.json"))
 
     d = Path(tempfile.mkdtemp(prefix="ray-bench-"))
     tiny = tinymodels.write_tiny_set(d / "models")
@@ -161,15 +164,15 @@ def main() -> int:
     port, base_port = free_port(), free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": base_port}, proxy_location="HeadOnly")
     order = workload(a.requests)
-    per_replica = {f"Serve multiplexing, {k} per replica": int(k) for k in a.per_replica.split(",")}
+    per_replica = {f"Serve multiplexing, {k} per replica": int(k) for k in a.per_replica.split(",") if k != "none"}
     names = ["pyllmrouter", *per_replica]
     runs: dict[str, list[dict]] = {n: [] for n in names}
     try:
         for rnd in range(a.rounds):
             for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                 outage = run = None
-                if a.kill_node:  # the middle node, lost and started again
-                    outage = _ray_kill.Outage(nodes[1], lambda: start_node(NODES[1]))
+                if a.kill_node:  # the middle node, lost and started again (--control: neither)
+                    outage = _ray_kill.Outage(None if a.control else nodes[1], lambda: start_node(NODES[1]))
 
                     def run(base, order_, clients_, headers_for, outage=outage):
                         records = _ray_kill.drive(base, order_, clients_, headers_for, outage, a.kill_at, a.restart_at)
@@ -178,7 +181,7 @@ def main() -> int:
                     runs[name].append(ours(cluster.address, preset, port, order, a.clients, run))
                 else:
                     runs[name].append(baseline(preset, base_port, order, a.clients, per_replica[name], run))
-                if outage is not None:
+                if outage is not None and outage.node is not None:
                     nodes[1] = _recover(cluster, outage, start_node)
     finally:
         serve.shutdown()
@@ -239,7 +242,7 @@ def _recover(cluster: Cluster, outage: "_ray_kill.Outage", start_node) -> object
 def _kill_report(a, names: list[str], runs: dict[str, list[dict]]) -> int:
     keys = ("wall_s", "kill_s", "restart_s", "ok", "retried", "failed", "in_flight_at_kill", "in_flight_at_kill_failed",
             "first_moved_success_s", "rejoin_s",
-            "p99_ms_before", "p99_ms_during", "p99_ms_after")
+            "p99_ms_before", "p99_ms_during", "p99_ms_after", "p99_ms_first_quarter", "p99_ms_last_quarter")
 
     def cell(r: dict, key: str) -> str:
         v = r[key]
@@ -254,9 +257,11 @@ def _kill_report(a, names: list[str], runs: dict[str, list[dict]]) -> int:
         return "; ".join(f"{kind}: {count}" for kind, count in sorted(total.items())) or "-"
 
     rows.append(["failed, by kind (all rounds)"] + [kinds(n) for n in names])
-    print(f"{a.requests} requests, {a.clients} clients, 3 nodes ({', '.join(f'{n} MiB' for n in NODES)}), the "
-          f"{NODES[1]} MiB node killed after {a.kill_at:.0%} of the requests were sent and started again after "
-          f"{a.restart_at:.0%}; {a.rounds} rounds (each cell: round 1/2/3)\n")
+    what = (f"no node killed (the control: windows at {a.kill_at:.0%} and {a.restart_at:.0%})" if a.control else
+            f"the {NODES[1]} MiB node killed after {a.kill_at:.0%} of the requests were sent and started again "
+            f"after {a.restart_at:.0%}")
+    print(f"{a.requests} requests, {a.clients} clients, 3 nodes ({', '.join(f'{n} MiB' for n in NODES)}), {what}; "
+          f"{a.rounds} rounds (each cell: round 1/2/3)\n")
     print(render([""] + names, rows))
     for rs in runs.values():
         for r in rs:
