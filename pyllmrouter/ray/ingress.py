@@ -26,7 +26,8 @@ from typing import Any
 
 import ray
 import uvicorn
-from ray.exceptions import RayError
+from ray.exceptions import RayError, RayTaskError
+from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -180,15 +181,22 @@ class Ingress:
             except asyncio.CancelledError:  # the client left: the node stops the request
                 replies.cancel()
                 raise
+            except StopAsyncIteration:  # the node's reply ended before it began
+                raise ApiError(502, f"the node serving '{model or plain.path}' ended its reply before it began",
+                               "server_error", "node_died") from None
+            except RayTaskError as e:  # the node's app failed the request: no node was lost
+                raise ApiError(500, f"the node serving '{model or plain.path}' failed the request: "
+                                    f"{type(e.cause).__name__}: {e.cause}", "server_error") from None
             except RayError as e:  # the node lost (or its reply, in its object store)
-                failed_at = time.monotonic()
+                failed_at, before = time.monotonic(), self._lost.now()
                 replies.cancel()  # a node only unreachable for a while stops it too
-                lost = self._lose(getattr(e, "actor_id", None)) or await self._find_lost(failed_at)
+                named = self._lose(getattr(e, "actor_id", None)) or await self._find_lost(failed_at) - before
                 for_model = model is not None and plain.node is None
                 if failover.after_loss(began, retried is not None, for_model) == failover.FAIL:
                     raise ApiError(502, _lost_message(model or plain.path, e, began, retried),
                                    "server_error", "node_died") from None
-                retried = ",".join(sorted(lost)) or "unknown"
+                # the node lost under it (none named: the router picks again, as for any request)
+                retried = ",".join(sorted(named)) or "unknown"
                 _LOG.warning("a node was lost before it answered a request for '%s' (lost: %s): sent on "
                              "after %.2f s", model, retried, time.monotonic() - arrived)
                 plain = replace(plain, waited=time.monotonic() - arrived)
@@ -213,13 +221,13 @@ class Ingress:
             plain = replace(plain, exclude=plain.exclude | {head.node})
 
     def _lose(self, actor: str | None) -> frozenset[str]:
-        """A failed call's replica (``actor``): its node is left out at once where a reply
-        of that replica has named it; empty where none has (the nodes are then asked)."""
+        """A failed call's replica (``actor``): its node, left out at once, where a reply of
+        that replica has named it; empty where none has (the nodes are then asked)."""
         node = self._actors.get(actor or "")
         if node is None:
             return frozenset()
         self._lost.add({node})
-        return self._lost.now()
+        return frozenset({node})
 
     async def _find_lost(self, failed_at: float) -> frozenset[str]:
         """The nodes lost now, for a call that failed at ``failed_at``: every node not left
@@ -229,23 +237,26 @@ class Ingress:
         while True:
             began, probing = self._probing
             if probing is not None and began >= failed_at:
-                await asyncio.shield(probing)
+                try:
+                    await asyncio.shield(probing)
+                except Exception as e:  # noqa: BLE001 - the round failed (the cluster's state unreadable)
+                    _LOG.warning("the nodes could not be asked: %s: %s", type(e).__name__, e)
                 return self._lost.now()
             if probing is None or probing.done():
                 self._probing = (time.monotonic(), asyncio.ensure_future(self._probe()))
             else:  # a round begun before this failure may have found that node alive: the next one
-                await asyncio.shield(probing)
+                await asyncio.wait({probing})
 
     async def _probe(self) -> None:
         gone = set()
-        for node in node_ids():  # one after the other: see _ask_all
+        for node in await asyncio.to_thread(node_ids):  # one after the other: see _ask_all
             if node in self._lost.now():
                 continue
             for _ in range(PINGS):
                 try:
                     answer = await asyncio.wait_for(
                         self.nodes.ping.remote(NodeRequest("GET", "/ping", node=node)), PING_TIMEOUT)
-                except (asyncio.TimeoutError, RayError):
+                except (asyncio.TimeoutError, RayError, RayServeException):
                     gone.add(node)  # no answer
                     break
                 if answer == node:

@@ -140,6 +140,8 @@ class NodeRouter:
                         yield message["body"]
             task.result()  # an error in the app is this call's error
             if request.whole:
+                if head is None:  # the app ended without a reply
+                    raise RuntimeError(f"node {self.node}'s app sent no reply")
                 yield head, b"".join(body)
         finally:
             left.set()

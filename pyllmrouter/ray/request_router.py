@@ -12,8 +12,9 @@ A replica whose statistics have not changed for the ``silent_after`` seconds the
 state (failover.silent_after: two readings missed at their longest, 12 s with a
 reading a second) has stopped answering them: each reading carries its node's clock,
 ``at``, so a live one changes every period.  It is left out while any other replica
-answers.  The seconds count from the first request routed after its last change.  The
-ingress leaves out a node whose calls fail at once (failover.py)."""
+answers.  The seconds count from the first request routed after its last change, or
+by the node's clock from the reading's ``at`` (plus SKEW).  The ingress leaves out a
+node whose calls fail at once (failover.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from pyllmrouter.ray.policy import assume_routed, rank
 __all__ = ["MemoryAwareRouter"]
 
 RECENT = 5.0  # seconds a routed load is assumed before the node's statistics show it
+SKEW = 5.0  # seconds two hosts' clocks may be apart
 
 
 class MemoryAwareRouter(RequestRouter):
@@ -66,7 +68,10 @@ class MemoryAwareRouter(RequestRouter):
         last = self._heard.get(rid)
         if last is None or last[0] != at:
             self._heard[rid] = last = (at, now)
-        return at is not None and now - last[1] > stats.get("silent_after", float("inf"))
+        after = stats.get("silent_after", float("inf"))
+        # unchanged that long as this router saw it, or by the node's own clock (a reading
+        # first seen late, after a quiet spell; SKEW allows for clocks apart across hosts)
+        return at is not None and (now - last[1] > after or time.time() - at > after + SKEW)
 
     def _stats(self, replica: RunningReplica) -> dict:
         if not replica.routing_stats:
