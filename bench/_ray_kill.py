@@ -2,7 +2,7 @@
 
 ``drive`` sends the round's requests from ``clients`` threads, in order; once
 ``kill_at`` of them have been sent, the node is killed (its raylet and every process
-under it, SIGKILL: pyllmrouter.tools.nodekill), and once ``restart_at`` have been, a
+under it, SIGKILL: pyllmrouter.tools.raynodes), and once ``restart_at`` have been, a
 node is started in its place (as ``ray start`` would: a new node id).  Every request
 is recorded: when it was sent and answered, its status, the node that answered and,
 for ours, the nodes lost before it was sent on (x-pyllmrouter-retried).
@@ -26,7 +26,7 @@ import httpx
 
 from _load import percentile  # noqa: E402
 
-from pyllmrouter.tools.nodekill import kill_node
+from pyllmrouter.tools.raynodes import kill_node
 
 
 @dataclass

@@ -57,6 +57,7 @@ from pyllmrouter.ray.ingress import node_ids  # noqa: E402
 from pyllmrouter.tables import render  # noqa: E402
 from pyllmrouter.tools import tinymodels  # noqa: E402
 from pyllmrouter.tools.loopback import free_port  # noqa: E402
+from pyllmrouter.tools.raynodes import add_node  # noqa: E402
 
 STATS_PERIOD = 0.5  # seconds between two reads of a node's statistics by our request router
 NODES = (32, 48, 96)  # MiB: every model fits at once if placed by memory (176 MiB for 144)
@@ -156,8 +157,7 @@ def main() -> int:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
 
     def start_node(mib: int):
-        return cluster.add_node(num_cpus=1, resources={"pyllmrouter": 1}, env_vars={
-            "PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB", "PYLLMROUTER_CACHE": str(d / "cache")})
+        return add_node(cluster, mib, d / "cache")
 
     nodes = [start_node(mib) for mib in NODES]
     ray.init(address=cluster.address)

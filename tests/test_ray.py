@@ -22,7 +22,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pyllmrouter.tools.loopback import free_port  # noqa: E402
+from raylocal import deployed  # noqa: E402
 
 pytestmark = [pytest.mark.slow]  # a Ray cluster, Serve and worker processes
 
@@ -57,37 +57,12 @@ class Client:
 
 @pytest.fixture(scope="module")
 def cluster(tiny, tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
-    from pyllmrouter import cli
-
-    d = tmp_path_factory.mktemp("ray")
-    preset = d / "models.ini"
-    preset.write_text("".join(f"[{name}]\nmodel = {tiny[kind]}\nctx-size = {ctx}\nparallel = 1\n\n"
-                              for name, (kind, ctx) in MODELS.items()))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    nodes = {}
-    for label, mib in SIZES.items():
-        node = c.add_node(num_cpus=1, resources={"pyllmrouter": 1},
-                          env_vars={"PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB",
-                                    "PYLLMROUTER_CACHE": str(d / "cache")})
-        nodes[label] = node
-    ray.init(address=c.address)
-    port = free_port()
-    try:
-        # deployed as a user would: `pyllmrouter ray`, serve's arguments plus the cluster's address
-        assert cli.main(["ray", "--models-preset", str(preset), "--models-memory-margin", "0",
-                         "--queue-timeout", "60", "--port", str(port), "--address", c.address]) == 0
+    with deployed(tmp_path_factory.mktemp("ray"), tiny, MODELS, list(SIZES.values()),
+                  queue_timeout=60) as (c, port, nodes, _, preset):
         client = Client(f"http://127.0.0.1:{port}")
-        ids = {label: node.node_id for label, node in nodes.items()}
+        ids = {label: node.node_id for label, node in zip(SIZES, nodes)}
         _wait_measured(client, set(ids.values()))
-        yield c, client, ids, nodes, preset
-    finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-        c.shutdown()
+        yield c, client, ids, dict(zip(SIZES, nodes)), preset
 
 
 STATS_PERIOD = 1.0  # seconds: how often the request router reads each replica's statistics (deploy's default)

@@ -21,43 +21,23 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from pyllmrouter.ray import failover  # noqa: E402
-from pyllmrouter.tools.loopback import free_port  # noqa: E402
-from pyllmrouter.tools.nodekill import kill_node  # noqa: E402
+from pyllmrouter.tools.raynodes import kill_node  # noqa: E402
+from raylocal import deployed  # noqa: E402
 
 pytestmark = [pytest.mark.slow]  # a Ray cluster, Serve and worker processes
 
-NODE = {"PYLLMROUTER_EMULATE_DEVICES": "GPU0=64MiB"}
+NODE_MIB = 64  # each node's one emulated device
 MODELS = {"a": ("tiny-llama", 2048), "b": ("tiny-moe", 2048), "big": ("tiny-llama", 32768),
           "big2": ("tiny-moe", 32768), "big3": ("tiny-llama", 32769)}
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny, tmp_path_factory):
-    from ray.cluster_utils import Cluster
-
-    from pyllmrouter import cli
-
-    d = tmp_path_factory.mktemp("ray-failover")
-    preset = d / "models.ini"
-    preset.write_text("".join(f"[{name}]\nmodel = {tiny[kind]}\nctx-size = {ctx}\nparallel = 1\n\n"
-                              for name, (kind, ctx) in MODELS.items()))
-    env = {**NODE, "PYLLMROUTER_CACHE": str(d / "cache")}
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    nodes = [c.add_node(num_cpus=1, resources={"pyllmrouter": 1}, env_vars=env) for _ in range(3)]
-    ray.init(address=c.address)
-    port = free_port()
-    try:
-        assert cli.main(["ray", "--models-preset", str(preset), "--models-memory-margin", "0",
-                         "--queue-timeout", "120", "--port", str(port), "--address", c.address]) == 0
+    with deployed(tmp_path_factory.mktemp("ray-failover"), tiny, MODELS, [NODE_MIB] * 3,
+                  queue_timeout=120) as (c, port, nodes, start_node, _):
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=180)
         _wait_measured(client, {n.node_id for n in nodes})
-        yield c, client, nodes, env
-    finally:
-        from ray import serve
-
-        serve.shutdown()
-        ray.shutdown()
-        c.shutdown()
+        yield c, client, nodes, start_node
 
 
 def _wait_measured(client: httpx.Client, nodes: set[str], timeout: float = 180) -> None:
@@ -198,7 +178,7 @@ def test_only_a_request_that_had_not_begun_is_sent_on_and_only_once(began, retri
 def test_a_node_started_again_rejoins_and_takes_requests(cluster):
     """A node started as the lost one was (ray start): its replica is placed, measures
     its models and the request router sends it what fits only there, no redeploy."""
-    c, client, nodes, env = cluster
+    c, client, nodes, start_node = cluster
     alive = [n for n in nodes if n in c.worker_nodes]  # the killed one was removed from the cluster's list
     assert len(alive) == 2
     for model in ("big", "big2"):  # one on each node left: neither can take another big one
@@ -206,7 +186,7 @@ def test_a_node_started_again_rejoins_and_takes_requests(cluster):
     where = _where(client)
     assert sorted(where["big"] + where["big2"]) == sorted(n.node_id for n in alive)
     t0 = time.monotonic()
-    back = c.add_node(num_cpus=1, resources={"pyllmrouter": 1}, env_vars=env)
+    back = start_node(NODE_MIB)
     _wait_measured(client, {back.node_id})
     rejoined = time.monotonic() - t0
     r = client.post("/v1/completions", json={"model": "big3", "prompt": "hi", "max_tokens": 2})

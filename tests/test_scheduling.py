@@ -126,48 +126,14 @@ def test_a_reload_that_lowers_a_queue_limit_loses_nothing_queued(story, tmp_path
         assert r.status()["models"]["story"]["loads"] == 1
 
 
-def test_a_higher_priority_is_admitted_first(story, tiny):
-    """Three models that fit one at a time: while the first is busy, a request for b (priority
-    0) comes, then one for c (priority 5): c loads before b, though it came later."""
+def _loads_after_two_waiters(story, priority_c: int = 0, waited_c: float = 0.0) -> tuple[list, list]:
+    """Three models that fit one at a time: while a is busy, a request for b comes, then one
+    for c (its preset ``priority``, and the seconds it ``waited`` on a lost node, as a
+    cluster's ingress sends it on); a's turn then ends.  (the loads in order, the answers)"""
     spec = ModelSpec(story, ("-np", "1", "-c", "2048"))
     one = probe(spec).total
     models = [ModelConfig("a", spec), ModelConfig("b", spec.replace(args=(*spec.args, "--temp", "0.7"))),
-              ModelConfig("c", spec.replace(args=(*spec.args, "--temp", "0.9")), priority=5)]
-    with Router(models, inventory=EmulatedInventory({"GPU0": one + one // 2}), margin=0, turn=0.5) as r, \
-            serving(r) as base:
-        streams, first = Streams(base), threading.Event()
-        answers: list = []
-
-        def ask(model):
-            answers.append((model, httpx.post(base + "/v1/chat/completions", timeout=120,
-                                              json={"model": model, "messages": CHAT, "max_tokens": 4}).status_code))
-
-        try:
-            streams.open("a", first)
-            assert first.wait(60)
-            low = threading.Thread(target=ask, args=("b",))
-            low.start()
-            wait_for(lambda: r.status()["models"]["b"]["waiting"]["requests"] == 1, what="b waiting")
-            high = threading.Thread(target=ask, args=("c",))
-            high.start()
-            wait_for(lambda: r.status()["models"]["c"]["waiting"]["requests"] == 1, what="c waiting")
-        finally:
-            streams.close()  # a's turn ends
-        low.join(120)
-        high.join(120)
-        loads = [name for _, what, name, _ in r.scheduler.events if what == "load"]
-        assert loads == ["a", "c", "b"], loads
-        assert sorted(answers) == [("b", 200), ("c", 200)]
-
-
-def test_a_request_that_waited_on_a_lost_node_keeps_its_place_in_line(story):
-    """Three models that fit one at a time: while the first is busy, a request for b comes,
-    then one for c that had waited 30 s on a node that was lost (``waited``, as a cluster's
-    ingress sends it on): c counts as the earlier, and loads before b."""
-    spec = ModelSpec(story, ("-np", "1", "-c", "2048"))
-    one = probe(spec).total
-    models = [ModelConfig(name, spec.replace(args=(*spec.args, "--temp", temp)))
-              for name, temp in (("a", "0.8"), ("b", "0.7"), ("c", "0.9"))]
+              ModelConfig("c", spec.replace(args=(*spec.args, "--temp", "0.9")), priority=priority_c)]
     with Router(models, inventory=EmulatedInventory({"GPU0": one + one // 2}), margin=0, turn=0.5) as r, \
             serving(r) as base:
         streams, first = Streams(base), threading.Event()
@@ -183,19 +149,37 @@ def test_a_request_that_waited_on_a_lost_node_keeps_its_place_in_line(story):
         try:
             streams.open("a", first)
             assert first.wait(60)
-            later = threading.Thread(target=ask, args=("b", 0.0))
-            later.start()
-            wait_for(lambda: r.status()["models"]["b"]["waiting"]["requests"] == 1, what="b waiting")
-            earlier = threading.Thread(target=ask, args=("c", 30.0))
-            earlier.start()
-            wait_for(lambda: r.status()["models"]["c"]["waiting"]["requests"] == 1, what="c waiting")
+            threads = []
+            for model, waited in (("b", 0.0), ("c", waited_c)):
+                threads.append(threading.Thread(target=ask, args=(model, waited)))
+                threads[-1].start()
+                wait_for(lambda: r.status()["models"][model]["waiting"]["requests"] == 1, what=f"{model} waiting")
         finally:
             streams.close()  # a's turn ends
-        later.join(120)
-        earlier.join(120)
-        loads = [name for _, what, name, _ in r.scheduler.events if what == "load"]
-        assert loads == ["a", "c", "b"], loads
-        assert sorted(answers) == [("b", 200), ("c", 200)]
+        for t in threads:
+            t.join(120)
+        return [name for _, what, name, _ in r.scheduler.events if what == "load"], sorted(answers)
+
+
+def test_a_higher_priority_is_admitted_first(story):
+    """c (priority 5) loads before b (priority 0), though it came later."""
+    loads, answers = _loads_after_two_waiters(story, priority_c=5)
+    assert loads == ["a", "c", "b"], loads
+    assert answers == [("b", 200), ("c", 200)]
+
+
+def test_a_request_that_waited_on_a_lost_node_keeps_its_place_in_line(story):
+    """c, which had waited 30 s on a node that was lost, counts as the earlier: it loads
+    before b, though it came later here."""
+    loads, answers = _loads_after_two_waiters(story, waited_c=30.0)
+    assert loads == ["a", "c", "b"], loads
+    assert answers == [("b", 200), ("c", 200)]
+
+
+def test_first_come_first_loaded_among_equals(story):
+    """Neither priority nor a wait elsewhere: b, which came first, loads first."""
+    loads, _ = _loads_after_two_waiters(story)
+    assert loads == ["a", "b", "c"], loads
 
 
 def test_models_sse_says_how_far_a_load_has_come(tiny):

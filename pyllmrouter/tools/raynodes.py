@@ -1,6 +1,8 @@
-"""Take a node of a local Ray cluster (``ray.cluster_utils.Cluster``) away as a machine
-that dies would go: its raylet and every process under it (the replica, its workers)
-killed at once with SIGKILL, nothing told first.  For the tests and ``bench/ray_bench.py``."""
+"""A local Ray cluster's nodes (``ray.cluster_utils.Cluster``), for the tests and
+``bench/ray_bench.py``: a node marked for a pyllmrouter replica, with one emulated device,
+started; and a node taken away as a machine that dies would go: its raylet and every
+process under it (the replica, its workers) killed at once with SIGKILL, nothing told
+first."""
 
 from __future__ import annotations
 
@@ -8,7 +10,14 @@ import os
 import signal
 from typing import Any
 
-__all__ = ["kill_node", "process_tree"]
+__all__ = ["add_node", "kill_node", "process_tree"]
+
+
+def add_node(cluster: Any, mib: int, cache: os.PathLike | str) -> Any:
+    """A node started in ``cluster`` (as ``ray start`` would): one CPU, the resource that
+    marks it for a replica, one emulated device of ``mib`` MiB, the probe cache ``cache``."""
+    return cluster.add_node(num_cpus=1, resources={"pyllmrouter": 1}, env_vars={
+        "PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB", "PYLLMROUTER_CACHE": str(cache)})
 
 
 def process_tree(pid: int) -> list[int]:
