@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import httpx
@@ -39,7 +39,6 @@ class Outage:
     killed_at: float | None = None
     restarted_at: float | None = None
     new_node: Any = None
-    events: list[str] = field(default_factory=list)
 
 
 def drive(base: str, order: list[str], clients: int, headers_for, outage: Outage, kill_at: float,
@@ -79,7 +78,7 @@ def drive(base: str, order: list[str], clients: int, headers_for, outage: Outage
     if reached[kill_n].wait(600):
         outage.killed_at = time.monotonic()
         if outage.node is not None:  # None: a control run, the same windows without the kill
-            outage.events.append(f"killed {kill_node(outage.node)} processes")
+            kill_node(outage.node)
     if reached[restart_n].wait(600):
         outage.restarted_at = time.monotonic()
         if outage.node is not None:

@@ -58,7 +58,9 @@ class LostNodes:
             self._since[node] = now
 
     def now(self) -> frozenset[str]:
-        """The nodes left out now."""
+        """The nodes left out now (every request asks: nothing to do while none is)."""
+        if not self._since:
+            return frozenset()
         horizon = self._clock() - self._hold
         self._since = {n: t for n, t in self._since.items() if t > horizon}
         return frozenset(self._since)

@@ -188,17 +188,8 @@ class Ingress:
                 raise ApiError(500, f"the node serving '{model or plain.path}' failed the request: "
                                     f"{type(e.cause).__name__}: {e.cause}", "server_error") from None
             except RayError as e:  # the node lost (or its reply, in its object store)
-                failed_at, before = time.monotonic(), self._lost.now()
                 replies.cancel()  # a node only unreachable for a while stops it too
-                named = self._lose(getattr(e, "actor_id", None)) or await self._find_lost(failed_at) - before
-                for_model = model is not None and plain.node is None
-                if failover.after_loss(began, retried is not None, for_model) == failover.FAIL:
-                    raise ApiError(502, _lost_message(model or plain.path, e, began, retried),
-                                   "server_error", "node_died") from None
-                # the node lost under it (none named: the router picks again, as for any request)
-                retried = ",".join(sorted(named)) or "unknown"
-                _LOG.warning("a node was lost before it answered a request for '%s' (lost: %s): sent on "
-                             "after %.2f s", model, retried, time.monotonic() - arrived)
+                retried = await self._sent_on(plain, model, e, began, retried)
                 plain = replace(plain, waited=time.monotonic() - arrived)
                 continue
             head, rest = first if isinstance(first, tuple) else (first, replies)
@@ -219,6 +210,20 @@ class Ingress:
                     return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
                 return await _relay(*refused, model, retried)
             plain = replace(plain, exclude=plain.exclude | {head.node})
+
+    async def _sent_on(self, plain: NodeRequest, model: str | None, e: RayError, began: bool,
+                       retried: str | None) -> str:
+        """A call lost with its node (``e``): the node left out, and the request's fate
+        (failover.after_loss): 502 node_died, or the nodes lost under it for its header
+        when it is to be sent on (``unknown`` where none was named: the router picks again)."""
+        failed_at, before = time.monotonic(), self._lost.now()
+        named = self._lose(getattr(e, "actor_id", None)) or await self._find_lost(failed_at) - before
+        for_model = model is not None and plain.node is None  # a question for one node is not sent on
+        if failover.after_loss(began, retried is not None, for_model) == failover.FAIL:
+            raise ApiError(502, _lost_message(model or plain.path, e, began, retried), "server_error", "node_died")
+        lost = ",".join(sorted(named)) or "unknown"
+        _LOG.warning("a node was lost before it answered a request for '%s' (lost: %s): sent on", model, lost)
+        return lost
 
     def _lose(self, actor: str | None) -> frozenset[str]:
         """A failed call's replica (``actor``): its node, left out at once, where a reply of
