@@ -69,7 +69,8 @@ def drive(base: str, order: list[str], clients: int, headers_for, outage: Outage
                 status, headers, text = 0, {}, f"{type(e).__name__}: {e}"
             with lock:
                 records.append({"i": i, "model": model, "sent": t0, "done": time.monotonic(), "status": status,
-                                "node": headers.get("x-pyllmrouter-node"), "retried": headers.get("x-pyllmrouter-retried"),
+                                "node": headers.get("x-pyllmrouter-node"),
+                                "retried": headers.get("x-pyllmrouter-retried"),
                                 "kind": None if status == 200 else _kind(status, text)})
 
     threads = [threading.Thread(target=client) for _ in range(clients)]
