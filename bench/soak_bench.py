@@ -23,7 +23,7 @@ requests, unloads and comes back) and a model's priority (tuned in place).  Once
 clients stop, every instance's requests in flight must come back to 0 (no lease left).
 
     python bench/soak_bench.py [--minutes 10] [--clients 16] [--max-queue N] [--model-max-queue N]
-                               [--replicas N] [--reload-every S] [--out FILE]
+                               [--replicas N] [--reload-every S] [--kill-loads-every S] [--out FILE]
 """
 
 from __future__ import annotations
@@ -147,6 +147,30 @@ def stopper(base: str, stop: threading.Event, period: float, log: list) -> None:
             os.kill(pid, signal.SIGCONT)
 
 
+def load_killer(base: str, stop: threading.Event, period: float, log: list) -> None:
+    """Once a period: the next model seen loading has its worker SIGKILLed while it loads (a
+    crash under a load: the load is tried once more on a new worker, a second death fails
+    its waiters with the reason)."""
+    while not stop.wait(period):
+        armed = time.monotonic()
+        while not stop.is_set() and time.monotonic() - armed < period:
+            try:
+                models = httpx.get(base + "/models", timeout=10).json()["data"]
+                loading = [m for m in models if m["status"]["value"] == "loading" and m["memory"]["devices"]]
+                if not loading:
+                    time.sleep(0.01)
+                    continue
+                devices = sorted(loading[0]["memory"]["devices"])
+                workers = httpx.get(base + "/devices", timeout=10).json()["workers"]
+                pid = next((w["pid"] for w in workers if w["alive"] and w["devices"] == devices), None)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    log.append({"killed_during_load": loading[0]["id"], "pid": pid})
+                    break
+            except (httpx.HTTPError, ProcessLookupError, KeyError):
+                time.sleep(0.05)
+
+
 def reloader(base: str, preset: Path, versions: list[str], stop: threading.Event, period: float,
              log: list) -> None:
     """Every period: the preset's next version written, and the list read again."""
@@ -177,6 +201,8 @@ def main() -> None:
     ap.add_argument("--model-max-queue", type=int, default=0, help="each model's max-queue (0: no bound)")
     ap.add_argument("--replicas", type=int, default=1, help="each model's replicas (instances by demand)")
     ap.add_argument("--reload-every", type=float, default=0.0, help="rewrite and reload the preset every S seconds")
+    ap.add_argument("--kill-loads-every", type=float, default=0.0,
+                    help="every S seconds, SIGKILL the worker of the next load that starts, while it loads")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "soak_bench.json")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -206,6 +232,10 @@ def main() -> None:
             if args.reload_every > 0:
                 threads.append(threading.Thread(target=reloader, daemon=True,
                                                 args=(base, preset, versions, stop, args.reload_every, reloads)))
+            kills: list = []
+            if args.kill_loads_every > 0:
+                threads.append(threading.Thread(target=load_killer, daemon=True,
+                                                args=(base, stop, args.kill_loads_every, kills)))
             for t in threads:
                 t.start()
             t0 = time.monotonic()
@@ -235,6 +265,7 @@ def main() -> None:
             ["... killed by the heartbeat", len([e for e in log if e.get("killed_after_s") is not None])],
             *[[f"router: {k}", int(counters[k])] for k in ("loads", "evictions", "worker_deaths") if k in counters],
             ["reloads (ok / all)", f"{sum(1 for r in reloads if r.get('status') == 200)} / {len(reloads)}"],
+            ["workers killed during a load", len(kills)],
             ["requests in flight once the clients stopped", int(left or 0)],
             ["router RSS start (MiB)", f"{rss_start:.1f}"], ["router RSS end (MiB)", f"{rss_end:.1f}"],
             ["/health at the end", health]]
@@ -243,6 +274,7 @@ def main() -> None:
         "bench": "soak", "minutes": args.minutes, "clients": args.clients, "heartbeat": args.heartbeat,
         "max_queue": args.max_queue, "model_max_queue": args.model_max_queue, "replicas": args.replicas,
         "reload_every": args.reload_every, "reloads": reloads, "in_flight_after": left,
+        "kill_loads_every": args.kill_loads_every, "killed_during_loads": kills,
         "answered": answered, "errors": errors, "hung": hung, "stops": log, "counters": counters,
         "rss_mib": {"start": round(rss_start, 1), "end": round(rss_end, 1)}, "health_at_end": health,
         "workers_at_end": status["workers"]})

@@ -36,6 +36,8 @@ __all__ = [
     "cached_estimate",
     "aggregate",
     "cache_dir",
+    "files_of",
+    "llama_args",
     "HOST",
 ]
 
@@ -248,8 +250,7 @@ def _environment(env: Mapping[str, str]) -> dict[str, Any]:
     environment (LLAMA_ARG_*), readable without loading it."""
     masks = {k: env.get(k) for k in MASK_VARS}
     version, gpus = _installation()
-    llama_args = {k: v for k, v in env.items() if k.startswith("LLAMA_ARG_")}
-    return {"llama_cpp": version, "masks": masks, "gpus": gpus, "args": llama_args}
+    return {"llama_cpp": version, "masks": masks, "gpus": gpus, "args": llama_args(env)}
 
 
 def _file_id(st: os.stat_result) -> tuple[int, int, int]:
@@ -262,6 +263,18 @@ def _file_id_of(path: str) -> tuple[int, int, int] | None:
         return _file_id(os.stat(path))
     except OSError:  # a missing file: the probe names it
         return None
+
+
+def files_of(spec: ModelSpec) -> list[tuple[str, tuple[int, int, int] | None]]:
+    """Every file a load of ``spec`` reads, each with what changes when it is rewritten:
+    the model's shards, then the files its arguments name (a projector, a draft, adapters,
+    a template...); a missing one as None."""
+    return [(os.path.realpath(p), _file_id_of(p)) for p in [*_shards(spec.path), *spec.files()]]
+
+
+def llama_args(env: Mapping[str, str]) -> dict[str, str]:
+    """The arguments llama.cpp reads from the environment (LLAMA_ARG_*)."""
+    return {k: v for k, v in env.items() if k.startswith("LLAMA_ARG_")}
 
 
 def cache_path(spec: ModelSpec, stats: list[os.stat_result], env: Mapping[str, str]) -> Path:

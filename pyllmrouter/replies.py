@@ -130,7 +130,7 @@ class DeviceStatus(TypedDict, total=False):
     available: int | None  # what a new model may take now
     overhead: int  # our workers' own bytes
     kept: int  # kept prompt states in RAM (the host)
-    external: int  # what other programs hold
+    external: int  # what other programs hold, erring high (what a load under way allocated counts until it settles)
     margin: int
 
 

@@ -40,7 +40,10 @@ def states(draw):
     options = []
     for ds in draw(st.lists(st.lists(st.sampled_from(DEVICES), min_size=1, max_size=2, unique=True),
                             min_size=1, max_size=3, unique_by=lambda x: frozenset(x))):
-        options.append(Option(frozenset(ds), {d: draw(st.integers(0, 1200)) for d in ds}, SPEC))
+        # the set's worker: its bytes before any model, held already or added by this load
+        worker = {d: draw(st.integers(0, 150)) for d in ds} if draw(st.booleans()) else {}
+        options.append(Option(frozenset(ds), {d: draw(st.integers(0, 1200)) for d in ds}, SPEC, (), worker,
+                              draw(st.booleans())))
     return view, Request("new", tuple(options), Fits()), kinds
 
 
@@ -83,18 +86,22 @@ def test_decisions_are_sound(state):
     view, request, kinds = state
     decision = decide(view, request)
     options = {o.device_set: o for o in request.options}
+    # the options that can ever fit (beside their worker, on empty devices): the others are out
+    possible = [o for o in request.options if placement.never_fits(o.room(o.need, worker=True), view.capacity) is None]
     if isinstance(decision, Admit):
-        # on every device it touches, the bytes fit what is available now
-        assert decision.device_set in options and dict(decision.need) == dict(options[decision.device_set].need)
-        assert fits(decision.need, view.available)
+        # on every device it touches, the bytes (and a worker the load starts) fit what is
+        # available now; it reserves the model's own
+        option = options.get(decision.device_set)
+        assert option is not None and dict(decision.need) == dict(option.need)
+        assert fits(option.room(decision.need), view.available)
     elif isinstance(decision, Evict):
         # only idle models, each at most once, least recently used first, and then it fits
         assert decision.victims and len(set(decision.victims)) == len(decision.victims)
         assert all(kinds[v] in ("idle", "worker-empty") for v in decision.victims)  # never a busy worker
-        assert any(fits(o.need, freed(view, decision.victims)) for o in request.options)
-        assert not any(fits(o.need, view.available) for o in request.options)  # no eviction if none is needed
+        assert any(fits(o.room(o.need), freed(view, decision.victims)) for o in possible)
+        assert not any(fits(o.room(o.need), view.available) for o in possible)  # no eviction if none is needed
         # every victim holds bytes on a device the model is short of
-        short = {d for o in request.options for d in placement.shortfall(o.need, view.available)}
+        short = {d for o in possible for d in placement.shortfall(o.room(o.need), view.available)}
         held = {r.name: r.need for r in view.evictable}
         assert all(any(held[v].get(d, 0) > 0 for d in short) for v in decision.victims)
         used = [r.last_used for v in decision.victims for r in view.evictable if r.name == v]
@@ -109,22 +116,24 @@ def test_decisions_are_sound(state):
             assert all(n in decision.victims for n, k in kinds.items()
                        if k == "worker-empty" and any(held[n].get(d, 0) > 0 for d in still))
     elif isinstance(decision, Never):
-        # no option fits even on empty devices
+        # no option fits even on empty devices, beside its worker
         for o in request.options:
-            assert placement.never_fits(o.need, view.capacity) is not None
+            assert placement.never_fits(o.room(o.need, worker=True), view.capacity) is not None
         assert decision.need > decision.capacity
     else:
         assert isinstance(decision, Wait)
         everything = [r.name for r in view.evictable if r.evictable]
-        assert not any(fits(o.need, freed(view, everything)) for o in request.options)
+        assert not any(fits(o.room(o.need), freed(view, everything)) for o in possible)
         assert all(kinds[v] != "persistent" and kinds[v] != "worker-busy" for v in decision.drain)
 
 
 @given(states())
-def test_a_model_that_fits_on_empty_devices_is_never_refused(state):
+def test_a_model_is_refused_at_once_exactly_when_it_cannot_fit_beside_its_worker_on_empty_devices(state):
     view, request, _ = state
-    if any(placement.never_fits(o.need, view.capacity) is None for o in request.options):
+    if any(placement.never_fits(o.room(o.need, worker=True), view.capacity) is None for o in request.options):
         assert not isinstance(decide(view, request), Never)
+    else:  # and one that does not is refused at once, whatever is held
+        assert isinstance(decide(view, request), Never)
 
 
 @given(states(), st.integers(0, 2000))

@@ -174,10 +174,11 @@ def test_a_reload_that_lists_a_removed_model_again_keeps_it(tiny, story, tmp_pat
         assert chat(base, "b").status_code == 200
 
 
-def test_a_model_whose_name_a_leaving_model_holds_joins_once_it_has_gone(tiny, story, tmp_path):
+def test_a_model_renamed_while_it_serves_is_listed_at_once_and_its_old_name_names_it(tiny, story, tmp_path):
     """A reload renames a busy model (``old`` goes, ``new`` comes with ``old`` as its alias):
-    the reload applies, ``new`` joins once ``old`` has finished its request and gone, and
-    ``old`` then names it (before: the reload raised half-way, the alias still ``old``'s)."""
+    the reload applies whole and at once, ``new`` is listed and ``old`` names it while the
+    old model finishes its request (before: the reload raised half-way, the alias still
+    ``old``'s; then ``new`` waited for ``old`` to go)."""
     preset = tmp_path / "models.ini"
     preset.write_text(f"[old]\nmodel = {story}\nnp = 1\nc = 2048\n")
     with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 8 << 30}), margin=0) as r, \
@@ -187,10 +188,12 @@ def test_a_model_whose_name_a_leaving_model_holds_joins_once_it_has_gone(tiny, s
         preset.write_text(f"[new]\nmodel = {story}\nnp = 1\nc = 2048\nalias = old\n")
         reloaded = httpx.get(base + "/models?reload=1", timeout=60)
         assert reloaded.status_code == 200, reloaded.text
-        assert "new" not in {c.name for c in r.models()}  # "old" is still taken
-        busy.close()
-        wait_for(lambda: "new" in {c.name for c in r.models()}, 60, "new listed")
+        assert [c.name for c in r.models()] == ["new"]
         assert r.scheduler.canonical("old") == "new"
+        assert chat(base, "old").status_code == 200  # new answers, beside old's last request
+        assert state(r, "old") == "loaded"
+        busy.close()
+        wait_for(lambda: "old" not in r.status()["models"], 60, "old gone")
         assert chat(base, "old").status_code == 200
 
 

@@ -16,10 +16,9 @@ taken under its lock; the others read records' fields (under ``locked()``) and c
 methods, never its underscored names.  The lock is re-entrant: the scheduler holds it
 across a decision and the changes it implies (``with book.locked(): ...``), so no decision
 acts on a state another thread changed meanwhile, and each method takes it again on its
-own.  Nothing here does I/O: free memory is read before the lock is taken (the
-inventory's ``free()``), and process starts, loads and file work run outside it.
-
-A model's state changes in one place, ``move``, which checks the transition (state.py).
+own.  Nothing here does I/O: free memory is read before the lock is taken (after
+``mark``), and process starts, loads and file work run outside it.  A model's state
+changes in one place, ``move``, which checks the transition (state.py).
 """
 
 from __future__ import annotations
@@ -28,12 +27,13 @@ import contextlib
 import itertools
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Iterator
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import HOST, Device
 from pyllmrouter.errors import ModelRemoved, UnknownModel
-from pyllmrouter.router.policy import placement, queueing
+from pyllmrouter.router.policy import ledger, placement, queueing
 from pyllmrouter.router.policy.fitbook import Fitted
 from pyllmrouter.router.policy.state import State, check_transition, holds_memory
 from pyllmrouter.router.records import Fate, Lease, Record, Ticket
@@ -72,6 +72,7 @@ class Book:
         self._seq = itertools.count(1)
         self._closed = False
         self._spilling = False  # kept states are leaving RAM for host memory a load wants
+        self._settled_version = 0  # bumped when bytes become settled (mark)
         self._counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0,
                           "workers_stopped_idle": 0, "workers_stopped_for_room": 0}
         self.on_wait: Callable[[str, float], None] | None = None  # every lease's wait (metrics)
@@ -113,6 +114,12 @@ class Book:
         with self._cond:
             return self._registry.get(name)
 
+    def named(self, name: str) -> Record | None:
+        """The record whose own name is ``name`` (no alias: the scheduler's own lookups, of
+        a resident or an instance, never a client's name)."""
+        with self._cond:
+            return self._registry.named(name)
+
     def resolve(self, name: str) -> Record:
         """The record of a listed model (UnknownModel: none, or removed)."""
         with self._cond:
@@ -145,31 +152,49 @@ class Book:
     def capacity(self, device: str) -> int:
         return capacity(self.devices[device], self.options)
 
+    def _tally(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(held, settled) bytes per device: what our models, workers and kept states hold or
+        may take, and the part of it the device surely holds already (policy/ledger.py)."""
+        held: Counter[str] = Counter()
+        settled: Counter[str] = Counter()
+        for r in self._registry.records():
+            if holds_memory(r.state):
+                held.update(r.need)
+                settled.update(r.need if r.state is State.LOADED else {})
+        for w in self.workers.running():
+            held.update(w.overhead)
+            settled.update(w.overhead)
+        for w in self.workers.stopping():
+            held.update(w.overhead)
+        if self.keep is not None:  # kept prompt states in RAM are host memory
+            held[HOST] += self.keep.held_ram()
+            settled[HOST] += self.keep.kept_ram()
+        return dict(held), dict(settled)
+
     def held(self) -> dict[str, int]:
         """Bytes held per device: models that hold memory, workers' own, kept states in RAM."""
         with self._cond:
-            held: dict[str, int] = {}
-            for r in self._registry.records():
-                if holds_memory(r.state):
-                    for d, n in r.need.items():
-                        held[d] = held.get(d, 0) + n
-            for w in self.workers.all():
-                for d, n in w.overhead.items():
-                    held[d] = held.get(d, 0) + n
-            if self.keep is not None:  # kept prompt states in RAM are host memory
-                held[HOST] = held.get(HOST, 0) + self.keep.held_ram()
-            return held
+            return self._tally()[0]
+
+    def mark(self) -> tuple[int, int, int]:
+        """Read before a reading of free memory, and checked when it is used: it changes
+        whenever bytes become settled (a model LOADED, a worker started or its overhead
+        measured, kept states written), which the reading may predate (policy/ledger.py)."""
+        with self._cond:
+            return self._settled_version, self.workers.version, self.keep.version if self.keep is not None else 0
+
+    def external(self, free: dict[str, int]) -> dict[str, int]:
+        """Per device, what other programs may be using, erring high (policy/ledger.py)."""
+        with self._cond:
+            return ledger.external({n: d.total for n, d in self.devices.items()}, free, self._tally()[1])
 
     def available(self, free: dict[str, int]) -> dict[str, int]:
-        """Per device, what our models may still take, from ``free`` (the inventory's
-        reading, taken before the lock: it reads /proc and NVML)."""
+        """Per device, what our models may still take, from ``free`` (the inventory's reading,
+        taken before the lock, after ``mark``): policy/ledger.py."""
         with self._cond:
-            held = self.held()
-            out = {}
-            for name, dev in self.devices.items():
-                # what other programs use: the device's use minus what we hold
-                external = max(0, dev.total - free.get(name, dev.total) - held.get(name, 0))
-                out[name] = min(self.capacity(name), dev.total - external - self.options.margin) - held.get(name, 0)
+            held, settled = self._tally()
+            out = ledger.available({n: d.total for n, d in self.devices.items()},
+                                   {n: self.capacity(n) for n in self.devices}, self.options.margin, free, held, settled)
             if self.options.max_models:
                 out[placement.COUNT] = self.options.max_models - held.get(placement.COUNT, 0)
             return out
@@ -312,12 +337,9 @@ class Book:
             rec.drain = (deadline, seq)
 
     def end_follows(self, rec: Record, at: float | None = None) -> None:
-        """The connections ``rec``'s worker follows for it (reads their next requests itself,
-        server/connection.py) come back to the router by ``at`` (time.monotonic; None: after
-        the request each is answering), whose requests it must see again: an unload or a
-        retirement waits for the model's leases, a drain for its turn, and a new instance
-        takes its share of them only through the router.  It covers every lease of ``rec``
-        taken before it (``Lease.epoch``)."""
+        """The connections ``rec``'s worker follows for it come back to the router by ``at``
+        (time.monotonic; None: after the request each is answering), for every lease of
+        ``rec`` taken before now (``Lease.epoch``; docs/ARCHITECTURE.md, the native path)."""
         with self._cond:
             conduit = rec.worker.conduit if rec.worker is not None and rec.leases > 0 else None
             if conduit is not None:
@@ -388,12 +410,13 @@ class Book:
             rec.worker, rec.live, rec.identity = worker, dict(pools), ident
             rec.last_used = time.monotonic()
             rec.loads += 1
+            self._settled_version += 1
             self._counters["loads"] += 1
             self.event("load", rec.name, seconds=round(seconds, 3))
 
     def load_retry(self, rec: Record, reason: str, detail: str) -> None:
-        """A load that failed for want of device memory, once: its waiters stay, and
-        admission runs again on a fresh reading of the free memory."""
+        """A load that failed for want of device memory, or whose worker died under it, once:
+        its waiters stay, and admission runs again on a fresh reading of the free memory."""
         with self._cond:
             rec.second_chance = True
             self.event("load-retry", rec.name, reason=reason, devices_now=detail)
@@ -406,8 +429,7 @@ class Book:
             self.failed(rec, reason, counted=True)
 
     def load_cancelled(self, rec: Record, worker: WorkerHandle, reason: str) -> None:
-        """A load past its timeout: its waiters fail, and its bytes stay held (UNLOADING)
-        until the worker's unload, which cancels it, ends."""
+        """A load past its timeout: its waiters fail, its bytes held until its cancel ends."""
         with self._cond:
             self.move(rec, State.UNLOADING)
             rec.worker, rec.identity = worker, None
@@ -420,17 +442,26 @@ class Book:
                 self.event("unloaded", rec.name)
 
     def worker_died(self, worker: WorkerHandle) -> list[Record]:
-        """``worker``'s process ended: the models it held (or was loading) are UNLOADED."""
+        """``worker``'s process ended: the models it held or was loading are UNLOADED (a load
+        it died under: ``died_loading``, no storm of workers until the queue timeout)."""
         with self._cond:
             self._counters["worker_deaths"] += 1
             self.workers.forget(worker)
             gone = []
             for r in self._registry.records():
                 if r.worker is worker or (r.state is State.LOADING and r.device_set == worker.devices):
-                    self.move(r, State.UNLOADED, f"worker process {worker.pid} died")
                     self.event("worker-died", r.name, pid=worker.pid)
+                    if r.state is State.LOADING:
+                        self.died_loading(r, f"worker process {worker.pid} died during the load{worker.death}")
+                    else:
+                        self.move(r, State.UNLOADED, f"worker process {worker.pid} died")
                     gone.append(r)
             return gone
+
+    def died_loading(self, rec: Record, reason: str) -> None:
+        """``rec``'s worker died under its load: tried once more, then its waiters fail."""
+        with self._cond:
+            self.load_failed(rec, reason) if rec.second_chance else self.load_retry(rec, reason, "")
 
     # -- measuring ------------------------------------------------------------------------
 
@@ -467,6 +498,7 @@ class Book:
                 models = sum(r.need.get(device, 0) for r in self._registry.records()
                              if r.worker is worker and r.state is State.LOADED)
                 worker.overhead[device] = max(0, used - models)
+            self._settled_version += 1
 
     def stop_worker(self, worker: WorkerHandle, reason: str, **data: Any) -> None:
         """An empty worker goes: its bytes stay held until its process ends."""
@@ -499,11 +531,10 @@ class Book:
             self._cond.notify_all()
             return rec
 
-    def trial(self, apply: Callable[[Registry], None]) -> None:
-        """``apply`` the list's changes to a copy of it first (ValueError: one would not
-        stand; nothing is changed then)."""
+    def validate(self, configs: list[ModelConfig]) -> None:
+        """ValueError unless ``configs`` can stand as the whole list (Registry.validate)."""
         with self._cond:
-            apply(self._registry.trial())
+            self._registry.validate(configs)
 
     def revive(self, rec: Record, cfg: ModelConfig) -> None:
         with self._cond:
@@ -544,7 +575,7 @@ class Book:
 
     def event(self, what: str, name: str, **data: Any) -> None:
         with self._cond:
-            rec = self._registry.get(name)
+            rec = self._registry.named(name)
             where = "+".join(sorted(rec.device_set)) if rec is not None and rec.device_set else ""
             self.bus.publish(what, name, where, **data)
 

@@ -70,15 +70,13 @@ class Jobs:
     def _short_of(self, rec: Record, free: dict[str, int]) -> str:
         """Per device of the load: what it needed there, what is free now, and what other
         programs hold (the device's use beyond the router's own), as plain words (lock held)."""
-        held = self._book.held()
+        external = self._book.external(free)
         out = []
         for device, need in sorted(rec.need.items()):
-            dev = self._book.devices.get(device)
-            if dev is None or device not in free:
+            if device not in self._book.devices or device not in free:
                 continue
-            other = max(0, dev.total - free[device] - held.get(device, 0))
             out.append(f"{device}: needs {need / 2**20:.1f} MiB, {free[device] / 2**20:.1f} MiB free, "
-                       f"{other / 2**20:.1f} MiB held by other programs")
+                       f"{external[device] / 2**20:.1f} MiB held by other programs")
         return "; ".join(out) or "no device reading"
 
     def spill(self) -> None:
@@ -141,17 +139,8 @@ class Jobs:
             if options.debug_fake_timing > 0:
                 time.sleep(options.debug_fake_timing)
             worker = book.workers.ensure(rec.device_set)
-            free = self._inventory.free()
-            with book.locked():
-                if not book.loading(rec, attempt):  # ended meanwhile (its worker died)
-                    return
-                # the worker's measured overhead now counts: does the reservation still fit?
-                available = book.available(free)
-                mine = {d: available.get(d, 0) + n for d, n in rec.need.items()}
-                if placement.shortfall(rec.need, mine):
-                    book.move(rec, State.UNLOADED)
-                    self._settle(rec)
-                    return
+            if not self._still_fits(rec, attempt):
+                return
             cfg = rec.config
             spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set, self._inventory.to_local(rec.device_set))
             ident, keep_dir, restore = None, None, []
@@ -175,10 +164,17 @@ class Jobs:
                            f"{type(e).__name__}: {e}")
         short = _OUT_OF_MEMORY.search(reply.message) is not None if isinstance(reply, Failed) else False
         free = self._inventory.free() if short else {}  # what the devices have now (I/O: before the lock)
+        died = isinstance(reply, Failed) and reply.kind is ErrorKind.WORKER_DIED
+        if died and worker is not None:
+            worker.wait_dead(5)  # the router has seen the death (Book.worker_died), whichever way it came
         with book.locked():
             if not book.loading(rec, attempt):  # the worker died meanwhile and said so (maybe a new load began)
                 if isinstance(reply, Loaded) and worker is not None and worker.alive:  # an engine nobody counts: it goes
                     self.spawn(self._unload_stale, worker, rec.name)
+                return
+            if died:  # its worker could not start, or died unseen: as a death under the load
+                book.died_loading(rec, f"the worker died during the load: {reply.message}")
+                self._settle(rec)
                 return
             detail = self._short_of(rec, free) if short else ""
             if short and not rec.second_chance:
@@ -200,6 +196,26 @@ class Jobs:
             self._settle(rec)
         if isinstance(reply, Loaded):
             self.refresh_overhead(worker)
+
+    def _still_fits(self, rec: Record, attempt: int) -> bool:
+        """Whether load ``attempt`` of ``rec`` still fits, its worker's measured overhead
+        counted now (False: it is over, or back to UNLOADED to be planned again)."""
+        book = self._book
+        while True:
+            mark = book.mark()
+            free = self._inventory.free()
+            with book.locked():
+                if not book.loading(rec, attempt):  # ended meanwhile (its worker died)
+                    return False
+                if book.mark() != mark:  # bytes settled since the reading: read again
+                    continue
+                available = book.available(free)
+                mine = {d: available.get(d, 0) + n for d, n in rec.need.items()}
+                if placement.shortfall(rec.need, mine):
+                    book.move(rec, State.UNLOADED)
+                    self._settle(rec)
+                    return False
+                return True
 
     def replicate(self, rec: Record, lease: Callable[[], Any], release: Callable[[Any], None]) -> None:
         """An instance of a model whose requests wait (an extra one, or its own back): loaded
@@ -261,8 +277,8 @@ class Jobs:
             except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
                 pass
             finally:
-                if token is not None:
-                    store.release(token)
+                if token is not None:  # not saved: the reservation back, and what a death mid-save left
+                    store.release(token, ident)
         with book.locked():
             book.unloaded(rec)
             self._settle(rec)

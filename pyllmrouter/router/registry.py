@@ -1,8 +1,12 @@
 """The live model list: models by name and alias, and what happens to one that is
 removed or changed while it serves.
 
-    add(config)            ──▶ a Record (names and aliases checked: unique, devices known)
-    retire(rec, fate)      ──▶ rec.fate = REMOVE, or the config that replaces it
+    validate(configs)      ──▶ the whole list checked (names and aliases used once, devices
+                               known): a list that cannot stand changes nothing
+    add(config)            ──▶ a Record (its name free, the list with it valid)
+    retire(rec, fate)      ──▶ rec.fate = REMOVE, or the config that replaces it; the
+                               aliases are the list's at once (one may shadow the name of a
+                               removed model still finishing: it means its new owner)
     step(state, leases, fate) (pure) ──▶ what the scheduler does next with a retiring model:
         NONE    no fate, or it must wait (loading, unloading)
         UNLOAD  loaded and idle: unload it (its requests in flight have finished)
@@ -84,29 +88,26 @@ def diff(current: Mapping[str, ModelConfig], new: Iterable[ModelConfig]) -> Chan
 
 
 class Registry:
-    """Models by name and alias; the scheduler's lock is held for every call."""
+    """Models by name, and the list's aliases; the scheduler's lock is held for every call.
 
-    def __init__(self, devices: Iterable[str], records: Mapping[str, Record] | None = None,
-                 aliases: Mapping[str, str] | None = None):
+    Names: every live record's own, unique (a removed model still finishing its requests
+    keeps its name until it goes; a changed model's new config takes the name once the old
+    one has gone).  Aliases: the list's as it is now, each naming the record of its model;
+    one may shadow the name of a removed model that is still finishing (a client asking
+    for it means the model the list gives that alias now)."""
+
+    def __init__(self, devices: Iterable[str]):
         self._devices = tuple(devices)
-        self._records: dict[str, Record] = dict(records or {})
-        self._aliases: dict[str, str] = dict(aliases or {})
+        self._records: dict[str, Record] = {}
+        self._aliases: dict[str, str] = {}
 
-    def trial(self) -> "Registry":
-        """A copy to try changes on first: its records are copies (what a change does to
-        them stays there), its names and aliases the same."""
-        copies = {n: with_fields(r) for n, r in self._records.items()}
-        return Registry(self._devices, copies, self._aliases)
-
-    def revive(self, rec: Record, cfg: ModelConfig) -> None:
-        """A removed model, still finishing its requests, listed again: it stays, as it is
-        (the same config) or to be replaced by ``cfg`` once it has finished."""
-        if cfg == rec.config:
-            rec.fate, rec.replacement = None, None
-        else:
-            self.retire(rec, cfg)
+    def named(self, name: str) -> Record | None:
+        """The record whose own name is ``name`` (never through an alias)."""
+        return self._records.get(name)
 
     def get(self, name: str) -> Record | None:
+        """The record a client's ``name`` means: the model the list gives that alias, else
+        the record of that name."""
         return self._records.get(self._aliases.get(name, name))
 
     def names(self) -> list[str]:
@@ -125,6 +126,53 @@ class Registry:
         """A model's instances: its own record, then its extra ones (replicas.py)."""
         return [rec, *(r for r in self._records.values() if r.primary is rec)]
 
+    def _relink(self) -> None:
+        """The aliases, from the list as it is now (a changed model's new config's)."""
+        self._aliases = {a: name for name, cfg in self.configs().items() for a in cfg.aliases}
+
+    def validate(self, configs: Iterable[ModelConfig]) -> None:
+        """ValueError unless ``configs``, as the whole list, can stand: every name and alias
+        used once (an alias is no model's name), every device known, a draft's devices among
+        its model's, and no name an extra instance of a model holds now."""
+        seen: dict[str, str] = {}
+        configs = list(configs)
+        for cfg in configs:
+            if cfg.name in seen:
+                raise ValueError(f"model name {cfg.name!r} is used twice")
+            seen[cfg.name] = cfg.name
+            r = self._records.get(cfg.name)
+            if r is not None and r.primary is not None:
+                raise ValueError(f"model name {cfg.name!r} is an instance of {r.primary.name!r}")
+        for cfg in configs:
+            for a in cfg.aliases:
+                if a in seen or a == cfg.name:
+                    raise ValueError(f"alias {a!r} of model {cfg.name!r} is used twice")
+                seen[a] = cfg.name
+            for d in cfg.devices or ():
+                if d not in self._devices:
+                    raise ValueError(f"model {cfg.name!r} is pinned to unknown device {d!r} "
+                                     f"(devices: {', '.join(self._devices)})")
+            if cfg.spec.draft_devices and not set(cfg.spec.draft_devices) <= set(cfg.devices or ()):
+                raise ValueError(f"model {cfg.name!r}: its draft's devices {', '.join(cfg.spec.draft_devices)} must "
+                                 f"be among the devices it is pinned to")
+
+    def check(self, cfg: ModelConfig) -> None:
+        """ValueError if ``cfg`` cannot join the list as it is: its name or an alias is taken
+        (a removed model still finishing holds its name until it goes), or the list with it
+        would not stand (``validate``)."""
+        if cfg.name in self._records:
+            leaving = self._records[cfg.name].fate is Fate.REMOVE
+            raise ValueError(f"model name {cfg.name!r} is used twice" +
+                             (" (a removed model of that name is still finishing its requests)" if leaving else ""))
+        self.validate([*self.configs().values(), cfg])
+
+    def add(self, cfg: ModelConfig) -> Record:
+        self.check(cfg)
+        rec = Record(cfg)
+        self._records[cfg.name] = rec
+        self._relink()
+        return rec
+
     def add_replica(self, cfg: ModelConfig, primary: Record) -> Record:
         """An extra instance of ``primary``'s model, measured as it is (same file, same spec)."""
         if cfg.name in self._records or cfg.name in self._aliases:
@@ -140,44 +188,21 @@ class Registry:
             del self._records[rec.name]
             rec.gone = True
 
-    def held_by_leaving(self, cfg: ModelConfig) -> bool:
-        """Whether ``cfg``'s name or an alias is held by a model that is leaving (removed,
-        still finishing its requests): it can join once that one has gone."""
-        names = {cfg.name, *cfg.aliases}
-        return any(r.fate is Fate.REMOVE and names & {r.name, *r.config.aliases} for r in self._records.values())
-
-    def check(self, cfg: ModelConfig, replacing: Record | None = None) -> None:
-        """ValueError if ``cfg`` cannot join: its name or an alias is taken, or it names a
-        device the router does not have."""
-        taken = {n for n, r in self._records.items() if r is not replacing}
-        taken |= {a for a, n in self._aliases.items() if self._records[n] is not replacing}
-        if cfg.name in taken:
-            raise ValueError(f"model name {cfg.name!r} is used twice")
-        for a in cfg.aliases:
-            if a in taken or a == cfg.name:
-                raise ValueError(f"alias {a!r} of model {cfg.name!r} is used twice")
-        for d in cfg.devices or ():
-            if d not in self._devices:
-                raise ValueError(f"model {cfg.name!r} is pinned to unknown device {d!r} "
-                                 f"(devices: {', '.join(self._devices)})")
-        if cfg.spec.draft_devices and not set(cfg.spec.draft_devices) <= set(cfg.devices or ()):
-            raise ValueError(f"model {cfg.name!r}: its draft's devices {', '.join(cfg.spec.draft_devices)} must be "
-                             f"among the devices it is pinned to")
-
-    def add(self, cfg: ModelConfig) -> Record:
-        self.check(cfg)
-        rec = Record(cfg)
-        self._records[cfg.name] = rec
-        for a in cfg.aliases:
-            self._aliases[a] = cfg.name
-        return rec
-
     def retire(self, rec: Record, replacement: ModelConfig | None) -> None:
-        """Mark ``rec`` removed (``replacement`` None) or replaced by a new config (checked now)."""
-        if replacement is not None:
-            self.check(replacement, replacing=rec)
+        """Mark ``rec`` removed (``replacement`` None) or replaced by a new config (the list
+        with it validated by the caller); the aliases follow the list at once."""
         rec.fate = Fate.REPLACE if replacement is not None else Fate.REMOVE
         rec.replacement = replacement
+        self._relink()
+
+    def revive(self, rec: Record, cfg: ModelConfig) -> None:
+        """A removed model, still finishing its requests, listed again: it stays, as it is
+        (the same config) or to be replaced by ``cfg`` once it has finished."""
+        if cfg == rec.config:
+            rec.fate, rec.replacement = None, None
+            self._relink()
+        else:
+            self.retire(rec, cfg)
 
     def finish(self, rec: Record) -> Record | None:
         """An unloaded retiring model goes: dropped, or its new config's Record takes its
@@ -185,11 +210,10 @@ class Registry:
         if self._records.get(rec.name) is not rec:
             return None
         del self._records[rec.name]
-        for a in rec.config.aliases:
-            self._aliases.pop(a, None)
         rec.gone = True
+        new = None
         if rec.fate is Fate.REPLACE and rec.replacement is not None:
-            new = self.add(rec.replacement)
+            new = self._records[rec.name] = Record(rec.replacement)
             rec.successor = new
-            return new
-        return None
+        self._relink()
+        return new

@@ -25,6 +25,7 @@ def status(book: Book, inventory: Inventory) -> dict[str, Any]:
     kept = book.keep.report() if book.keep is not None else {"enabled": False, "models": {}}
     with book.locked():
         available = book.available(free)
+        external = book.external(free)
         held = book.held()
         tickets = book.tickets()
         models, now = {}, time.monotonic()
@@ -48,7 +49,7 @@ def status(book: Book, inventory: Inventory) -> dict[str, Any]:
                 "held": held.get(n, 0), "available": available.get(n),
                 # the parts of held that are no model's, and what is not ours to give
                 "overhead": overhead.get(n, 0), "kept": kept_ram if n == HOST else 0,
-                "external": max(0, d.total - free.get(n, d.total) - held.get(n, 0)),
+                "external": external[n],
                 "margin": book.options.margin}
             for n, d in book.devices.items()
         }

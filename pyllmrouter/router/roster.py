@@ -25,7 +25,7 @@ from pyllmrouter.router.jobs import Jobs
 from pyllmrouter.router.policy import replicas
 from pyllmrouter.router.policy.state import State, holds_memory
 from pyllmrouter.router.records import Fate, Record
-from pyllmrouter.router.registry import Changes, Step, diff, step
+from pyllmrouter.router.registry import API, Changes, Step, diff, step
 
 __all__ = ["Roster"]
 
@@ -36,8 +36,6 @@ class Roster:
         self._book = book
         self._jobs = jobs
         self._load_instance = load_instance
-        # the last list reconciled and the models in it that join once a leaving model has gone
-        self._later: tuple[list[ModelConfig], list[ModelConfig]] | None = None
 
     def add(self, cfg: ModelConfig) -> None:
         """A new model, servable at once (ValueError: its name or an alias is taken)."""
@@ -45,48 +43,36 @@ class Roster:
         self._book.event("added", cfg.name, source=cfg.source)
 
     def reconcile(self, configs: Iterable[ModelConfig]) -> Changes:
-        """The sources' new list: every change tried on a copy of the list first, in the
-        order it is then made, so a bad list changes nothing (ValueError); models added
-        through the API stay.  A name the list gives back while its model, removed, still
-        finishes its requests, brings that model back; a new model whose name or alias a
-        leaving model still holds joins once that one has gone (the list is reconciled
-        again then).  The Book's lock held."""
+        """The sources' new list: checked whole first (names and aliases used once, devices
+        known), so a bad list changes nothing (ValueError); models added through the API
+        stay.  Then every change is made at once: removed and changed models finish their
+        requests and go (a changed one's waiters follow its new config), new ones join, and
+        the aliases are the new list's from now on, whatever model held them before (a name a
+        leaving model still holds as its own is an alias of the new list at once).  A name
+        the list gives back while its model, removed, still finishes its requests, brings
+        that model back.  The Book's lock held."""
         book = self._book
         wanted = list(configs)
-        changes = diff(book.configs(), wanted)
-        back = {c.name: book.get(c.name) for c in changes.add}
-        back = {n: r for n, r in back.items() if r is not None and r.name == n and r.fate is Fate.REMOVE}
-        later: list[ModelConfig] = []
-
-        def apply(registry) -> None:  # the order the changes are made in, on the copy first
-            for name in changes.remove:
-                registry.retire(registry.get(name), None)
-            for cfg in changes.replace:
-                registry.retire(registry.get(cfg.name), cfg)
-            for cfg in changes.add:
-                if cfg.name in back:
-                    registry.revive(registry.get(cfg.name), cfg)
-                elif registry.held_by_leaving(cfg):
-                    later.append(cfg)
-                else:
-                    registry.add(cfg)
-        book.trial(apply)
+        current = book.configs()
+        changes = diff(current, wanted)
+        names = {c.name for c in wanted}
+        kept = [c for n, c in current.items() if n not in names and c.source == API]
+        book.validate([*wanted, *kept])
         for name in changes.remove:
-            self.retire(book.get(name), None)
+            self.retire(book.named(name), None)
         for cfg in changes.replace:
-            self.retire(book.get(cfg.name), cfg)
+            self.retire(book.named(cfg.name), cfg)
         for cfg in changes.add:
-            if cfg.name in back:
-                book.revive(back[cfg.name], cfg)
+            leaving = book.named(cfg.name)  # removed, still finishing: listed again
+            if leaving is not None:
+                book.revive(leaving, cfg)
                 book.event("added", cfg.name, source=cfg.source)
-            elif cfg not in later:
+                self.settle(leaving)
+            else:
                 self.add(cfg)
         for cfg in changes.tune:
-            self._tune(book.get(cfg.name), cfg)
-        self._later = (wanted, later) if later else None
-        if later:
-            book.event("models_reload_later", "*", models=[c.name for c in later])
-        return Changes(tuple(c for c in changes.add if c not in later), changes.remove, changes.replace, changes.tune)
+            self._tune(book.named(cfg.name), cfg)
+        return changes
 
     def _tune(self, rec: Record, cfg: ModelConfig) -> None:
         """A new priority, max-queue or replica count, in place: the model stays loaded and
@@ -131,15 +117,10 @@ class Roster:
                 self._jobs.unload_now(rec)
             elif action is Step.FINISH:
                 if book.keep is not None and rec.fate is Fate.REMOVE:
-                    book.keep.forget(rec.name)  # its kept states can serve no one
+                    # its kept states can serve no one: they go, file work off the Book's lock
+                    self._jobs.spawn(book.keep.forget, rec.name)
                 new = book.finish(rec)
                 book.event("model_remove" if new is None else "replaced", rec.name)
-                if self._later is not None:  # models waiting for a name this one held
-                    wanted, self._later = self._later[0], None
-                    try:
-                        self.reconcile(wanted)
-                    except ValueError as e:
-                        book.event("models_reload_failed", "*", reason=str(e))
 
     def grow(self, rec: Record, arriving: int = 0) -> None:
         """One more instance of ``rec``'s model where its requests wait and it may
@@ -153,7 +134,8 @@ class Roster:
             instances = book.instances(rec)
             running = [replicas.Instance(r.name, r.leases, book.slots(r), r.primary is None)
                        for r in instances if r.state is State.LOADED]
-            # an instance with no memory (UNLOADED) holds no device set: its old one is free
+            # an instance with no memory (UNLOADED) holds no device set: its old one is free; an
+            # extra one UNLOADED is on its way (it goes once nobody waits for it: Scheduler.lease)
             loading = sum(1 for r in instances if r.state is State.LOADING
                           or (r.primary is not None and r.state is State.UNLOADED))
             used = {r.device_set for r in instances if r.device_set and holds_memory(r.state)}
@@ -164,7 +146,7 @@ class Roster:
                 book.event("replica-start", rec.name, instance=rec.name)
                 extra = rec  # the model's own instance, back
             else:
-                cfg = dataclasses.replace(rec.config, name=replicas.free_name(rec.name, lambda n: book.get(n) is not None),
+                cfg = dataclasses.replace(rec.config, name=replicas.free_name(rec.name, lambda n: book.named(n) is not None or book.get(n) is not None),
                                           aliases=(), devices=None, source="replica", hidden=True,
                                           load_on_startup=False, persistent=False, replicas=1)
                 extra = book.add_replica(cfg, rec)

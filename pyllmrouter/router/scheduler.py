@@ -39,18 +39,19 @@ from typing import Any, Iterable
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import HOST, Inventory
-from pyllmrouter.errors import LoadFailed, NeverFits, NotLoaded, QueueFull, QueueTimeout, RouterClosed, Withdrawn
+from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueFull, QueueTimeout, RouterClosed, UnknownModel,
+                                Withdrawn)
 from pyllmrouter.router import report
 from pyllmrouter.router.book import Book, capacity
 from pyllmrouter.router.jobs import Jobs
 from pyllmrouter.router.policy import admission, placement, queueing, replicas
 from pyllmrouter.router.policy.fitbook import fit_over
 from pyllmrouter.router.policy.state import State, evictable, holds_memory
-from pyllmrouter.router.records import Lease, Record, Ticket
+from pyllmrouter.router.records import Fate, Lease, Record, Ticket
 from pyllmrouter.router.roster import Roster
 from pyllmrouter.router.workers.keep import KeepStore
 from pyllmrouter.router.workers.measure import Measurer, worker_spec
-from pyllmrouter.router.workers.pool import WorkerHandle
+from pyllmrouter.router.workers.pool import Launch, WorkerHandle
 from pyllmrouter.router.workers.sets import WORKER, WorkerSet
 
 __all__ = ["Scheduler", "Record", "Lease", "KEPT"]
@@ -64,7 +65,10 @@ def budget_note(budget: int | None) -> str:
 
 
 class Scheduler:
-    def __init__(self, models: list[ModelConfig], inventory: Inventory, options: RouterOptions):
+    def __init__(self, models: list[ModelConfig], inventory: Inventory, options: RouterOptions,
+                 launch: Launch = WorkerHandle):
+        """``launch``: makes a worker's handle (a process of ours; the tests' simulated
+        world passes its own)."""
         self.options = options
         self.inventory = inventory
         devices = {d.name: d for d in inventory.devices()}
@@ -79,11 +83,11 @@ class Scheduler:
             ram = inventory.free().get(HOST, 0) // 8
         keep = KeepStore(ram, options.kv_keep_dir, options.kv_keep_disk) if ram > 0 else None
         self._book = book = Book(devices, options, lambda cond: WorkerSet(inventory, cond, self._on_worker_death,
-                                                                          self._worker_started), keep)
+                                                                          self._worker_started, launch), keep)
         for m in models:
             book.add(m)
         measure = Measurer(inventory, options.load_timeout, book.workers.running_for, book.workers.ensure,
-                           book.hosts_models)
+                           book.hosts_models, launch)
         self._jobs = Jobs(book, measure, inventory, options, settle=lambda rec: self._roster.settle(rec),
                           reap=self.reap_workers)
         self._roster = Roster(book, self._jobs, self._load_instance)
@@ -191,7 +195,7 @@ class Scheduler:
                 raise QueueFull(rec.name, refused.scope, refused.limit, refused.waiting)
             ticket = book.enqueue(rec, loader, waited)
         deadline = time.monotonic() + timeout
-        free: dict[str, int] | None = None  # the inventory's reading, taken since the last wait
+        reading: tuple[Any, dict[str, int]] | None = None  # (the Book's mark, free memory), since the last wait
         try:
             while True:
                 with book.locked():
@@ -206,24 +210,37 @@ class Scheduler:
                     if ready is not None:
                         return self._take(ready, ticket)
                     to_load = rec.fate is None and rec.state is State.UNLOADED
+                    if to_load and not autoload:  # it was unloaded while this request waited
+                        raise NotLoaded(rec.name, rec.state.value)
                     # a later request of a model waiting for its load waits behind the first
                     # (admission would say so): no reading of free memory, no view of the devices
                     behind = to_load and book.first_waiting(rec) is not ticket
-                    stale = to_load and not behind and free is None
+                    # a reading taken before bytes settled may not show them allocated: read again
+                    stale = to_load and not behind and (reading is None or reading[0] != book.mark())
+                    if stale and reading is not None and time.monotonic() > deadline:  # bytes settling all along
+                        raise QueueTimeout(rec.name, timeout, ticket.why or "waiting")
                     if not stale:
                         why = "waiting" if rec.fate is None else "waiting for its new configuration"
                         if to_load:
-                            why = admission.BEHIND if behind else self._admit(rec, ticket, free)
+                            why = admission.BEHIND if behind else self._admit(rec, ticket, reading[1])
                         book.note(ticket, why)
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
                             raise QueueTimeout(rec.name, timeout, why)
                         book.wait(min(remaining, 0.25))
-                        free = None
-                if stale:
-                    free = self.inventory.free()  # I/O, only when admission needs it: never under the lock
+                        reading = None
+                if stale:  # I/O, only when admission needs it: never under the lock
+                    reading = self.read_free()
         finally:
             book.dequeue(ticket)
+            if ticket.rec.primary is not None:  # an extra instance nobody waits for any more goes
+                self._roster.settle(ticket.rec)
+
+    def read_free(self) -> tuple[Any, dict[str, int]]:
+        """The inventory's free memory and the Book's mark taken just before it (no lock
+        held: it reads /proc and NVML); a decision uses it only while the mark stands."""
+        mark = self._book.mark()
+        return mark, self.inventory.free()
 
     def withdraw(self, gone) -> None:
         """The caller of a waiting ``lease(..., gone=gone)`` has left: end its wait now."""
@@ -318,9 +335,13 @@ class Scheduler:
     def replace_model(self, cfg: ModelConfig) -> None:
         """``cfg`` replaces the model of its name once that one has finished its requests
         and unloaded; requests that come meanwhile wait for the new config."""
-        with self._book.locked():
-            rec = self._book.resolve(cfg.name)
+        book = self._book
+        with book.locked():
+            rec = book.named(cfg.name)
+            if rec is None or rec.fate is Fate.REMOVE or rec.primary is not None:
+                raise UnknownModel(cfg.name, list(book.configs()))
             if (rec.replacement or rec.config) != cfg:
+                book.validate([*(c for n, c in book.configs().items() if n != cfg.name), cfg])
                 self._roster.retire(rec, cfg)
 
     def reconcile(self, configs: Iterable[ModelConfig]) -> dict[str, list[str]]:
@@ -371,7 +392,7 @@ class Scheduler:
                 elif v.startswith(WORKER):
                     self._jobs.stop_worker(book.workers.by_name(v), "room", newcomer=rec.name)
                 else:
-                    victim = book.get(v)
+                    victim = book.named(v)
                     book.event("evicted", v, newcomer=rec.name, bytes=dict(victim.need),
                                short={d: n for d, n in short.items() if victim.need.get(d, 0) > 0})
                     self._jobs.unload_now(victim, evicted=True)
@@ -386,7 +407,9 @@ class Scheduler:
                 self._jobs.spawn(self._jobs.fit, rec, job.device_set, job.spec, dict(job.grant))
             deadline = ticket.created + self.options.turn
             for v in (decision.drain if rec.primary is None and not ticket.loader else ()):  # an instance's load drains nothing
-                victim = book.get(v)
+                victim = book.named(v)
+                if victim is None:  # an empty worker or the kept states: nothing to drain, they go when evicted
+                    continue
                 owner = next((t for t in book.tickets() if victim.drain and t.seq == victim.drain[1]), None)
                 if victim.drain is None or owner is None or book.rank(ticket) < book.rank(owner):
                     book.drain(victim, deadline, ticket.seq)
@@ -418,7 +441,9 @@ class Scheduler:
             )
             for r in book.records() if holds_memory(r.state)
         ]
-        kept = book.keep.held_ram() if book.keep is not None else 0
+        # the states written in RAM: a reservation for an unload's states is that unload's, not
+        # something a spill can free (counted there, a spill freed nothing and admission asked again)
+        kept = book.keep.kept_ram() if book.keep is not None else 0
         if kept:  # kept prompt states give way first (spilled to disk or dropped), before any model
             residents.append(placement.Resident(KEPT, {HOST: kept}, float("-inf"), not book.spilling))
         book.workers.note(book.busy_sets(), time.monotonic())
@@ -441,7 +466,9 @@ class Scheduler:
             for ds in self._book.candidates(rec):
                 local = self.inventory.to_local(ds)  # a fit can only move bytes off real devices
                 spec = worker_spec(rec.config.spec, ds, local)
-                options.append(admission.Option(ds, rec.requirements[ds], spec, fit_over(ds, local, rec.params[ds])))
+                worker, starts = self._book.workers.overhead_of(ds)
+                options.append(admission.Option(ds, rec.requirements[ds], spec, fit_over(ds, local, rec.params[ds]),
+                                                worker, starts))
             options = tuple(options)
         return admission.Request(rec.name, options, rec.fits, self._earlier_loader_blocks(rec, ticket),
                                  rec.probing, rec.fitting)

@@ -12,7 +12,10 @@ device set, whether an earlier request goes first) under its lock, calls
 ``decide`` and carries the decision out in the same critical section.  Nothing
 here reads a clock, a device or a lock; placement.py does the arithmetic.
 
-A request's option is a device set with the model's probed bytes there.  If the
+A request's option is a device set with the model's probed bytes there, and the bytes
+the set's worker holds before any model (``worker``): the model can ever fit only with
+them, is placed with them where its load starts that worker (``starts``), and reserves
+its own.  If the
 bytes do not fit what the model could be granted there (available now plus what
 evictable residents hold) and fitting is on, the option's spec is replaced by a
 fit into that grant (from the model's ``Fits``); a grant with no fit yet asks for
@@ -41,10 +44,27 @@ class Option:
     spec: ModelSpec
     fit_over: tuple[str, ...] = ()  # devices a fit may share the model over (the set's real
     # devices and the host); empty: the spec is loaded as given
+    worker: Mapping[str, int] = field(default_factory=dict)  # bytes per device the set's worker
+    # holds before any model (never reserved for the model)
+    starts: bool = False  # the load starts that worker: placing the model takes its bytes too
 
     @property
     def fitting(self) -> bool:
         return bool(self.fit_over)
+
+    @property
+    def overhead(self) -> Mapping[str, int]:
+        """What the load adds beside the model's bytes: a worker it starts."""
+        return self.worker if self.starts else {}
+
+    def room(self, need: Mapping[str, int], worker: bool = False) -> dict[str, int]:
+        """What placing ``need`` (the model's bytes) on this option takes: need + overhead
+        (``worker``: with the worker's bytes whether it runs or not: what the device must
+        ever hold)."""
+        out = dict(need)
+        for d, n in (self.worker if worker else self.overhead).items():
+            out[d] = out.get(d, 0) + n
+        return out
 
 
 @dataclass(frozen=True)
@@ -120,17 +140,18 @@ def decide(view: View, request: Request) -> Decision:
         if why is None and never is not None:
             return never
         return Wait(why or "waiting", fit=job)
-    candidates = [(o.device_set, o.need) for o, _ in ready]
+    # placed with the overhead the load adds (a worker to start); reserved: the model's own bytes
+    candidates = [(o.device_set, o.room(o.need)) for o, _ in ready]
     plan = placement.choose(candidates, view.available, view.evictable)
     if plan is None:
         idle = placement.choose(candidates, view.available, view.drainable)
         short = min((placement.shortfall(need, view.available) for _, need in candidates),
                     key=lambda s: sum(s.values()))
         return Wait("waiting for busy models to finish", fit=job, drain=idle.victims if idle else (), short=short)
+    option, fit = next((o, f) for o, f in ready if o.device_set == plan.device_set)
     if plan.victims:
         return Evict(plan.victims, plan.need)
-    option, fit = next((o, f) for o, f in ready if o.device_set == plan.device_set)
-    return Admit(plan.device_set, plan.need, fit.spec if fit else option.spec, fit)
+    return Admit(plan.device_set, dict(option.need), fit.spec if fit else option.spec, fit)
 
 
 def _ready(view: View, request: Request):
@@ -142,20 +163,23 @@ def _ready(view: View, request: Request):
     never: Never | None = None
     job: FitJob | None = None
     for option in request.options or ():
-        worst = placement.never_fits(option.need, view.capacity)
+        worst = placement.never_fits(option.room(option.need, worker=True), view.capacity)
         if worst is not None and (worst.device == placement.COUNT or not option.fitting):
             # the message names the candidate closest to fitting (the biggest device)
             if never is None or worst.capacity - worst.need > never.capacity - never.need:
-                never = Never(worst.device, worst.need, worst.capacity, str(worst))
+                beside = option.worker.get(worst.device, 0)
+                detail = str(worst) + (f", its worker's own {beside} bytes there included" if beside else "")
+                never = Never(worst.device, worst.need, worst.capacity, detail)
             continue
         bytes_ = {d: n for d, n in option.need.items() if d != placement.COUNT}
         grant = placement.grant(option.fit_over, view.available, view.grantable) if option.fitting else {}
+        grant = {d: n - option.overhead.get(d, 0) for d, n in grant.items()}  # the worker's bytes are not the model's
         if not option.fitting or not placement.shortfall(bytes_, grant):
             ready.append((option, None))
             continue
         fitted = request.fits.lookup(option.device_set, grant)
         if fitted is not None and not fitted.ok:  # no fit now: with nothing else held?
-            most = {d: view.capacity.get(d, 0) for d in grant}
+            most = {d: view.capacity.get(d, 0) - option.worker.get(d, 0) for d in grant}
             if grant != most:
                 fitted, grant = request.fits.lookup(option.device_set, most), most
                 if fitted is not None and fitted.ok:
@@ -173,5 +197,6 @@ def _ready(view: View, request: Request):
         need = dict(fitted.need)
         if placement.COUNT in option.need:
             need[placement.COUNT] = option.need[placement.COUNT]
-        ready.append((Option(option.device_set, need, fitted.spec, option.fit_over), fitted))
+        ready.append((Option(option.device_set, need, fitted.spec, option.fit_over, option.worker, option.starts),
+                      fitted))
     return ready, why, never, job

@@ -13,8 +13,9 @@
 A file is checked before it is offered (its size and CRC-32 as saved, kept in a
 sidecar ``.meta``): llama.cpp asserts on a truncated state, so a damaged file is
 discarded with a warning, never loaded.  A state is tied to its identity: a hash of
-the model's name, its file's identity and the whole spec (every llama-server
-argument: context, slots, cache types, rope settings, overrides...), so it is only
+the model's name, the identity of every file its load reads (shards, projector, draft,
+adapters...), the whole spec (every llama-server argument: context, slots, cache types,
+rope settings, overrides...) and llama.cpp's LLAMA_ARG_* environment, so it is only
 ever offered to the very configuration that wrote it.  The RAM directory is
 a tmpfs (/dev/shm) where there is one: its bytes are host memory, which admission
 counts as held.  Only the router writes there (its own slot save and restore calls,
@@ -55,8 +56,9 @@ import time
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Mapping
 
+from pyllmrouter.memory import files_of, llama_args
 from pyllmrouter.router.policy.replicas import SEPARATOR
 from pyllmrouter.spec import ModelSpec
 
@@ -219,16 +221,19 @@ def reclaim(base: Path | None = None, grace: float = 60.0) -> list[Path]:
     return gone
 
 
-def identity(name: str, spec: ModelSpec) -> str | None:
-    """The configuration a kept state belongs to: the model's name, its file and the
-    whole spec, every llama-server argument included (None if the file cannot be read:
-    nothing is kept for it).  Two models over one file never share a directory."""
-    try:
-        st = os.stat(spec.path)
-    except OSError:
+def identity(name: str, spec: ModelSpec, env: Mapping[str, str] | None = None) -> str | None:
+    """The configuration a kept state belongs to: the model's name, every file a load of
+    it reads (each shard, and the projector, draft, adapters... its arguments name: path,
+    size, mtime, inode), the whole spec (every llama-server argument) and the arguments
+    llama.cpp takes from the environment (``env``: the workers', this process's by
+    default; LLAMA_ARG_*).  None if the model's file cannot be read: nothing is kept for
+    it.  Two models over one file never share a directory, and a state written by one
+    configuration is never offered to another, after a restart too."""
+    files = files_of(spec)
+    if files[0][1] is None:
         return None
-    ident = {"name": name, "file": [os.path.realpath(spec.path), st.st_size, st.st_mtime_ns, st.st_ino],
-             "spec": spec.to_dict()}
+    ident = {"name": name, "files": files, "spec": spec.to_dict(),
+             "env": llama_args(os.environ if env is None else env)}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -269,6 +274,8 @@ class KeepStore:
         self._reserved: dict[int, int] = {}  # unloads under way: RAM held for the states they write
         self._reservations = itertools.count(1)
         self._ram_bytes = 0  # the RAM files' and reservations' bytes, published by _settle
+        self._ram_files = 0  # the RAM files' bytes alone, published by _settle
+        self.version = 0  # bumped when states are written into RAM (the scheduler's Book.mark)
         self._snapshot: dict = {"models": {}, "counters": {}}  # what report() returns, published by _settle
         self.counters = {"saved": 0, "restores": 0, "restored_tokens": 0, "hits": 0, "discarded": 0, "dropped": 0}
         self._owner: int | None = None  # the fd holding our RAM directory's lock
@@ -331,10 +338,16 @@ class KeepStore:
         change (no lock: the scheduler reads it under its own)."""
         return self._ram_bytes
 
+    def kept_ram(self) -> int:
+        """Bytes of the states written in RAM (what ``spill`` can give back; a reservation
+        is an unload's until it ends), as of the last change (no lock)."""
+        return self._ram_files
+
     def _settle(self) -> None:
         """Publish the RAM bytes and the report (store lock held, at the end of every change):
         readers take them without the store's lock, so they never wait on its file work."""
-        self._ram_bytes = sum(k.size for k in self._files.values() if k.place == "ram") + sum(self._reserved.values())
+        self._ram_files = sum(k.size for k in self._files.values() if k.place == "ram")
+        self._ram_bytes = self._ram_files + sum(self._reserved.values())
         models: dict[str, dict[str, int]] = {}
         for k in self._files.values():
             s = models.setdefault(self._models.get(k.identity, k.identity), {"ram": 0, "disk": 0, "files": 0})
@@ -353,10 +366,17 @@ class KeepStore:
             self._settle()
             return token, free
 
-    def release(self, token: int) -> None:
-        """An unload's reservation given back (its states were not saved)."""
+    def release(self, token: int, ident: str | None = None) -> None:
+        """An unload's reservation given back (its states were not saved); what its engine
+        wrote in ``ident``'s directory and nobody indexed (a worker that died, or timed out,
+        mid-save leaves a part of a file) goes with it."""
         with self._lock:
             self._reserved.pop(token, None)
+            if ident is not None and not self._closed:
+                for path in (self.ram_dir / ident).glob("*"):
+                    if (ident, path.name) not in self._files and (ident, path.with_suffix(".bin").name) \
+                            not in self._files and _ours(path, stat.S_IFREG):
+                        path.unlink(missing_ok=True)
             self._settle()
 
     def add(self, ident: str, files: list[tuple[str, int, int]], token: int | None = None) -> None:
@@ -386,6 +406,7 @@ class KeepStore:
                     self._unlink(old)
                 self._files[(ident, k.name)] = k
                 self.counters["saved"] += 1
+            self.version += 1
             self._enforce()
             self._settle()
 

@@ -36,7 +36,7 @@ from pyllmrouter.router.policy.fitbook import Fitted
 from pyllmrouter.memory import MemoryEstimate, ProbeError, cached_estimate
 from pyllmrouter.protocol import ErrorKind, Failed, Fit, Probe
 from pyllmrouter.spec import ModelSpec
-from pyllmrouter.router.workers.pool import WorkerHandle
+from pyllmrouter.router.workers.pool import Launch, WorkerHandle
 
 __all__ = ["Measurer", "worker_spec"]
 
@@ -64,15 +64,18 @@ class Measurer:
     def __init__(self, inventory: Inventory, timeout: float,
                  running_worker: Callable[[frozenset[str]], WorkerHandle | None],
                  start_worker: Callable[[frozenset[str]], WorkerHandle] | None = None,
-                 hosts_models: Callable[[frozenset[str]], bool] = lambda ds: False):
+                 hosts_models: Callable[[frozenset[str]], bool] = lambda ds: False,
+                 launch: Launch = WorkerHandle):
         """``start_worker``: starts (and keeps) the worker of a device set; None: measuring
         never starts a worker that stays.  ``hosts_models``: whether a device set's worker
-        hosts models (a new file is then read in a host-only process first)."""
+        hosts models (a new file is then read in a host-only process first).  ``launch``:
+        makes a short-lived worker's handle (WorkerSet's)."""
         self.inventory = inventory
         self.timeout = timeout
         self._running_worker = running_worker
         self._start_worker = start_worker
         self._hosts_models = hosts_models
+        self._launch = launch
 
     def requirement(self, spec: ModelSpec, device_set: frozenset[str],
                     only: bool = False) -> tuple[dict[str, int], dict[str, dict], dict[str, Any]]:
@@ -144,7 +147,7 @@ class Measurer:
         worker = None if temporary else self._running_worker(device_set)
         temporary = worker is None or not worker.alive
         if temporary:
-            worker = WorkerHandle(f"probe-{'+'.join(sorted(device_set))}", device_set,
+            worker = self._launch(f"probe-{'+'.join(sorted(device_set))}", device_set,
                                   self.inventory.mask_env(device_set), lambda w: None)
             worker.start()
         try:

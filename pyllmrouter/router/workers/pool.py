@@ -31,7 +31,7 @@ from pyllmrouter.errors import WorkerDied
 from pyllmrouter.router.workers.conduit import Conduit, channel
 from pyllmrouter.protocol import FINAL, Batch, Cancel, ErrorKind, Failed, Ping, Ready, Shutdown
 
-__all__ = ["WorkerHandle", "Pending", "WORKER_ENTRY"]
+__all__ = ["WorkerHandle", "Pending", "WORKER_ENTRY", "Launch"]
 
 # A worker is a fresh interpreter (spawned, never forked: no lock or thread of the router
 # is copied into it) that starts from pyllmrouter's own entry point.  multiprocessing's
@@ -129,6 +129,9 @@ def _wake(futures: list[asyncio.Future]) -> None:
 
 
 class WorkerHandle:
+    """One worker process, seen from the router (``Launch`` makes one: this class, or a
+    stand-in with the same surface where processes are simulated)."""
+
     def __init__(self, name: str, devices: frozenset[str], env: dict[str, str],
                  on_death: Callable[["WorkerHandle"], None]):
         self.name = name
@@ -138,6 +141,7 @@ class WorkerHandle:
         self.pid: int | None = None
         self.overhead: dict[str, int] = {}
         self.alive = False
+        self.death = ""  # once it died: its exit status and why (" (exit code -9): ...")
         self._pending: dict[int, Pending] = {}
         self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # what the writer thread sends, in order
@@ -305,6 +309,7 @@ class WorkerHandle:
         self._outbox.put(Shutdown())  # the writer ends too (its send fails on the closed pipe)
         code = self._exitcode()
         why = self._last_words() if code else ""
+        self.death = f" (exit code {code}){why}"
         if was_alive:  # the router learns first, so whoever sees the failure sees the new state
             self.on_death(self)
         if self.conduit is not None:  # the requests it answered natively fail too
@@ -334,3 +339,8 @@ class WorkerHandle:
             self._relay.join(5)
         if self.conduit is not None:
             self.conduit.close()
+
+
+# what makes a worker's handle: (name, device set, mask environment, on_death) -> a handle
+# not started yet (WorkerHandle itself; the scheduler's tests pass simulated ones)
+Launch = Callable[[str, frozenset, dict, Callable[[WorkerHandle], None]], WorkerHandle]

@@ -7,6 +7,8 @@
     retire(w)  ──▶ out of the map, but still holding its bytes until its process has ended
                    (stopped(w)): a model admitted in its room never meets its context
     get(ds), all(), forget(worker), take_all()   (the scheduler's lock held)
+    overhead_of(ds) ──▶ the set's worker's bytes before any model, and whether a load there
+                   starts it (as the set's last worker measured it, or the inventory's)
 
 An empty worker is a resident of admission (``resident``): it holds its overhead on its
 devices (a GPU context per device, and its own host memory), and admission may stop it
@@ -22,7 +24,7 @@ from typing import Callable, Iterable
 
 from pyllmrouter.devices import Inventory
 from pyllmrouter.router.policy import placement
-from pyllmrouter.router.workers.pool import WorkerHandle
+from pyllmrouter.router.workers.pool import Launch, WorkerHandle
 
 __all__ = ["WorkerSet", "worker_name", "WORKER"]
 
@@ -36,13 +38,18 @@ def worker_name(device_set: frozenset[str]) -> str:
 class WorkerSet:
     def __init__(self, inventory: Inventory, cond: threading.Condition,
                  on_death: Callable[[WorkerHandle], None],
-                 on_start: Callable[[WorkerHandle], None] = lambda w: None):
+                 on_start: Callable[[WorkerHandle], None] = lambda w: None,
+                 launch: Launch = WorkerHandle):
         """``on_death``: the worker's process ended (called from its reader thread);
-        ``on_start``: a new worker runs (called once it is registered, no lock held)."""
+        ``on_start``: a new worker runs (called once it is registered, no lock held);
+        ``launch``: makes a worker's handle (a process of ours; a simulated one in tests)."""
         self._inventory = inventory
         self._cond = cond
         self._on_death = on_death
         self._on_start = on_start
+        self._launch = launch
+        self.version = 0  # bumped when a worker's bytes become settled (registered): Book.mark
+        self._seen: dict[frozenset[str], dict[str, int]] = {}  # the last overhead of each set's worker
         self._workers: dict[frozenset[str], WorkerHandle] = {}
         self._stopping: list[WorkerHandle] = []  # retired, their processes not ended yet
         self._idle_since: dict[WorkerHandle, float] = {}  # empty workers, since when
@@ -63,12 +70,28 @@ class WorkerSet:
     def stopping(self) -> list[WorkerHandle]:
         return list(self._stopping)
 
+    def overhead_of(self, device_set: frozenset[str]) -> tuple[dict[str, int], bool]:
+        """The bytes the worker of ``device_set`` holds before any model, and whether a load
+        there starts it: its running worker's (held already), else as the set's last worker
+        measured it, or as the inventory knows it (a load there adds them)."""
+        w = self._workers.get(device_set)
+        if w is not None:
+            return dict(w.overhead), False
+        return {**self._inventory.worker_overhead(device_set), **self._seen.get(device_set, {})}, True
+
+    def expected_overhead(self, device_set: frozenset[str]) -> dict[str, int]:
+        """What a load on ``device_set`` adds beside the model's own bytes: a new worker's."""
+        overhead, starts = self.overhead_of(device_set)
+        return overhead if starts else {}
+
     def by_name(self, name: str) -> WorkerHandle | None:
         return next((w for ds, w in self._workers.items() if worker_name(ds) == name), None)
 
     def forget(self, worker: WorkerHandle) -> bool:
         """Out of the map, if it is still its device set's worker."""
         self._idle_since.pop(worker, None)
+        if worker.overhead:
+            self._seen[worker.devices] = dict(worker.overhead)
         if worker in self._stopping:
             self._stopping.remove(worker)
         if self._workers.get(worker.devices) is worker:
@@ -130,12 +153,13 @@ class WorkerSet:
                 w = self._workers.get(device_set)
                 if w is not None and w.alive:
                     return w
-            w = WorkerHandle("+".join(sorted(device_set)), device_set, self._inventory.mask_env(device_set),
+            w = self._launch("+".join(sorted(device_set)), device_set, self._inventory.mask_env(device_set),
                              self._on_death)
             w.start()
             w.overhead.update(self._inventory.worker_overhead(device_set))
             with self._cond:
                 self._workers[device_set] = w
+                self.version += 1
                 self._cond.notify_all()
             self._on_start(w)
             return w

@@ -1,0 +1,478 @@
+"""The admission invariant and the scheduler's edges, one test per defect a review found:
+two loads admitted on the same free bytes; reloads that rename, move aliases or come
+late; an extra instance left behind; the scheduler's lock behind file work; kept states
+offered to a changed configuration; a model that fits only without its worker; a spill
+that frees nothing, again and again; a load that kills its worker; a part of a state
+file left by a death; autoload off and a request that waited through an unload.
+
+Through the Python API or HTTP with real workers where a user meets them; through the
+simulated world (tests/simworld.py) where a real process cannot be stopped at the
+moment that matters (a load half-allocated, a death mid-save)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pyllmrouter import ModelConfig, ModelSpec, Router, probe
+from pyllmrouter.config import RouterOptions
+from pyllmrouter.devices import EmulatedInventory, HOST
+from pyllmrouter.errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout
+from pyllmrouter.router.policy.state import State
+from pyllmrouter.router.scheduler import Scheduler
+from pyllmrouter.router.workers.keep import identity
+from simworld import SimModel, SimWorld
+from test_edges import Stream, chat, state
+from test_live import serving, wait_for
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+# -- item 1: never two loads on the same free bytes ---------------------------------------
+
+
+class Metered(EmulatedInventory):
+    """An emulated GPU0 whose free memory shows, as a GPU's does, what another program holds
+    and what the router's models have allocated (all of it once a load is done, none before:
+    the moment a second admission can be fooled)."""
+
+    def __init__(self, size: int, other: int):
+        super().__init__({"GPU0": size})
+        self.other = other
+        self.book = None
+
+    def free(self) -> dict[str, int]:
+        out = super().free()
+        loaded = sum(r.need.get("GPU0", 0) for r in self.book.records() if r.state is State.LOADED) if self.book else 0
+        out["GPU0"] -= self.other + loaded
+        return out
+
+
+def test_two_loads_asked_at_once_are_never_admitted_on_the_same_free_bytes(tiny):
+    """GPU0 holds another program's bytes and room for one model: two models asked at once
+    (each load takes a second) load in turn, never side by side (before: the first's
+    reservation, not yet allocated, was taken for the other program's, and both were
+    admitted: the device overcommitted by half a model, as the seed incident's cudaMalloc
+    failure)."""
+    spec = ModelSpec(tiny["tiny-llama"], ("-c", "256"))
+    need = probe(spec).total
+    other = need
+    inventory = Metered(other + need + need // 2, other)
+    over = []
+    with Router([ModelConfig("a", spec), ModelConfig("b", spec)], inventory=inventory, margin=0,
+                debug_fake_timing=1.0) as r:
+        inventory.book = r.scheduler.book
+
+        def check(ev) -> bool:  # at each admission, under the Book's lock
+            if ev is not None and ev.event == "load-start":
+                held = r.scheduler.book.held().get("GPU0", 0)
+                if other + held > inventory.devices()[1].total:
+                    over.append((ev.model, other + held - inventory.devices()[1].total))
+            return True
+
+        r.scheduler.bus.listen(check)
+        loads = [threading.Thread(target=r.load, args=(name, 60)) for name in ("a", "b")]
+        for t in loads:
+            t.start()
+        for t in loads:
+            t.join(90)
+        assert over == [], f"admitted past the device: {over}"
+        events = [(what, name) for _, what, name, _ in r.scheduler.events]
+        assert sum(1 for what, _ in events if what == "load") == 2
+        assert ("evict", "a") in events or ("evict", "b") in events, events  # in turn
+        assert r.status()["devices"]["GPU0"]["free"] >= 0
+
+
+def sim(tmp: Path, models: dict[str, tuple[SimModel, tuple[str, ...] | None, int]],
+        others: dict[str, int] | None = None, host: int = 1200, **options) -> tuple[Scheduler, SimWorld]:
+    """A Scheduler over the simulated world (two GPUs of 1000 bytes, a worker's context 60 on
+    each GPU of its set and 40 on the host, a margin of 20): models as name -> (bytes, pinned
+    devices, replicas), their files in ``tmp``."""
+    paths = {}
+    for name, (model, _, _) in models.items():
+        path = tmp / f"{name}.gguf"
+        path.write_bytes(b"GGUF" + bytes(60))
+        paths[name] = str(path)
+    world = SimWorld({"G0": 1000, "G1": 1000}, host, 60, 40, {paths[n]: m for n, (m, _, _) in models.items()}, 20)
+    for d, n in (others or {}).items():
+        world.other_program(d, n)
+    opts = RouterOptions(**{"margin": 20, "queue_timeout": 5, "turn": 0.4, "worker_idle_timeout": -1,
+                            "heartbeat": 0, "kv_keep_ram": 60, **options})
+    configs = [ModelConfig(n, ModelSpec(paths[n]), devices=devs, replicas=k) for n, (_, devs, k) in models.items()]
+    sched = Scheduler(configs, world.devices, opts, launch=world.launch)
+    if sched.keep is not None:
+        world.ram_dir = sched.keep.ram_dir
+    world.book_view = lambda: (sched.book.held(), 20)
+    return sched, world
+
+
+def until(predicate, what: str, timeout: float = 10.0):
+    return wait_for(predicate, timeout, what)
+
+
+class Asking:
+    """A lease asked for in a thread of its own: its lease, or its error."""
+
+    def __init__(self, sched: Scheduler, name: str, timeout: float = 5.0, **kw):
+        self.lease, self.error = None, None
+        self.thread = threading.Thread(target=self._run, args=(sched, name, timeout, kw), daemon=True)
+        self.thread.start()
+
+    def _run(self, sched, name, timeout, kw):
+        try:
+            self.lease = sched.lease(name, timeout, **kw)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+
+    def done(self, timeout: float = 10.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive()
+        return self
+
+
+def load_now(sched: Scheduler, world: SimWorld, name: str):
+    """``name`` leased, its simulated load allocated and ended."""
+    asking = Asking(sched, name)
+    until(lambda: any(x.msg.name == name for x in world.loads) or asking.lease or asking.error, f"{name}'s load")
+    for load in [x for x in world.loads if x.msg.name == name]:
+        with sched.book.locked():
+            world.finish_load(load)
+    return asking.done().lease
+
+
+def test_a_reading_of_free_memory_taken_before_a_load_settled_is_taken_again(tmp_path):
+    """A request reads free memory while a load has allocated 70 % of its bytes; the load
+    ends (its bytes now counted as ours) before the request decides: it reads again, and
+    the model that fits only in what the load had not allocated yet is not admitted beside
+    it (a stale reading would count the 210 bytes allocated since as room)."""
+    sched, world = sim(tmp_path, {"a": (SimModel(300), ("G0",), 1), "big": (SimModel(460), ("G0",), 1)}, {"G0": 200})
+    try:
+        sched.measure("big")  # measured already: its request's first reading decides
+        first = Asking(sched, "a")
+        until(lambda: world.loads, "a's load")
+        with sched.book.locked():
+            world.step_load(world.loads[0], 0.7)
+        world.freeze_next_reading()
+        second = Asking(sched, "big", 2.0)
+        time.sleep(0.3)  # big's request holds a reading taken now
+        with sched.book.locked():
+            world.finish_load(world.loads[0])
+        first.done()
+        world.thaw()
+        second.done()
+        assert isinstance(second.error, QueueTimeout), second.error  # a stays busy: big never fits beside it
+        # never admitted (its load's own check, on a fresh reading, would have caught it after
+        # the fact: the device already promised past its size)
+        assert [ev.model for ev in sched.bus.recent() if ev.event == "load-start"] == ["a"]
+        assert world.unexplained == []
+    finally:
+        world.thaw()
+        sched.close()
+
+
+# -- items 2, 3, 4: reloads ---------------------------------------------------------------
+
+
+def test_a_rename_of_a_model_not_loaded_lists_the_new_one(tiny, tmp_path):
+    """``[old]`` reloaded as ``[new] alias=old``: new is listed at once, and old names it
+    (before: reload said removed: ['old'], then no model at all, and new was unknown)."""
+    preset = tmp_path / "models.ini"
+    preset.write_text(f"[old]\nmodel = {tiny['tiny-llama']}\nc = 256\n")
+    with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
+        preset.write_text(f"[new]\nmodel = {tiny['tiny-llama']}\nc = 256\nalias = old\n")
+        changes = r.reload()
+        assert changes["added"] == ["new"] and changes["removed"] == ["old"]
+        assert [m.name for m in r.models()] == ["new"]
+        assert r.scheduler.canonical("old") == "new"
+        assert r.complete("old", "hi", max_tokens=2)["choices"]
+        assert state(r, "new") == "loaded"
+
+
+@pytest.mark.parametrize("before, after", [
+    ("[a]\n{m}[b]\n{m}", "[b]\n{m}alias = a\n"),  # a removed, its name an alias of b's
+    ("[a]\n{m}alias = x\n[b]\n{m}alias = y\n", "[a]\n{m}alias = y\n[b]\n{m}alias = x\n"),  # aliases swapped
+    ("[a]\n{m}alias = x\n", "[a]\n{m}c = 512\n[c]\n{m}alias = x\n"),  # an alias moved from a changed model to a new one
+])
+def test_reloads_that_move_names_and_aliases_apply_whole(tiny, tmp_path, before, after):
+    """Each was refused for ever (``alias ... is used twice``): the new list is valid, and it
+    applies at once, each alias naming its new model."""
+    preset = tmp_path / "models.ini"
+    m = f"model = {tiny['tiny-llama']}\n"
+    preset.write_text(before.format(m=m))
+    with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0) as r:
+        r.load(r.models()[0].name)  # one of them loaded: it finishes as a retiring model would
+        preset.write_text(after.format(m=m))
+        r.reload()
+        wanted = {c.name: c for c in r.scheduler.book.configs().values()}
+        for section in after.format(m=m).split("[")[1:]:
+            name = section.split("]")[0]
+            aliases = [line.split("=")[1].strip() for line in section.splitlines() if line.startswith("alias")]
+            assert name in wanted
+            assert list(wanted[name].aliases) == aliases
+            for a in aliases:
+                assert r.scheduler.canonical(a) == name
+        assert r.reload()["added"] == []  # read again: nothing left to do
+
+
+@pytest.mark.slow
+def test_a_later_reload_is_never_undone_by_an_earlier_one(tiny, story, tmp_path):
+    """``old`` busy; a reload renames it (``[new] alias=old``), the next drops ``new``; once
+    ``old``'s request ends, ``new`` stays out (before: the first reload's list, held back for
+    the name, was applied again when ``old`` went, and ``new`` came back)."""
+    preset = tmp_path / "models.ini"
+    a = f"[a]\nmodel = {tiny['tiny-llama']}\nc = 256\n"
+    preset.write_text(a + f"[old]\nmodel = {story}\nnp = 1\nc = 2048\n")
+    with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 8 << 30}), margin=0) as r, \
+            serving(r) as base:
+        busy = Stream(base, "old")
+        assert busy.started.wait(60)
+        preset.write_text(a + f"[new]\nmodel = {story}\nnp = 1\nc = 2048\nalias = old\n")
+        r.reload()
+        assert {m.name for m in r.models()} == {"a", "new"}  # at once, while old finishes
+        preset.write_text(a)
+        r.reload()
+        busy.close()
+        wait_for(lambda: "old" not in r.status()["models"], 60, "old gone")
+        time.sleep(0.5)
+        assert {m.name for m in r.models()} == {"a"}
+        assert chat(base, "new").status_code == 404
+
+
+# -- item 5: an extra instance nobody waits for -------------------------------------------
+
+
+def test_an_extra_instance_a_client_named_goes_when_it_leaves_and_the_model_grows_again(tmp_path):
+    """A client names ``m#2`` while it unloads, and gives up after it has unloaded (it cannot
+    load back: G0 is full): ``m#2`` goes, and later requests for ``m`` grow it again (before:
+    the unloaded ``m#2`` stayed, counted as loading, and no extra instance was ever added)."""
+    sched, world = sim(tmp_path, {"m": (SimModel(300), None, 2)}, {"G0": 100})
+    try:
+        first = load_now(sched, world, "m")  # on G1: the most room
+        second = Asking(sched, "m")
+        until(lambda: any(x.msg.name == "m#2" for x in world.loads), "m#2's load")
+        with sched.book.locked():
+            world.finish_load(next(x for x in world.loads if x.msg.name == "m#2"))
+        second.done()
+        sched.release(first)
+        sched.release(second.lease)
+        unloading = threading.Thread(target=sched.unload, args=("m#2", 5))
+        unloading.start()
+        until(lambda: world.unloads, "m#2's unload")
+        named = Asking(sched, "m#2", 1.0)
+        until(lambda: [t.rec.name for t in sched.book.tickets()] == ["m#2"], "the request for m#2 waiting")
+        world.other_program("G0", 600)  # m#2 cannot come back on G0
+        world.finish_unload(world.unloads[0], False)
+        unloading.join(10)
+        assert isinstance(named.done().error, QueueTimeout)
+        until(lambda: sched.book.named("m#2") is None, "m#2 gone")
+        world.other_program("G0", -600)
+        mark = sched.bus.recent()[-1].seq
+        held = [load_now(sched, world, "m")]
+        again = Asking(sched, "m")
+        until(lambda: any(ev.event == "replica-start" and ev.seq > mark for ev in sched.bus.recent()), "m grown again")
+        until(lambda: any(x.msg.name.startswith("m#") for x in world.loads), "the new instance's load")
+        for load in list(world.loads):
+            with sched.book.locked():
+                world.finish_load(load)
+        held.append(again.done().lease)
+        for lease in held:
+            sched.release(lease)
+    finally:
+        sched.close()
+
+
+# -- item 6: the scheduler's lock is never behind file work -------------------------------
+
+
+def test_removing_a_model_never_holds_the_schedulers_lock_over_kept_state_files(tiny, monkeypatch):
+    """Removing a model drops its kept states; that file work (slow here: the store busy
+    copying) runs off the scheduler's lock, and a request's lease is not held behind it
+    (before: try_lease, on the event loop, waited the copy out)."""
+    from pyllmrouter.router.workers.keep import KeepStore
+
+    forget = KeepStore.forget
+    monkeypatch.setattr(KeepStore, "forget", lambda self, model: (time.sleep(2), forget(self, model)))
+    spec = ModelSpec(tiny["tiny-llama"], ("-c", "256"))
+    with Router([ModelConfig("a", spec), ModelConfig("b", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30}),
+                margin=0, kv_keep_ram=1 << 20) as r:
+        r.load("a")
+        removing = threading.Thread(target=r.remove_model, args=("b",))
+        removing.start()
+        time.sleep(0.3)
+        began = time.monotonic()
+        lease = r.scheduler.try_lease("a")
+        waited = time.monotonic() - began
+        r.scheduler.release(lease)
+        removing.join(10)
+        assert waited < 0.5, f"a lease waited {waited:.2f} s behind the kept states' file work"
+        assert "b" not in {m.name for m in r.models()}
+
+
+# -- item 7: a kept state's identity --------------------------------------------------------
+
+
+def test_a_kept_states_identity_is_every_file_and_setting_of_its_load(tiny, projector, tmp_path, monkeypatch):
+    """A state is offered only to the load that wrote it: a projector, a draft or an adapter
+    the arguments name, another shard of a split model, or llama.cpp's LLAMA_ARG_*
+    environment, changed, is another configuration (before: only the main file counted,
+    and states on disk survive restarts)."""
+    proj = tmp_path / "mmproj.gguf"
+    proj.write_bytes(Path(projector).read_bytes())
+    spec = ModelSpec(tiny["tiny-llama"], ("--mmproj", str(proj)))
+    first = identity("m", spec)
+    assert first is not None and identity("m", spec) == first
+    os.utime(proj, ns=(time.time_ns(), time.time_ns() + 10**9))  # the projector rewritten
+    assert identity("m", spec) != first
+    second = identity("m", spec)
+    monkeypatch.setenv("LLAMA_ARG_CTX_SIZE", "2048")
+    assert identity("m", spec) != second
+    monkeypatch.delenv("LLAMA_ARG_CTX_SIZE")
+    assert identity("m", spec) == second
+    shards = [tmp_path / f"split-0000{i}-of-00002.gguf" for i in (1, 2)]
+    for s in shards:
+        s.write_bytes(b"GGUF" + bytes(60))
+    split = ModelSpec(str(shards[0]))
+    before = identity("m", split)
+    os.utime(shards[1], ns=(time.time_ns(), time.time_ns() + 10**9))
+    assert identity("m", split) != before
+
+
+# -- item 8: a model that fits only without its worker ---------------------------------------
+
+
+def test_a_model_that_fits_the_device_but_not_beside_its_worker_never_fits_at_once(tiny):
+    """GPU0 holds the model's bytes but not with the context its worker holds there: NeverFits
+    at once, naming the worker's bytes (before: it waited for the queue timeout, "waiting
+    for busy models")."""
+    spec = ModelSpec(tiny["tiny-llama"], ("-c", "256"))
+    need = probe(spec).total
+    overhead = 64 << 20
+    inventory = EmulatedInventory({"GPU0": need + overhead // 2}, worker_overhead=overhead)
+    with Router([ModelConfig("a", spec)], inventory=inventory, margin=0, queue_timeout=30) as r:
+        began = time.monotonic()
+        with pytest.raises(NeverFits, match="its worker's own"):
+            r.complete("a", "hi", max_tokens=2)
+        assert time.monotonic() - began < 10
+
+
+# -- item 9: a spill that frees nothing -------------------------------------------------------
+
+
+def test_ram_reserved_for_states_being_saved_is_never_spilled_for_room(tmp_path):
+    """An unload is saving its states (their RAM reserved) while a load wants host memory:
+    the reservation is the unload's, not kept states a spill can free, so the load waits
+    for it (before: each admission round "evicted" it, spilled nothing and asked again)."""
+    sched, world = sim(tmp_path, {"a": (SimModel(100), ("G0",), 1), "b": (SimModel(100, host=150), ("G0",), 1)},
+                       {HOST: 100}, host=300)
+    try:
+        sched.release(load_now(sched, world, "a"))
+        unloading = threading.Thread(target=sched.unload, args=("a", 5))
+        unloading.start()
+        until(lambda: world.unloads, "a's unload")
+        b = Asking(sched, "b", 1.0)
+        b.done()
+        spills = [ev for ev in sched.bus.recent() if ev.event == "spill"]
+        assert spills == [], f"{len(spills)} spills while a's states were being saved"
+        assert isinstance(b.error, QueueTimeout)
+        world.finish_unload(world.unloads[0], True)
+        unloading.join(10)
+    finally:
+        sched.close()
+
+
+# -- item 10: a load that kills its worker ---------------------------------------------------
+
+
+def test_a_load_that_kills_its_worker_twice_fails_its_waiters_with_the_reason(tiny):
+    """The worker of each load attempt dies before the load ends (here: killed when the load
+    is admitted, or as its worker starts, as a file that crashes llama.cpp would kill it):
+    one retry, then the request fails with the reason (before: its waiters started a worker
+    after another until their queue timeout, and no load failure was counted)."""
+    spec = ModelSpec(tiny["tiny-llama"], ("-c", "256"))
+    with Router([ModelConfig("a", spec)], inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0,
+                queue_timeout=60) as r:
+        book = r.scheduler.book
+
+        def kill(ev) -> bool:
+            rec = book.named("a")
+            if ev is None or rec is None or rec.state is not State.LOADING:
+                return True
+            worker = book.workers.get(rec.device_set) if ev.event == "load-start" else None
+            pid = worker.pid if worker is not None else ev.data.get("pid") if ev.event == "worker-started" else None
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+            return True
+
+        r.scheduler.bus.listen(kill)
+        began = time.monotonic()
+        with pytest.raises(LoadFailed, match="died during the load"):
+            r.complete("a", "hi", max_tokens=2)
+        assert time.monotonic() - began < 30
+        counters = r.status()["counters"]
+        assert counters["worker_deaths"] == 2 and counters["load_failures"] == 1, counters
+        outcomes = [w for _, w, n, _ in r.scheduler.events if n == "a" and w in ("load-retry", "load-failed", "load")]
+        assert outcomes == ["load-retry", "load-failed"], outcomes
+
+
+# -- item 11: leftovers -------------------------------------------------------------------------
+
+
+def test_a_worker_that_dies_mid_save_leaves_no_part_of_a_state_file(tmp_path):
+    """A worker dies while it writes an unload's slot state: the part it wrote goes with the
+    unload's reservation (before: it stayed in the RAM directory, outside --kv-keep-ram's
+    count, until the router closed)."""
+    sched, world = sim(tmp_path, {"a": (SimModel(100), None, 1)})
+    try:
+        sched.release(load_now(sched, world, "a"))
+        unloading = threading.Thread(target=sched.unload, args=("a", 5))
+        unloading.start()
+        until(lambda: world.unloads, "a's unload")
+        world.crash(next(w for w in world.workers if w.alive and w.pending), mid_save=True)
+        unloading.join(10)
+        until(lambda: state_of(sched, "a") == "unloaded", "a unloaded")
+        left = [p for p in sched.keep.ram_dir.rglob("*") if p.is_file() and p.name != ".owner"]
+        assert left == []
+        assert sched.keep.held_ram() == 0
+    finally:
+        sched.close()
+
+
+def state_of(sched: Scheduler, name: str) -> str:
+    return sched.book.named(name).state.value
+
+
+@pytest.mark.slow
+def test_with_autoload_off_a_request_that_waited_through_an_unload_does_not_load(tiny, story):
+    """autoload off: a request that arrives while the model is loaded but its unload waits for
+    a stream gets NotLoaded once the unload is done (before: it loaded the model again)."""
+    with Router([ModelConfig("a", ModelSpec(story, ("-np", "1", "-c", "2048")))],
+                inventory=EmulatedInventory({"GPU0": 8 << 30}), margin=0, autoload=False) as r, serving(r) as base:
+        r.load("a")
+        busy = Stream(base, "a")
+        assert busy.started.wait(60)
+        unloading = threading.Thread(target=r.unload, args=("a", 60))
+        unloading.start()
+        wait_for(lambda: r.scheduler.book.named("a").unload_asked, 10, "the unload to wait for the stream")
+        result = {}
+
+        def ask():
+            try:
+                r.complete("a", "hi", max_tokens=2)
+                result["outcome"] = "answered"
+            except NotLoaded:
+                result["outcome"] = "NotLoaded"
+
+        waiting = threading.Thread(target=ask)
+        waiting.start()
+        time.sleep(0.5)
+        busy.close()
+        unloading.join(60)
+        waiting.join(60)
+        assert result == {"outcome": "NotLoaded"}
+        assert state(r, "a") == "unloaded"
+        assert [w for _, w, n, _ in r.scheduler.events if n == "a"].count("load") == 1
