@@ -257,6 +257,7 @@ def test_an_extra_instance_a_client_named_goes_when_it_leaves_and_the_model_grow
         until(lambda: any(x.msg.name == "m#2" for x in world.loads), "m#2's load")
         with sched.book.locked():
             world.finish_load(next(x for x in world.loads if x.msg.name == "m#2"))
+        until(lambda: state_of(sched, "m#2") == "loaded", "m#2 loaded")
         second.done()
         sched.release(first)
         sched.release(second.lease)
