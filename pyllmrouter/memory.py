@@ -265,11 +265,14 @@ def _file_id_of(path: str) -> tuple[int, int, int] | None:
         return None
 
 
-def files_of(spec: ModelSpec) -> list[tuple[str, tuple[int, int, int] | None]]:
+def files_of(spec: ModelSpec, env: Mapping[str, str] | None = None) -> list[tuple[str, tuple[int, int, int] | None]]:
     """Every file a load of ``spec`` reads, each with what changes when it is rewritten:
     the model's shards, then the files its arguments name (a projector, a draft, adapters,
-    a template...); a missing one as None."""
-    return [(os.path.realpath(p), _file_id_of(p)) for p in [*_shards(spec.path), *spec.files()]]
+    a template...) and those llama.cpp's LLAMA_ARG_* variables in ``env`` name, each with
+    its shards; a missing one as None."""
+    named = [*spec.files(), *(v for v in llama_args(env or {}).values() if os.path.isfile(v))]
+    paths = [*_shards(spec.path), *(p for f in named for p in _shards(f))]
+    return [(os.path.realpath(p), _file_id_of(p)) for p in dict.fromkeys(paths)]
 
 
 def llama_args(env: Mapping[str, str]) -> dict[str, str]:
@@ -283,9 +286,9 @@ def cache_path(spec: ModelSpec, stats: list[os.stat_result], env: Mapping[str, s
         "files": [_file_id(st) for st in stats],
         "spec": spec.to_dict(),
         "env": _environment(env),
-        # the files the arguments name, loaded beside the model: a projector, a draft,
-        # adapters... (llama.cpp says which argument is which: here, any that is a file)
-        "beside": [(os.path.realpath(path), _file_id_of(path)) for path in spec.files()],
+        # the files the arguments and LLAMA_ARG_* name, loaded beside the model: a projector,
+        # a draft, adapters... (llama.cpp says which argument is which: here, any that is a file)
+        "beside": files_of(spec, env)[len(stats):],
     }
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
     return cache_dir() / "probes" / f"{key}.json"

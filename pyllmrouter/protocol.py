@@ -44,6 +44,7 @@ class UnloadModel:
     name: str
     keep: bool = False  # save each slot's state into the model's keep_dir first
     budget: int | None = None  # the most bytes those states may take (the router's RAM for them)
+    directory: str | None = None  # where to save them instead of keep_dir (the disk directory: RAM is short)
 
 
 # the name a Call gives to reach llama-server's services (no model is named "")

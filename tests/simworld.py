@@ -4,7 +4,8 @@ registry and kept-state store are the real ones; only what this machine lacks is
 
     SimWorld.devices   the Inventory: free = total - other programs - what the simulated
                        workers hold - the kept states' files in RAM (a tmpfs is host memory);
-                       each thread's last reading is remembered (what a decision saw)
+                       each thread's last reading is remembered (what a decision saw); what a
+                       process holds on each GPU, as NVML tells it
     SimWorld.launch    the Scheduler's ``launch``: SimWorker handles
     SimWorker          a worker process: its overhead allocated when it starts (a GPU context);
                        Ping and Probe answered at once; LoadModel and UnloadModel wait for the
@@ -304,7 +305,7 @@ class SimWorld:
             self.release(worker.pid, worker.models.pop(msg.name, {}))
             kept = ()
             if save and msg.keep and (msg.budget or 0) >= STATE_BYTES:
-                keep_dir = self._keep_dir(worker, msg.name)
+                keep_dir = Path(msg.directory) if msg.directory else self._keep_dir(worker, msg.name)
                 if keep_dir is not None and keep_dir.is_dir():
                     (keep_dir / "slot0.bin").write_bytes(b"s" * STATE_BYTES)
                     kept = (("slot0.bin", 7, STATE_BYTES),)
@@ -319,7 +320,8 @@ class SimWorld:
         with self.lock:
             if mid_save:
                 for u in self.unloads:
-                    keep_dir = self._keep_dir(worker, u.msg.name) if u.worker is worker and u.msg.keep else None
+                    keep_dir = (Path(u.msg.directory) if u.msg.directory else self._keep_dir(worker, u.msg.name)) \
+                        if u.worker is worker and u.msg.keep else None
                     if keep_dir is not None and keep_dir.is_dir():
                         (keep_dir / "slot0.bin").write_bytes(b"s" * (STATE_BYTES // 2))
         worker.die()
@@ -445,7 +447,10 @@ class _Inventory:
         return dict(pools)
 
     def process_usage(self, pid: int) -> dict[str, int]:
-        return {}
+        """What a process holds on each GPU, as NVML tells it (its context and its models')."""
+        w = self._world
+        with w.lock:
+            return {d: n for d, n in w.ours.get(pid, {}).items() if d != HOST and n}
 
     def worker_overhead(self, device_set: frozenset[str]) -> dict[str, int]:
         return {d: self._world.overhead for d in device_set if d != HOST}

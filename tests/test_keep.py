@@ -266,9 +266,39 @@ WIDE = tinymodels.Shape("llama", n_embd=512, n_layer=4, n_head=8, n_head_kv=8, n
 
 @pytest.mark.slow
 def test_kept_states_give_host_memory_back_before_any_model_is_evicted(tmp_path):
+    """Host memory with room for the bigger model and a little: loading it evicts the first,
+    whose ~20 MB state fits the host memory left and is kept in RAM; the bigger model then
+    needs that memory, and the state leaves RAM for the disk directory (a spill) before any
+    model would be evicted; the first, back, restores it from disk."""
+    from pyllmrouter import probe
+
+    a = ModelSpec(tinymodels.write_llama(tmp_path / "a.gguf", WIDE), ("-np", "1"), n_ctx=4096)
+    b = ModelSpec(str(tinymodels.write_llama(tmp_path / "b.gguf", WIDE, seed=1)), ("-np", "1"), n_ctx=8192)
+    words = "the sea ship sail wind storm harbour light night star " * 60  # ~2500 tokens
+    models = [ModelConfig("a", a, devices=("CPU",)), ModelConfig("b", b, devices=("CPU",))]
+    with Router(models, inventory=EmulatedInventory({}, host=1 << 40), margin=0, kv_keep_ram=0) as r:
+        r.load("a")
+        worker = r.status()["workers"][0]["overhead"]["CPU"]  # the worker's own memory, counted as held
+    host = worker + probe(b).total + (8 << 20)
+    assert probe(b).total - probe(a).total > 24 << 20  # room for a's state beside a, not beside b
+    with Router(models, inventory=EmulatedInventory({}, host=host), margin=0, kv_keep_ram=256 << 20,
+                kv_keep_dir=str(tmp_path / "kept"), kv_keep_disk=256 << 20, queue_timeout=20) as r:
+        r.chat("a", [{"role": "user", "content": words}], max_tokens=2)
+        assert r.chat("b", [{"role": "user", "content": "hi"}], max_tokens=2)["choices"]
+        events = [(what, name) for _, what, name, _ in r.scheduler.events]
+        assert events[-3:] == [("evict", "a"), ("spill", "(kept prompt states)"), ("load", "b")], events
+        assert r.status()["models"]["a"]["kept"]["disk"] > 16 << 20 and r.scheduler.keep.held_ram() == 0
+        r.scheduler.check_invariant()
+        reply = r.chat("a", [{"role": "user", "content": words}], max_tokens=2)
+        assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 2000  # restored from disk
+
+
+@pytest.mark.slow
+def test_kept_states_never_take_host_memory_the_device_has_not_got(tmp_path):
     """Two models in host memory with room for one and 8 MB: loading the second evicts the
-    first, whose ~20 MB state is saved; that state then leaves RAM for the disk directory
-    so that the second fits; and the first, back, restores it from disk."""
+    first, whose ~20 MB state does not fit the 8 MB of host memory left: it is saved straight
+    to the disk directory (before: into RAM, 12 MB past the host's size, then spilled); the
+    second loads, and the first, back, restores it from disk."""
     from pyllmrouter import probe
 
     a = ModelSpec(tinymodels.write_llama(tmp_path / "a.gguf", WIDE), ("-np", "1"), n_ctx=4096)
@@ -284,7 +314,7 @@ def test_kept_states_give_host_memory_back_before_any_model_is_evicted(tmp_path)
         r.chat("a", [{"role": "user", "content": words}], max_tokens=2)
         assert r.chat("b", [{"role": "user", "content": "hi"}], max_tokens=2)["choices"]
         events = [(what, name) for _, what, name, _ in r.scheduler.events]
-        assert events[-3:] == [("evict", "a"), ("spill", "(kept prompt states)"), ("load", "b")]
+        assert events[-2:] == [("evict", "a"), ("load", "b")] and ("spill", "(kept prompt states)") not in events
         assert r.status()["models"]["a"]["kept"]["disk"] > 16 << 20 and r.scheduler.keep.held_ram() == 0
         r.scheduler.check_invariant()
         reply = r.chat("a", [{"role": "user", "content": words}], max_tokens=2)

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pyllmrouter import ModelConfig, ModelSpec, Router, probe
@@ -24,6 +25,7 @@ from pyllmrouter.config import RouterOptions
 from pyllmrouter.devices import EmulatedInventory, HOST
 from pyllmrouter.errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout
 from pyllmrouter.router.policy.state import State
+from pyllmrouter.router.policy.admission import SETTLING
 from pyllmrouter.router.scheduler import Scheduler
 from pyllmrouter.router.workers.keep import identity
 from simworld import SimModel, SimWorld
@@ -175,6 +177,200 @@ def test_a_reading_of_free_memory_taken_before_a_load_settled_is_taken_again(tmp
         sched.close()
 
 
+def test_bytes_in_flight_never_cost_a_resident_its_place(tmp_path):
+    """A load under way (70 % allocated) and an unload under way: a model that fits beside
+    everything once they settle waits for them, and nothing is drained or evicted for bytes
+    in flight (the safe count double-counts what they allocated or have not freed yet: as a
+    reason to wait it is harmless, as a reason to drain a busy model it was not)."""
+    sched, world = sim(tmp_path, {"l": (SimModel(400), ("G0",), 1), "b": (SimModel(300), ("G0",), 1),
+                                  "s": (SimModel(200), ("G0",), 1), "z": (SimModel(500), ("G1",), 1),
+                                  "x": (SimModel(100), ("G1",), 1)})
+    try:
+        for name in ("s", "x"):
+            sched.measure(name)
+        busy = load_now(sched, world, "b")
+        loading = Asking(sched, "l", 10)
+        until(lambda: any(x.msg.name == "l" for x in world.loads), "l's load")
+        with sched.book.locked():
+            world.step_load(next(x for x in world.loads if x.msg.name == "l"), 0.7)
+        small = Asking(sched, "s", 10)
+        until(lambda: any(t.rec.name == "s" and t.why for t in sched.book.tickets()), "s deciding")
+        time.sleep(0.6)  # past the turn a drain would give b
+        assert [t.why for t in sched.book.tickets() if t.rec.name == "s"] == [SETTLING]
+        assert sched.book.named("b").drain is None
+        another = sched.try_lease("b")  # b still takes requests
+        assert another is not None
+        sched.release(another)
+        with sched.book.locked():
+            world.finish_load(next(x for x in world.loads if x.msg.name == "l"))
+        until(lambda: any(x.msg.name == "s" for x in world.loads), "s's load, once l settled")
+        with sched.book.locked():
+            world.finish_load(next(x for x in world.loads if x.msg.name == "s"))
+        for lease in (busy, loading.done().lease, small.done().lease):
+            sched.release(lease)
+        # an unload under way on G1: x, which fits beside what z frees, waits for it, evicting nothing
+        sched.release(load_now(sched, world, "z"))
+        unloading = threading.Thread(target=sched.unload, args=("z", 5))
+        unloading.start()
+        until(lambda: world.unloads, "z's unload")
+        beside = Asking(sched, "x", 10)
+        time.sleep(0.3)
+        assert [t.why for t in sched.book.tickets() if t.rec.name == "x"] == [SETTLING]
+        world.finish_unload(world.unloads[0], False)
+        unloading.join(10)
+        until(lambda: any(x.msg.name == "x" for x in world.loads), "x's load")
+        with sched.book.locked():
+            world.finish_load(world.loads[0])
+        sched.release(beside.done().lease)
+        assert [ev.model for ev in sched.bus.recent() if ev.event in ("evict", "evicted")] == []
+    finally:
+        sched.close()
+
+
+def test_two_loads_that_start_workers_on_one_device_count_both(tmp_path):
+    """a (900, pinned to G0) and b (pinned to G0+G1) asked at once, neither set's worker
+    running: each load is placed with the worker it starts, and that worker's bytes are held
+    from the admission until it runs, so the second admission sees the first's coming worker
+    (before: both admitted, G0 held 1030 of 980, and a's load failed short of memory)."""
+    sched, world = sim(tmp_path, {"a": (SimModel(900), ("G0",), 1), "b": (SimModel(20), ("G0", "G1"), 1)},
+                       debug_fake_timing=0.5)
+    over = []
+
+    def check(ev) -> bool:
+        try:
+            sched.check_invariant()
+        except AssertionError as e:
+            over.append(str(e))
+        return True
+
+    sched.bus.listen(check)
+    try:
+        sched.measure("a")
+        sched.measure("b")
+        for w in sched.book.workers.running():  # the probes started both sets' workers: stopped
+            with sched.book.locked():
+                sched.jobs.stop_worker(w, "idle")
+        until(lambda: not sched.book.workers.all(), "workers gone")
+        a, b = Asking(sched, "a", 3), Asking(sched, "b", 3)
+        until(lambda: world.loads, "a load")
+        time.sleep(1.0)
+        assert len(world.loads) == 1, [x.msg.name for x in world.loads]  # one at a time: no room for both
+        for load in list(world.loads):
+            with sched.book.locked():
+                world.finish_load(load)
+        a.done()
+        b.done()
+        assert over == [] and world.unexplained == []
+        assert [x.lease is not None for x in (a, b)].count(True) == 1  # the other waits for room
+        for lease in (a.lease, b.lease):
+            if lease is not None:
+                sched.release(lease)
+    finally:
+        sched.close()
+
+
+def test_a_workers_overhead_is_measured_only_while_nothing_loads_or_unloads_on_it(tmp_path):
+    """The worker's own bytes are what its process holds less its models'; measured while
+    another load on it had allocated 70 %, they would count that load as the worker's own,
+    and a model that fits would be refused as never fitting (before: NeverFits, remembered for
+    the set's next worker)."""
+    sched, world = sim(tmp_path, {"x": (SimModel(100), ("G0",), 1), "y": (SimModel(400), ("G0",), 1),
+                                  "q": (SimModel(800), ("G0",), 1)})
+    try:
+        for name in ("x", "y", "q"):
+            sched.measure(name)
+        x, y = Asking(sched, "x"), Asking(sched, "y")
+        until(lambda: len(world.loads) == 2, "both loads")
+        load_y = next(load for load in world.loads if load.msg.name == "y")
+        with sched.book.locked():
+            world.step_load(load_y, 0.7)
+            world.finish_load(next(load for load in world.loads if load.msg.name == "x"))
+        x.done()
+        time.sleep(0.3)
+        worker = sched.book.workers.get(frozenset({"G0"}))
+        assert worker.overhead.get("G0") == 60, worker.overhead
+        world.fail_load(load_y)
+        y.done()
+        sched.release(x.lease)
+        q = Asking(sched, "q", 3)
+        until(lambda: world.loads or q.error, "q's load (x evicted for it)")
+        assert q.error is None, q.error
+        until(lambda: world.unloads or world.loads, "x's unload")
+        for u in list(world.unloads):
+            world.finish_unload(u, False)
+        until(lambda: world.loads, "q's load")
+        with sched.book.locked():
+            world.finish_load(world.loads[0])
+        sched.release(q.done().lease)
+    finally:
+        sched.close()
+
+
+def test_a_probe_starts_its_worker_only_where_the_worker_fits(tmp_path):
+    """A pinned model's probe starts its set's worker (the load will be there): where a busy
+    model leaves no room for it, the probe waits; where an idle one does, that one is evicted
+    first (before: the worker started anyway, G0 held 1000 of 980, or failed to start and the
+    model failed to load)."""
+    sched, world = sim(tmp_path, {"x": (SimModel(880), ("G0",), 1), "b": (SimModel(100), ("G0", "G1"), 1)})
+    try:
+        busy = load_now(sched, world, "x")  # G0: 880 + its worker's 60, of 980
+        b = Asking(sched, "b", 1.0)
+        b.done()
+        assert isinstance(b.error, QueueTimeout) and "room for its worker" in str(b.error)
+        assert sched.book.workers.get(frozenset({"G0", "G1"})) is None
+        sched.check_invariant()
+        sched.release(busy)
+        b = Asking(sched, "b", 5)  # x idle now: evicted for the worker, then b measured and loaded
+        until(lambda: world.unloads, "x's unload")
+        world.finish_unload(world.unloads[0], False)
+        until(lambda: world.loads, "b's load")
+        with sched.book.locked():
+            world.finish_load(world.loads[0])
+        sched.release(b.done().lease)
+        assert world.unexplained == []
+    finally:
+        sched.close()
+
+
+def test_states_an_unload_saves_never_take_host_memory_the_host_has_not_got(tmp_path):
+    """The RAM reserved for an unload's states is what is left of --kv-keep-ram and of the
+    host's room (before: the whole budget left, past the host's size)."""
+    sched, world = sim(tmp_path, {"a": (SimModel(100, host=100), ("G0",), 1),
+                                  "b": (SimModel(100, host=80), ("G1",), 1)}, host=300)
+    try:
+        sched.release(load_now(sched, world, "a"))
+        sched.release(load_now(sched, world, "b"))
+        unloading = threading.Thread(target=sched.unload, args=("a", 5))
+        unloading.start()
+        until(lambda: world.unloads, "a's unload")
+        sched.check_invariant()
+        assert world.unloads[0].msg.budget <= sched.book.capacity(HOST) - sched.book.held()[HOST] + 60
+        world.finish_unload(world.unloads[0], True)
+        unloading.join(10)
+        sched.check_invariant()
+    finally:
+        sched.close()
+
+
+def test_an_alias_never_takes_an_extra_instances_name(tmp_path):
+    """A model whose alias is the name of a live extra instance (``m#2``) is refused: that
+    name is the instance's (a resumable stream's owner, an unload of it)."""
+    sched, world = sim(tmp_path, {"m": (SimModel(300), None, 2)})
+    try:
+        first = load_now(sched, world, "m")
+        second = Asking(sched, "m")
+        until(lambda: any(x.msg.name == "m#2" for x in world.loads), "m#2's load")
+        with pytest.raises(ValueError, match="instance"):
+            sched.add_model(ModelConfig("w", ModelSpec(sched.book.named("m").config.spec.path), aliases=("m#2",)))
+        for load in list(world.loads):
+            with sched.book.locked():
+                world.finish_load(load)
+        for lease in (first, second.done().lease):
+            sched.release(lease)
+    finally:
+        sched.close()
+
+
 # -- items 2, 3, 4: reloads ---------------------------------------------------------------
 
 
@@ -241,6 +437,32 @@ def test_a_later_reload_is_never_undone_by_an_earlier_one(tiny, story, tmp_path)
         time.sleep(0.5)
         assert {m.name for m in r.models()} == {"a"}
         assert chat(base, "new").status_code == 404
+
+
+@pytest.mark.slow
+def test_the_model_lists_follow_the_list_while_a_renamed_model_finishes(tiny, story, tmp_path):
+    """``old`` busy, reloaded as ``[new] alias=old``, and two models' aliases swapped: every
+    model list and lookup says what routing does (before: /v1/models listed the removed
+    ``old`` beside ``new``, /v1/models/old described it, and a swapped alias showed on both
+    models)."""
+    preset = tmp_path / "models.ini"
+    t = f"model = {tiny['tiny-llama']}\nc = 256\n"
+    preset.write_text(f"[old]\nmodel = {story}\nnp = 1\nc = 2048\n[a]\n{t}alias = x\n[b]\n{t}alias = y\n")
+    with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 8 << 30}), margin=0) as r, \
+            serving(r) as base:
+        busy = Stream(base, "old")
+        assert busy.started.wait(60)
+        preset.write_text(f"[new]\nmodel = {story}\nnp = 1\nc = 2048\nalias = old\n[a]\n{t}alias = y\n[b]\n{t}alias = x\n")
+        r.reload()
+        try:
+            listed = {m["id"] for m in httpx.get(base + "/v1/models", timeout=30).json()["data"]}
+            assert listed == {"new", "a", "b"}
+            assert httpx.get(base + "/v1/models/old", timeout=30).json()["id"] == "new"
+            assert httpx.get(base + "/v1/models/x", timeout=30).json()["id"] == "b"
+            aliases = {m["id"]: m["aliases"] for m in httpx.get(base + "/models", timeout=30).json()["data"]}
+            assert aliases == {"new": ["old"], "a": ["y"], "b": ["x"]}
+        finally:
+            busy.close()
 
 
 # -- item 5: an extra instance nobody waits for -------------------------------------------
@@ -341,6 +563,16 @@ def test_a_kept_states_identity_is_every_file_and_setting_of_its_load(tiny, proj
     before = identity("m", split)
     os.utime(shards[1], ns=(time.time_ns(), time.time_ns() + 10**9))
     assert identity("m", split) != before
+    # a draft split in shards: its second shard counts too
+    drafted = ModelSpec(tiny["tiny-llama"], ("-md", str(shards[0])))
+    before = identity("m", drafted)
+    os.utime(shards[1], ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    assert identity("m", drafted) != before
+    # a file llama.cpp's environment names (LLAMA_ARG_MMPROJ): its contents count, not only its path
+    monkeypatch.setenv("LLAMA_ARG_MMPROJ", str(proj))
+    before = identity("m", ModelSpec(tiny["tiny-llama"]))
+    os.utime(proj, ns=(time.time_ns(), time.time_ns() + 3 * 10**9))
+    assert identity("m", ModelSpec(tiny["tiny-llama"])) != before
 
 
 # -- item 8: a model that fits only without its worker ---------------------------------------

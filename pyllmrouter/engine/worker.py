@@ -138,7 +138,8 @@ class _Worker:
         kept: list = []
         try:
             if msg.keep and host.keep_dir:
-                kept = host.close(lambda engine: save_all(engine, host.keep_dir, msg.budget)) or []
+                directory = msg.directory or host.keep_dir
+                kept = host.close(lambda engine: save_all(engine, directory, msg.budget)) or []
             else:
                 host.close()
         except Exception:  # noqa: BLE001 - a state not saved is a state not kept; the unload goes on

@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import threading
 import time
-from collections import Counter
 from typing import Any, Callable, Iterator
 
 from pyllmrouter.config import ModelConfig, RouterOptions
@@ -153,23 +152,12 @@ class Book:
         return capacity(self.devices[device], self.options)
 
     def _tally(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(held, settled) bytes per device: what our models, workers and kept states hold or
-        may take, and the part of it the device surely holds already (policy/ledger.py)."""
-        held: Counter[str] = Counter()
-        settled: Counter[str] = Counter()
-        for r in self._registry.records():
-            if holds_memory(r.state):
-                held.update(r.need)
-                settled.update(r.need if r.state is State.LOADED else {})
-        for w in self.workers.running():
-            held.update(w.overhead)
-            settled.update(w.overhead)
-        for w in self.workers.stopping():
-            held.update(w.overhead)
-        if self.keep is not None:  # kept prompt states in RAM are host memory
-            held[HOST] += self.keep.held_ram()
-            settled[HOST] += self.keep.kept_ram()
-        return dict(held), dict(settled)
+        """(held, settled) bytes per device (policy/ledger.py ``tally``)."""
+        kept = (self.keep.held_ram(), self.keep.kept_ram()) if self.keep is not None else (0, 0)
+        workers = self.workers
+        return ledger.tally([(r.state, r.need) for r in self._registry.records()],
+                            [w.overhead for w in workers.running()],
+                            [*(w.overhead for w in workers.stopping()), *workers.starting()], kept)
 
     def held(self) -> dict[str, int]:
         """Bytes held per device: models that hold memory, workers' own, kept states in RAM."""
@@ -188,13 +176,15 @@ class Book:
         with self._cond:
             return ledger.external({n: d.total for n, d in self.devices.items()}, free, self._tally()[1])
 
-    def available(self, free: dict[str, int]) -> dict[str, int]:
-        """Per device, what our models may still take, from ``free`` (the inventory's reading,
-        taken before the lock, after ``mark``): policy/ledger.py."""
+    def available(self, free: dict[str, int], hoped: bool = False) -> dict[str, int]:
+        """Per device, what our models may surely take now, from ``free`` (the inventory's
+        reading, taken before the lock, after ``mark``); ``hoped``: once what is under way
+        has settled (policy/ledger.py)."""
         with self._cond:
             held, settled = self._tally()
             out = ledger.available({n: d.total for n, d in self.devices.items()},
-                                   {n: self.capacity(n) for n in self.devices}, self.options.margin, free, held, settled)
+                                   {n: self.capacity(n) for n in self.devices}, self.options.margin, free, held,
+                                   held if hoped else settled)
             if self.options.max_models:
                 out[placement.COUNT] = self.options.max_models - held.get(placement.COUNT, 0)
             return out
@@ -295,8 +285,12 @@ class Book:
                 ticket.rec = ticket.rec.successor
                 ticket.epoch = ticket.rec.error_epoch
                 self._queue_version += 1
-            if ticket.rec.fate is Fate.REMOVE:
-                raise ModelRemoved(ticket.rec.name)
+            if ticket.rec.fate is Fate.REMOVE:  # its name may be another model's alias in the list now
+                heir = self._registry.get(ticket.rec.name)
+                if heir is None or heir is ticket.rec or heir.fate is Fate.REMOVE:
+                    raise ModelRemoved(ticket.rec.name)
+                ticket.rec, ticket.epoch = heir, heir.error_epoch
+                self._queue_version += 1
             return ticket.rec
 
     def note(self, ticket: Ticket, why: str, short: dict[str, int] | None = None) -> None:
@@ -494,9 +488,12 @@ class Book:
         """A worker's own cost on its GPUs: what the device reports for the process minus
         the probed bytes of its models."""
         with self._cond:
+            records = self._registry.records()
+            if any(r.state is not State.LOADED and (r.worker is worker or r.device_set == worker.devices)
+                   for r in records if holds_memory(r.state)):
+                return  # a model loading or unloading there: its bytes would pass for the worker's own
             for device, used in usage.items():
-                models = sum(r.need.get(device, 0) for r in self._registry.records()
-                             if r.worker is worker and r.state is State.LOADED)
+                models = sum(r.need.get(device, 0) for r in records if r.worker is worker and r.state is State.LOADED)
                 worker.overhead[device] = max(0, used - models)
             self._settled_version += 1
 

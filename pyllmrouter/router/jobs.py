@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable
 
 from pyllmrouter.config import RouterOptions
-from pyllmrouter.devices import Inventory
+from pyllmrouter.devices import HOST, Inventory
 from pyllmrouter.errors import RouterError, WorkerDied
 from pyllmrouter.protocol import ErrorKind, Failed, LoadModel, Loaded, Progress, Unloaded, UnloadModel
 from pyllmrouter.router.book import Book
@@ -86,14 +86,16 @@ class Jobs:
         finally:
             self._book.spill(False)
 
-    def probe(self, rec: Record) -> None:
+    def probe(self, rec: Record, reserved: bool = False) -> None:
+        """``rec`` measured on each device set it may load on (``reserved``: its only set's
+        worker was reserved for it: given back unless the probe started it)."""
         book = self._book
         reqs: dict[frozenset[str], dict[str, int]] = {}
         parts: dict[frozenset[str], dict[str, dict]] = {}
         params: dict[frozenset[str], dict[str, Any]] = {}
         error = None
+        candidates = book.candidates(rec)
         try:
-            candidates = book.candidates(rec)
             for ds in candidates:
                 spec = worker_spec(rec.config.spec, ds, self._inventory.to_local(ds))
                 reqs[ds], parts[ds], params[ds] = self._measure.requirement(spec, ds, only=len(candidates) == 1)
@@ -101,6 +103,9 @@ class Jobs:
                     reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
             error = e
+        finally:
+            if reserved:  # the worker reserved for it, if it did not start it
+                book.workers.unreserve(candidates[0])
         with book.locked():
             if error is None:
                 book.probed(rec, reqs, parts, params)
@@ -108,14 +113,19 @@ class Jobs:
                 book.measuring(rec, probing=False)
                 book.failed(rec, f"cannot measure memory: {error}")
 
-    def fit(self, rec: Record, ds: frozenset[str], spec: ModelSpec, grant: dict[str, int]) -> None:
-        """Fit ``spec`` into ``grant`` and remember the result for that grant."""
+    def fit(self, rec: Record, ds: frozenset[str], spec: ModelSpec, grant: dict[str, int],
+            reserved: bool = False) -> None:
+        """Fit ``spec`` into ``grant`` and remember the result for that grant (``reserved``: the
+        set's worker was reserved for it)."""
         book = self._book
         fitted, error = None, None
         try:
             fitted = self._measure.fit(spec, ds, grant)
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
             error = e
+        finally:
+            if reserved:  # the worker reserved for it, if it did not start it
+                book.workers.unreserve(ds)
         with book.locked():
             if fitted is not None:
                 book.fitted(rec, ds, fitted)
@@ -130,15 +140,21 @@ class Jobs:
         if usage:
             self._book.set_overhead(worker, usage)
 
-    def load(self, rec: Record, attempt: int) -> None:
+    def load(self, rec: Record, attempt: int, reserved: bool = False) -> None:
         """Load attempt ``attempt`` of ``rec``: what it finds is applied only while the model
-        is still in that attempt (a worker that died under it may have let a new one start)."""
+        is still in that attempt (a worker that died under it may have let a new one start);
+        ``reserved``: the worker it starts was reserved for it."""
         book, options = self._book, self._options
         worker = None
         try:
             if options.debug_fake_timing > 0:
                 time.sleep(options.debug_fake_timing)
-            worker = book.workers.ensure(rec.device_set)
+            device_set = rec.device_set
+            try:
+                worker = book.workers.ensure(device_set)
+            finally:
+                if reserved:  # the worker reserved for it, if it did not start it
+                    book.workers.unreserve(device_set)
             if not self._still_fits(rec, attempt):
                 return
             cfg = rec.config
@@ -262,29 +278,59 @@ class Jobs:
             worker, ident = rec.worker, rec.identity
         store = book.keep if ident is not None else None
         if worker is not None and worker.alive:
-            # the RAM the states may take, held from now on (admission counts it at once)
-            token, budget = store.reserve() if store is not None else (None, 0)
+            # the RAM the states may take, within what host memory has now, held from now on;
+            # where host memory is short of their budget, they go to the disk directory instead
+            token, budget, place, directory = None, 0, "ram", None
+            if store is not None:
+                wanted = min(store.ram_left(), self._states_bound(rec))
+                token, budget = self._reserve_states(store)
+                if budget < wanted and store.disk_dir is not None:
+                    store.release(token)
+                    token, budget, place = None, store.disk_left(), "disk"
+                    directory = str(store.disk_dir_for(ident, rec.name))
             keep = budget > 0
             try:
-                reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep, budget)).get(options.load_timeout)
+                reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep, budget, directory)) \
+                    .get(options.load_timeout)
                 if keep and isinstance(reply, Unloaded):
-                    store.add(ident, list(reply.kept), token)  # I/O: outside the lock
+                    store.add(ident, list(reply.kept), token, place)  # I/O: outside the lock
                     store.hit(reply.hits)
-                    token = None
+                    token, place = None, None
             except TimeoutError:  # a worker that cannot unload is hung: its end frees the memory
                 worker.kill()
                 worker.wait_dead(options.load_timeout)
             except Exception:  # noqa: BLE001 - a dead worker has freed the memory anyway
                 pass
             finally:
-                if token is not None:  # not saved: the reservation back, and what a death mid-save left
-                    store.release(token, ident)
+                if token is not None or place == "disk":  # not saved: the reservation back, and what a
+                    store.release(token, ident, place)   # death mid-save left
         with book.locked():
             book.unloaded(rec)
             self._settle(rec)
             book.notify()
         if options.worker_idle_timeout == 0:
             self._reap()  # its worker may be empty now: it goes at once
+
+    def _states_bound(self, rec: Record) -> int:
+        """The most an unload's slot states can take: the model's KV cache, and per slot its
+        tokens at most the context (engine/slots.py bounds each slot so)."""
+        with self._book.locked():
+            parts = rec.components.get(rec.device_set, {}) if rec.device_set else {}
+            context = rec.context() or {}
+        kv = sum(p.get("kv", 0) for p in parts.values())
+        slots = int(context.get("slots") or 1)
+        return kv + slots * (8 * int(context.get("n_ctx") or 0) + 4096)
+
+    def _reserve_states(self, store) -> tuple[int, int]:
+        """The RAM an unload's states may take: what is left of their budget and of the host's
+        room now (admission's figure), reserved under the Book's lock."""
+        book = self._book
+        while True:
+            mark = book.mark()
+            free = self._inventory.free()
+            with book.locked():
+                if book.mark() == mark:  # no byte settled since the reading
+                    return store.reserve(book.available(free).get(HOST, 0))
 
     def stop_worker(self, worker: WorkerHandle, reason: str, **data: Any) -> None:
         """An empty worker goes (the Book's lock held): retired now, its process ended in the

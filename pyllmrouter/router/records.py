@@ -80,7 +80,9 @@ class Record:
         """The model in ``status()`` (lock held): plain values only."""
         held = holds_memory(self.state)
         return {
-            "state": self.state.value, "aliases": list(self.config.aliases), "leases": self.leases,
+            "state": self.state.value, "leases": self.leases,
+            # the list's aliases: a changed model's new config's, none once removed
+            "aliases": [] if self.fate is Fate.REMOVE else list((self.replacement or self.config).aliases),
             "devices": sorted(self.device_set) if self.device_set and held else [],
             "held": {d: n for d, n in self.need.items() if d != COUNT} if held else {},
             "last_used": self.last_used,

@@ -147,6 +147,9 @@ class Registry:
             for a in cfg.aliases:
                 if a in seen or a == cfg.name:
                     raise ValueError(f"alias {a!r} of model {cfg.name!r} is used twice")
+                r = self._records.get(a)
+                if r is not None and r.primary is not None:
+                    raise ValueError(f"alias {a!r} of model {cfg.name!r} is an instance of {r.primary.name!r}")
                 seen[a] = cfg.name
             for d in cfg.devices or ():
                 if d not in self._devices:

@@ -379,7 +379,8 @@ class Scheduler:
         ``free`` is the inventory's reading, taken before the lock."""
         book = self._book
         available = book.available(free)
-        decision = admission.decide(self._view(ticket, available), self._request(rec, ticket))
+        request = self._request(rec, ticket)
+        decision = admission.decide(self._view(ticket, available, book.available(free, hoped=True)), request)
         if isinstance(decision, admission.Never):
             book.failed(rec, decision.why)
             raise NeverFits(rec.name, decision.device, decision.need, decision.capacity, decision.why)
@@ -400,11 +401,14 @@ class Scheduler:
         if isinstance(decision, admission.Wait):
             if decision.probe:
                 book.measuring(rec, probing=True)
-                self._jobs.spawn(self._jobs.probe, rec)
+                if request.probe_worker is not None:  # its worker's bytes held until it runs
+                    book.workers.reserve(*request.probe_worker)
+                self._jobs.spawn(self._jobs.probe, rec, request.probe_worker is not None)
             if decision.fit is not None:
                 book.measuring(rec, fitting=True)
                 job = decision.fit
-                self._jobs.spawn(self._jobs.fit, rec, job.device_set, job.spec, dict(job.grant))
+                book.workers.reserve(job.device_set, dict(job.worker))
+                self._jobs.spawn(self._jobs.fit, rec, job.device_set, job.spec, dict(job.grant), bool(job.worker))
             deadline = ticket.created + self.options.turn
             for v in (decision.drain if rec.primary is None and not ticket.loader else ()):  # an instance's load drains nothing
                 victim = book.named(v)
@@ -419,7 +423,8 @@ class Scheduler:
                 book.event("waiting", rec.name, why=decision.why, short=dict(decision.short))
             return decision.why
         attempt = book.start_load(rec, decision.device_set, decision.need, decision.spec, decision.fit)
-        self._jobs.spawn(self._jobs.load, rec, attempt)
+        book.workers.reserve(decision.device_set, dict(decision.worker))  # the worker it starts, held until it runs
+        self._jobs.spawn(self._jobs.load, rec, attempt, bool(decision.worker))
         return "loading"
 
     def _residents(self, ticket: Ticket, ignore_busy: bool = False, leaving: bool = False) -> list[placement.Resident]:
@@ -451,16 +456,19 @@ class Scheduler:
         residents += [book.workers.resident(w, leaving) for w in book.workers.stopping()]  # their bytes go soon
         return residents
 
-    def _view(self, ticket: Ticket, available: dict[str, int]) -> admission.View:
+    def _view(self, ticket: Ticket, available: dict[str, int], hoped: dict[str, int]) -> admission.View:
         capacity = {d: self._book.capacity(d) for d in self._book.devices}
         if self.options.max_models:
             capacity[placement.COUNT] = self.options.max_models
         return admission.View(available, capacity, tuple(self._residents(ticket)),
                               tuple(self._residents(ticket, ignore_busy=True)),
-                              tuple(self._residents(ticket, ignore_busy=True, leaving=True)))
+                              tuple(self._residents(ticket, ignore_busy=True, leaving=True)), hoped)
 
     def _request(self, rec: Record, ticket: Ticket) -> admission.Request:
-        options = None
+        options, probe_worker = None, None
+        if rec.requirements is None and len(candidates := self._book.candidates(rec)) == 1:
+            worker, starts = self._book.workers.overhead_of(candidates[0])  # a probe starts its only set's worker
+            probe_worker = (candidates[0], worker) if starts and worker else None
         if rec.requirements is not None:
             options = []
             for ds in self._book.candidates(rec):
@@ -471,7 +479,7 @@ class Scheduler:
                                                 worker, starts))
             options = tuple(options)
         return admission.Request(rec.name, options, rec.fits, self._earlier_loader_blocks(rec, ticket),
-                                 rec.probing, rec.fitting)
+                                 rec.probing, rec.fitting, probe_worker)
 
     # -- workers ----------------------------------------------------------------------------------
 

@@ -357,16 +357,19 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
     @app.get("/v1/models")
     async def v1_models():
-        hidden = {c.name for c in router.models() if c.hidden}  # cache models a preset deduplicates
+        # the listed models (not a removed one still finishing its requests, an extra instance,
+        # or a cache model a preset deduplicates)
+        listed = {c.name for c in router.models() if not c.hidden}
         return {"object": "list", "data": [_openai_model(n, m) for n, m in router.status()["models"].items()
-                                           if n not in hidden and not m.get("replica_of")]}
+                                           if n in listed]}
 
     @app.get("/v1/models/{name:path}")
     async def v1_model(name: str):
         st = router.status()["models"]
-        found = next((n for n, m in st.items() if name == n or name in m["aliases"]), None)
-        if found is None:
-            raise from_router_error(UnknownModel(name, list(st)))
+        listed = {c.name for c in router.models() if not c.hidden}
+        found = router.scheduler.canonical(name)  # the model the list gives that name or alias
+        if found not in listed or found not in st:
+            raise from_router_error(UnknownModel(name, sorted(listed)))
         return _openai_model(found, st[found])
 
     async def engine_get(request: Request) -> Response:

@@ -12,6 +12,15 @@ device set, whether an earlier request goes first) under its lock, calls
 ``decide`` and carries the decision out in the same critical section.  Nothing
 here reads a clock, a device or a lock; placement.py does the arithmetic.
 
+Two figures of what is available (policy/ledger.py): ``available``, what the devices
+surely have now (every byte of a load or unload under way counted against it, whatever
+part of it free memory shows), and ``hoped``, what they will have once those settle.  A
+model is admitted only where it fits ``available``; what to evict, drain or fit for is
+weighed against ``hoped``, so bytes in flight never cost a resident its place: a model
+that fits only once they settle waits for them (``SETTLING``).  A worker that a load,
+probe or fit starts is placed the same way, with its bytes (``Admit.worker``,
+``FitJob.worker``, ``Request.probe_worker``: the scheduler reserves them until it runs).
+
 A request's option is a device set with the model's probed bytes there, and the bytes
 the set's worker holds before any model (``worker``): the model can ever fit only with
 them, is placed with them where its load starts that worker (``starts``), and reserves
@@ -69,11 +78,18 @@ class Option:
 
 @dataclass(frozen=True)
 class View:
-    available: Mapping[str, int]  # per device (and placement.COUNT): what our models may still take
+    available: Mapping[str, int]  # per device (and placement.COUNT): what our models may surely take now
     capacity: Mapping[str, int]  # per device (and placement.COUNT): the most our models may ever hold
     evictable: tuple[placement.Resident, ...]  # residents, evictable if this request may evict them
     drainable: tuple[placement.Resident, ...]  # residents, evictable if idle and not persistent
     grantable: tuple[placement.Resident, ...]  # as drainable, and those already leaving
+    # what they may take once our loads and unloads under way have settled (None: available);
+    # the room to evict, drain or fit for: never a shortfall that is only bytes in flight
+    hoped: Mapping[str, int] | None = None
+
+    @property
+    def settled(self) -> Mapping[str, int]:
+        return self.available if self.hoped is None else self.hoped
 
 
 @dataclass(frozen=True)
@@ -84,6 +100,8 @@ class Request:
     blocked: bool = False  # an earlier request that could use the same devices goes first
     probing: bool = False  # a probe runs already
     fitting: bool = False  # a fit runs already
+    # the worker a probe starts (the model's only device set, where none runs): its bytes
+    probe_worker: tuple[frozenset[str], Mapping[str, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +110,7 @@ class Admit:
     need: Mapping[str, int]
     spec: ModelSpec
     fit: Fitted | None  # None: the spec as given
+    worker: Mapping[str, int] = field(default_factory=dict)  # the worker the load starts: its bytes
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,7 @@ class FitJob:
     device_set: frozenset[str]
     spec: ModelSpec
     grant: Mapping[str, int]
+    worker: Mapping[str, int] = field(default_factory=dict)  # the worker the fit starts: its bytes
 
 
 @dataclass(frozen=True)
@@ -128,30 +148,59 @@ Decision = Admit | Evict | Wait | Never
 
 
 BEHIND = "queued behind earlier requests for the same devices"
+SETTLING = "waiting for loads and unloads under way to settle"
 
 
 def decide(view: View, request: Request) -> Decision:
     if request.blocked:
         return Wait(BEHIND)
     if request.options is None:
-        return Wait("measuring its memory", probe=not request.probing)
+        if request.probing:
+            return Wait("measuring its memory")
+        return _room_for_worker(view, request.probe_worker) or Wait("measuring its memory", probe=True)
     ready, why, never, job = _ready(view, request)
+    if job is not None and job.worker and (room := _room_for_worker(view, (job.device_set, job.worker))):
+        return room  # the fit starts its set's worker: room for it first
     if not ready:
         if why is None and never is not None:
             return never
         return Wait(why or "waiting", fit=job)
     # placed with the overhead the load adds (a worker to start); reserved: the model's own bytes
     candidates = [(o.device_set, o.room(o.need)) for o, _ in ready]
-    plan = placement.choose(candidates, view.available, view.evictable)
+    # admitted only where it surely fits now; what to evict or drain, where it would fit once
+    # what is under way settles (bytes in flight are never a reason to evict)
+    now = placement.choose(candidates, view.available, ())
+    plan = now or placement.choose(candidates, view.settled, view.evictable)
     if plan is None:
-        idle = placement.choose(candidates, view.available, view.drainable)
-        short = min((placement.shortfall(need, view.available) for _, need in candidates),
+        idle = placement.choose(candidates, view.settled, view.drainable)
+        short = min((placement.shortfall(need, view.settled) for _, need in candidates),
                     key=lambda s: sum(s.values()))
         return Wait("waiting for busy models to finish", fit=job, drain=idle.victims if idle else (), short=short)
     option, fit = next((o, f) for o, f in ready if o.device_set == plan.device_set)
     if plan.victims:
         return Evict(plan.victims, plan.need)
-    return Admit(plan.device_set, dict(option.need), fit.spec if fit else option.spec, fit)
+    if now is None:
+        return Wait(SETTLING, fit=job)
+    return Admit(plan.device_set, dict(option.need), fit.spec if fit else option.spec, fit, dict(option.overhead))
+
+
+def _room_for_worker(view: View, worker: tuple[frozenset[str], Mapping[str, int]] | None) -> Decision | None:
+    """None where the worker a probe or fit starts (device set, bytes) fits now (or none
+    starts); else evict idle residents for it, or wait."""
+    if not worker or not worker[1]:
+        return None
+    worst = placement.never_fits(worker[1], view.capacity)
+    if worst is not None:
+        return Never(worst.device, worst.need, worst.capacity,
+                     f"its worker's own {worst.need} bytes on {worst.device} pass the {worst.capacity} bytes it can "
+                     f"ever hold for models")
+    candidates = [(worker[0], worker[1])]
+    if placement.choose(candidates, view.available, ()) is not None:
+        return None
+    plan = placement.choose(candidates, view.settled, view.evictable)
+    if plan is None:
+        return Wait("waiting for room for its worker", short=placement.shortfall(worker[1], view.settled))
+    return Evict(plan.victims, plan.need) if plan.victims else Wait(SETTLING)
 
 
 def _ready(view: View, request: Request):
@@ -172,7 +221,7 @@ def _ready(view: View, request: Request):
                 never = Never(worst.device, worst.need, worst.capacity, detail)
             continue
         bytes_ = {d: n for d, n in option.need.items() if d != placement.COUNT}
-        grant = placement.grant(option.fit_over, view.available, view.grantable) if option.fitting else {}
+        grant = placement.grant(option.fit_over, view.settled, view.grantable) if option.fitting else {}
         grant = {d: n - option.overhead.get(d, 0) for d, n in grant.items()}  # the worker's bytes are not the model's
         if not option.fitting or not placement.shortfall(bytes_, grant):
             ready.append((option, None))
@@ -187,7 +236,7 @@ def _ready(view: View, request: Request):
                     continue
         if fitted is None:
             if not request.fitting and job is None:
-                job = FitJob(option.device_set, option.spec, grant)
+                job = FitJob(option.device_set, option.spec, grant, dict(option.overhead))
             why = why or "fitting into its grant"
             continue
         if not fitted.ok:

@@ -229,11 +229,11 @@ def identity(name: str, spec: ModelSpec, env: Mapping[str, str] | None = None) -
     default; LLAMA_ARG_*).  None if the model's file cannot be read: nothing is kept for
     it.  Two models over one file never share a directory, and a state written by one
     configuration is never offered to another, after a restart too."""
-    files = files_of(spec)
+    env = os.environ if env is None else env
+    files = files_of(spec, env)
     if files[0][1] is None:
         return None
-    ident = {"name": name, "files": files, "spec": spec.to_dict(),
-             "env": llama_args(os.environ if env is None else env)}
+    ident = {"name": name, "files": files, "spec": spec.to_dict(), "env": llama_args(env)}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -272,6 +272,7 @@ class KeepStore:
         self._files: dict[tuple[str, str], Kept] = {}  # (identity, name) -> where and how big
         self._models: dict[str, str] = {}  # identity -> the model's name
         self._reserved: dict[int, int] = {}  # unloads under way: RAM held for the states they write
+        self._res_lock = threading.Lock()  # guards _reserved alone: taken under the scheduler's lock, never waits on files
         self._reservations = itertools.count(1)
         self._ram_bytes = 0  # the RAM files' and reservations' bytes, published by _settle
         self._ram_files = 0  # the RAM files' bytes alone, published by _settle
@@ -347,7 +348,7 @@ class KeepStore:
         """Publish the RAM bytes and the report (store lock held, at the end of every change):
         readers take them without the store's lock, so they never wait on its file work."""
         self._ram_files = sum(k.size for k in self._files.values() if k.place == "ram")
-        self._ram_bytes = self._ram_files + sum(self._reserved.values())
+        self._publish_ram()
         models: dict[str, dict[str, int]] = {}
         for k in self._files.values():
             s = models.setdefault(self._models.get(k.identity, k.identity), {"ram": 0, "disk": 0, "files": 0})
@@ -356,36 +357,67 @@ class KeepStore:
         self._snapshot = {"enabled": True, "ram_budget": self.ram_budget, "disk_budget": self.disk_budget,
                           "models": models, "counters": dict(self.counters)}
 
-    def reserve(self) -> tuple[int, int]:
-        """(token, bytes): the RAM left within the budget, held for an unload's states from
-        now on (counted in ``held_ram``) until ``add`` or ``release`` gives the token back."""
-        with self._lock:
+    def _publish_ram(self) -> None:
+        with self._res_lock:
+            self._ram_bytes = self._ram_files + sum(self._reserved.values())
+
+    def reserve(self, room: int | None = None) -> tuple[int, int]:
+        """(token, bytes): the RAM left within the budget, and within ``room`` (what host memory
+        the scheduler has for it now), held for an unload's states from now on (counted in
+        ``held_ram``) until ``add`` or ``release`` gives the token back.  It takes no lock of
+        the store's file work: the scheduler calls it under its own lock."""
+        with self._res_lock:
             free = max(0, self.ram_budget - self._ram_bytes) if not self._closed else 0
+            if room is not None:
+                free = min(free, max(0, room))
             token = next(self._reservations)
             self._reserved[token] = free
-            self._settle()
+            self._ram_bytes += free
             return token, free
 
-    def release(self, token: int, ident: str | None = None) -> None:
-        """An unload's reservation given back (its states were not saved); what its engine
-        wrote in ``ident``'s directory and nobody indexed (a worker that died, or timed out,
-        mid-save leaves a part of a file) goes with it."""
+    def ram_left(self) -> int:
+        """What the RAM budget has left for new states (no lock: a published figure)."""
+        return max(0, self.ram_budget - self._ram_bytes) if not self._closed else 0
+
+    def disk_left(self) -> int:
+        """What the disk directory's cap has left (0: no directory)."""
         with self._lock:
+            used = sum(k.size for k in self._files.values() if k.place == "disk")
+            return max(0, self.disk_budget - used) if self.disk_dir is not None and not self._closed else 0
+
+    def disk_dir_for(self, ident: str, model: str | None = None) -> Path:
+        """Where an unload saves the states of this identity straight to disk (RAM is short)."""
+        d = _safe_subdir(self.disk_dir, ident) or self.disk_dir / ident
+        if model is not None:
+            with self._lock:
+                self._models[ident] = model
+        return d
+
+    def release(self, token: int | None, ident: str | None = None, place: str = "ram") -> None:
+        """An unload's reservation given back (its states were not saved); what its engine
+        wrote in ``ident``'s directory (in ``place``) and nobody indexed (a worker that died,
+        or timed out, mid-save leaves a part of a file) goes with it."""
+        with self._res_lock:
             self._reserved.pop(token, None)
-            if ident is not None and not self._closed:
-                for path in (self.ram_dir / ident).glob("*"):
+        self._publish_ram()
+        base = self.ram_dir if place == "ram" else self.disk_dir
+        with self._lock:
+            if ident is not None and base is not None and not self._closed:
+                for path in (base / ident).glob("*"):
                     if (ident, path.name) not in self._files and (ident, path.with_suffix(".bin").name) \
                             not in self._files and _ours(path, stat.S_IFREG):
                         path.unlink(missing_ok=True)
             self._settle()
 
-    def add(self, ident: str, files: list[tuple[str, int, int]], token: int | None = None) -> None:
-        """Slot files the engine of ``ident`` saved in dir_for(ident): (name, tokens, bytes);
-        ``token``: the reservation they were written within, given back."""
+    def add(self, ident: str, files: list[tuple[str, int, int]], token: int | None = None, place: str = "ram") -> None:
+        """Slot files the engine of ``ident`` saved in dir_for(ident) (``place`` "disk":
+        disk_dir_for(ident)): (name, tokens, bytes); ``token``: the reservation they were
+        written within, given back."""
         now = time.monotonic()
         checked = []
+        base = self.ram_dir if place == "ram" else self.disk_dir
         for name, tokens, size in files:  # read back before the lock: the files are the engine's new ones
-            path = self.ram_dir / ident / name
+            path = base / ident / name
             try:
                 os.chmod(path, _FILE_MODE, follow_symlinks=False)  # a conversation's tokens: the user's alone
                 crc = _crc(path)
@@ -393,16 +425,17 @@ class KeepStore:
             except (OSError, NotImplementedError) as e:
                 _LOG.warning("kept state %s of %s cannot be read back: %s", name, ident, e)
                 continue
-            checked.append(Kept(ident, name, tokens, size, "ram", now, crc))
+            checked.append(Kept(ident, name, tokens, size, place, now, crc))
         with self._lock:
             if token is not None:
-                self._reserved.pop(token, None)
+                with self._res_lock:
+                    self._reserved.pop(token, None)
             if self._closed:
                 self._settle()
                 return
             for k in checked:
                 old = self._files.pop((ident, k.name), None)
-                if old is not None and old.place == "disk":
+                if old is not None and old.place != k.place:  # the new one took its name where it lay
                     self._unlink(old)
                 self._files[(ident, k.name)] = k
                 self.counters["saved"] += 1

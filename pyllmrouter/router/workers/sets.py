@@ -9,6 +9,8 @@
     get(ds), all(), forget(worker), take_all()   (the scheduler's lock held)
     overhead_of(ds) ──▶ the set's worker's bytes before any model, and whether a load there
                    starts it (as the set's last worker measured it, or the inventory's)
+    reserve(ds, bytes) ──▶ held for a worker about to start (a load, probe or fit admitted
+                   with it), until it runs or fails to start (``starting``)
 
 An empty worker is a resident of admission (``resident``): it holds its overhead on its
 devices (a GPU context per device, and its own host memory), and admission may stop it
@@ -50,6 +52,8 @@ class WorkerSet:
         self._launch = launch
         self.version = 0  # bumped when a worker's bytes become settled (registered): Book.mark
         self._seen: dict[frozenset[str], dict[str, int]] = {}  # the last overhead of each set's worker
+        # reserved for a worker about to start: its bytes, and how many jobs count on it
+        self._starting: dict[frozenset[str], tuple[dict[str, int], int]] = {}
         self._workers: dict[frozenset[str], WorkerHandle] = {}
         self._stopping: list[WorkerHandle] = []  # retired, their processes not ended yet
         self._idle_since: dict[WorkerHandle, float] = {}  # empty workers, since when
@@ -72,12 +76,40 @@ class WorkerSet:
 
     def overhead_of(self, device_set: frozenset[str]) -> tuple[dict[str, int], bool]:
         """The bytes the worker of ``device_set`` holds before any model, and whether a load
-        there starts it: its running worker's (held already), else as the set's last worker
-        measured it, or as the inventory knows it (a load there adds them)."""
+        there starts it: its running worker's, or those reserved for it (held already), else
+        as the set's last worker measured it, or as the inventory knows it (a load there
+        adds them)."""
         w = self._workers.get(device_set)
         if w is not None:
             return dict(w.overhead), False
+        if device_set in self._starting:
+            return dict(self._starting[device_set][0]), False
         return {**self._inventory.worker_overhead(device_set), **self._seen.get(device_set, {})}, True
+
+    def reserve(self, device_set: frozenset[str], bytes_: dict[str, int]) -> None:
+        """The bytes of a worker a load, probe or fit will start on ``device_set``, held from
+        now until it runs (``ensure``) or fails to start: two admissions never both count the
+        same room before it starts."""
+        if device_set in self._workers or not bytes_:
+            return
+        held, jobs = self._starting.get(device_set, (dict(bytes_), 0))
+        self._starting[device_set] = (held, jobs + 1)
+
+    def starting(self) -> list[dict[str, int]]:
+        """The bytes reserved for workers about to start."""
+        return [held for held, _ in self._starting.values()]
+
+    def unreserve(self, device_set: frozenset[str]) -> None:
+        """A job that counted on a worker's reservation ended without starting it: the last
+        one to go takes the reservation with it (once the worker runs there is none)."""
+        with self._cond:
+            if device_set in self._starting:
+                held, jobs = self._starting[device_set]
+                if jobs > 1:
+                    self._starting[device_set] = (held, jobs - 1)
+                else:
+                    del self._starting[device_set]
+                    self._cond.notify_all()
 
     def expected_overhead(self, device_set: frozenset[str]) -> dict[str, int]:
         """What a load on ``device_set`` adds beside the model's own bytes: a new worker's."""
@@ -101,7 +133,7 @@ class WorkerSet:
 
     def take_all(self) -> list[WorkerHandle]:
         workers, self._workers = [*self._workers.values(), *self._stopping], {}
-        self._stopping, self._idle_since = [], {}
+        self._stopping, self._idle_since, self._starting = [], {}, {}
         return workers
 
     def note(self, busy: Iterable[frozenset[str]], now: float) -> None:
@@ -152,13 +184,21 @@ class WorkerSet:
             with self._cond:
                 w = self._workers.get(device_set)
                 if w is not None and w.alive:
+                    self._starting.pop(device_set, None)
                     return w
             w = self._launch("+".join(sorted(device_set)), device_set, self._inventory.mask_env(device_set),
                              self._on_death)
-            w.start()
+            try:
+                w.start()
+            except BaseException:
+                with self._cond:  # its reservation goes with it
+                    self._starting.pop(device_set, None)
+                    self._cond.notify_all()
+                raise
             w.overhead.update(self._inventory.worker_overhead(device_set))
-            with self._cond:
+            with self._cond:  # its own bytes held from now, in its reservation's place
                 self._workers[device_set] = w
+                self._starting.pop(device_set, None)
                 self.version += 1
                 self._cond.notify_all()
             self._on_start(w)
