@@ -184,6 +184,34 @@ def test_busy_models_in_the_way_are_drained_not_evicted():
     assert decision == Wait("waiting for busy models to finish", drain=("busy",), short={"d0": 30})
 
 
+def test_a_fit_whose_worker_has_no_room_never_keeps_a_model_from_a_set_where_it_fits_now():
+    """One set needs a fit, and the worker the fit would start has no room there; the other
+    set's worker runs and the model fits there now: admitted there, nothing evicted or
+    waited for (the fit's worker is no reason to make room while another set fits)."""
+    g0, g1 = frozenset({"g0"}), frozenset({"g1"})
+    fitting = Option(g0, {"g0": 950, "host": 10}, SPEC, ("g0", "host"), {"g0": 60, "host": 40}, True)
+    fits_now = Option(g1, {"g1": 950, "host": 10}, SPEC, ("g1", "host"), {"g1": 60, "host": 40}, False)
+    available = {"g0": 30, "g1": 970, "host": 800}
+    for idle in (True, False):
+        held = (Resident("i", {"g0": 950}, 1.0, idle),)
+        view = View(available, {"g0": 980, "g1": 980, "host": 1000}, held, held, held)
+        decision = decide(view, Request("m", (fitting, fits_now), Fits()))
+        assert isinstance(decision, Admit) and decision.device_set == g1, decision
+
+
+def test_a_worker_a_probe_needs_drains_the_busy_model_in_its_way():
+    """A model not measured yet, whose probe starts its only set's worker where a busy model
+    leaves no room: the busy model takes new requests for one turn, as for a model's own
+    bytes (a worker's room is never waited for without end)."""
+    busy = Resident("busy", {"d0": 950}, 1.0, False)
+    view = View({"d0": 30}, {"d0": 980}, (busy,), (Resident("busy", {"d0": 950}, 1.0, True),), ())
+    decision = decide(view, Request("new", None, Fits(), probe_worker=(frozenset({"d0"}), {"d0": 60})))
+    assert isinstance(decision, Wait) and decision.drain == ("busy",) and not decision.probe
+    never = decide(View({"d0": 30}, {"d0": 50}, (), (), ()),
+                   Request("new", None, Fits(), probe_worker=(frozenset({"d0"}), {"d0": 60})))
+    assert isinstance(never, Never) and "worker" in never.why
+
+
 def test_a_model_too_big_for_its_grant_is_fitted_then_admitted_with_the_fit():
     option = Option(frozenset({"d0"}), {"d0": 150}, SPEC, ("d0", "host"))
     view = View({"d0": 100, "host": 1000}, {"d0": 100, "host": 1000}, (), (), ())

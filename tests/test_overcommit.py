@@ -332,6 +332,71 @@ def test_a_probe_starts_its_worker_only_where_the_worker_fits(tmp_path):
         sched.close()
 
 
+def test_measuring_ahead_starts_a_worker_only_where_it_fits(tmp_path):
+    """``measure`` (a replica measures every model as it starts) probes a model of one device
+    set in that set's worker only where the worker fits now, else in a short-lived one
+    (before: the worker started whatever the room, G0 held 1000 of 980)."""
+    sched, world = sim(tmp_path, {"x": (SimModel(880), ("G0",), 1), "b": (SimModel(100), ("G0", "G1"), 1)})
+    try:
+        busy = load_now(sched, world, "x")
+        sched.measure("b")
+        assert sched.book.named("b").requirements is not None
+        assert sched.book.workers.get(frozenset({"G0", "G1"})) is None
+        sched.check_invariant()
+        sched.release(busy)
+    finally:
+        sched.close()
+
+
+def test_a_workers_reservation_is_each_jobs_own(tmp_path):
+    """Two jobs counting on one coming worker each give back only their own token, and a
+    token from before the worker ran touches no reservation made since (before: a probe that
+    ended late dropped a later load's reservation, and another model was admitted into it)."""
+    sched, world = sim(tmp_path, {"a": (SimModel(100), ("G0",), 1)})
+    try:
+        workers, ds = sched.book.workers, frozenset({"G0"})
+        with sched.book.locked():
+            first, second = workers.reserve(ds, {"G0": 60}), workers.reserve(ds, {"G0": 60})
+        assert workers.starting() == [{"G0": 60}]
+        workers.unreserve(ds, first)
+        assert workers.starting() == [{"G0": 60}]  # the second still counts on it
+        workers.ensure(ds)  # the worker runs: its own bytes in the reservation's place
+        assert workers.starting() == []
+        worker = workers.get(ds)
+        world.crash(worker, mid_save=False)
+        with sched.book.locked():
+            later = workers.reserve(ds, {"G0": 60})
+        workers.unreserve(ds, second)  # late, from before the worker ran: no effect
+        assert workers.starting() == [{"G0": 60}]
+        workers.unreserve(ds, later)
+        assert workers.starting() == []
+    finally:
+        sched.close()
+
+
+def test_a_waiter_that_asked_by_alias_follows_the_alias_when_its_model_is_removed(tmp_path):
+    """A request for ``x`` (a's alias) waits for a's load; a reload removes a and gives ``x``
+    to b: the waiter follows ``x`` to b (before: ModelRemoved, though ``x`` named b)."""
+    import dataclasses
+
+    sched, world = sim(tmp_path, {"a": (SimModel(100), ("G0",), 1), "b": (SimModel(100), ("G1",), 1)})
+    try:
+        a = dataclasses.replace(sched.configs()["a"], aliases=("x",), source="preset")
+        b = dataclasses.replace(sched.configs()["b"], source="preset")
+        sched.reconcile([a, b])
+        waiter = Asking(sched, "x", 5)
+        until(lambda: world.loads, "a's load")
+        sched.reconcile([dataclasses.replace(b, aliases=("x",))])
+        until(lambda: any(x.msg.name == "b" for x in world.loads), "b's load, for the waiter")
+        for load in list(world.loads):
+            with sched.book.locked():
+                world.finish_load(load)
+        assert waiter.done().lease.name == "b"
+        sched.release(waiter.lease)
+    finally:
+        sched.close()
+
+
 def test_states_an_unload_saves_never_take_host_memory_the_host_has_not_got(tmp_path):
     """The RAM reserved for an unload's states is what is left of --kv-keep-ram and of the
     host's room (before: the whole budget left, past the host's size)."""

@@ -72,6 +72,7 @@ class Book:
         self._closed = False
         self._spilling = False  # kept states are leaving RAM for host memory a load wants
         self._settled_version = 0  # bumped when bytes become settled (mark)
+        self._moves = 0  # every model's state changes so far
         self._counters = {"loads": 0, "evictions": 0, "load_failures": 0, "worker_deaths": 0,
                           "workers_stopped_idle": 0, "workers_stopped_for_room": 0}
         self.on_wait: Callable[[str, float], None] | None = None  # every lease's wait (metrics)
@@ -220,11 +221,6 @@ class Book:
             return any(r.state is not State.UNLOADED and r.device_set == device_set
                        for r in self._registry.records())
 
-    @staticmethod
-    def slots(rec: Record) -> int:
-        params = (rec.params.get(rec.device_set) or {}) if rec.device_set else {}
-        return int(params.get("n_parallel") or 1)
-
     def rank(self, ticket: Ticket, now: float | None = None) -> tuple[int, float, int]:
         """A waiting request's place (queueing.rank): priority, raised by its wait, then FIFO."""
         return queueing.rank(ticket.rec.config.priority, ticket.created, ticket.seq,
@@ -232,12 +228,13 @@ class Book:
 
     # -- the queue ----------------------------------------------------------------------
 
-    def enqueue(self, rec: Record, loader: bool = False, waited: float = 0.0) -> Ticket:
-        """A waiting request for ``rec`` joins the queue (``loader``: an instance's load).
-        ``waited``: seconds it waited elsewhere before (a request another node took and
-        lost): it counts as arrived then, and goes before those that arrived since."""
+    def enqueue(self, rec: Record, loader: bool = False, waited: float = 0.0, asked: str = "") -> Ticket:
+        """A waiting request for ``rec`` (by the name ``asked``) joins the queue (``loader``:
+        an instance's load).  ``waited``: seconds it waited elsewhere before (a request another
+        node took and lost): it counts as arrived then, and goes before those since."""
         with self._cond:
-            ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic() - max(0.0, waited), loader=loader)
+            ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic() - max(0.0, waited), loader=loader,
+                            asked=asked)
             at = len(self._queue)
             while at and self._queue[at - 1].created > ticket.created:
                 at -= 1
@@ -286,7 +283,7 @@ class Book:
                 ticket.epoch = ticket.rec.error_epoch
                 self._queue_version += 1
             if ticket.rec.fate is Fate.REMOVE:  # its name may be another model's alias in the list now
-                heir = self._registry.get(ticket.rec.name)
+                heir = self._registry.get(ticket.asked or ticket.rec.name)
                 if heir is None or heir is ticket.rec or heir.fate is Fate.REMOVE:
                     raise ModelRemoved(ticket.rec.name)
                 ticket.rec, ticket.epoch = heir, heir.error_epoch
@@ -310,7 +307,7 @@ class Book:
             if self.on_wait is not None:
                 self.on_wait((rec.primary or rec).name, rec.last_used - ticket.created)
             return Lease(rec.name, rec.worker, rec, rec.drain[0] if rec.drain is not None else None,
-                         rec.follow_epoch, slot=rec.leases <= self.slots(rec))
+                         rec.follow_epoch, slot=rec.leases <= rec.slots())
 
     def release(self, lease: Lease) -> Record:
         with self._cond:
@@ -354,6 +351,7 @@ class Book:
         with self._cond:
             check_transition(rec.state, new)
             rec.state = new
+            self._moves += 1
             if new is State.UNLOADED:
                 rec.need, rec.worker, rec.drain, rec.live = {}, None, None, {}
                 if reason is not None:
@@ -484,14 +482,20 @@ class Book:
 
     # -- workers and kept states ---------------------------------------------------------------
 
-    def set_overhead(self, worker: WorkerHandle, usage: dict[str, int]) -> None:
-        """A worker's own cost on its GPUs: what the device reports for the process minus
-        the probed bytes of its models."""
+    @property
+    def moves(self) -> int:
+        """Model state changes so far (read before a reading of a process's usage)."""
+        return self._moves
+
+    def set_overhead(self, worker: WorkerHandle, usage: dict[str, int], since: int | None = None) -> None:
+        """A worker's own cost on its GPUs: what the device reports for the process minus its
+        models' bytes; not where a model loads or unloads there, now or since ``since``."""
         with self._cond:
             records = self._registry.records()
-            if any(r.state is not State.LOADED and (r.worker is worker or r.device_set == worker.devices)
-                   for r in records if holds_memory(r.state)):
-                return  # a model loading or unloading there: its bytes would pass for the worker's own
+            if since is not None and since != self._moves or any(
+                    r.state is not State.LOADED and (r.worker is worker or r.device_set == worker.devices)
+                    for r in records if holds_memory(r.state)):
+                return  # its bytes would pass for the worker's own
             for device, used in usage.items():
                 models = sum(r.need.get(device, 0) for r in records if r.worker is worker and r.state is State.LOADED)
                 worker.overhead[device] = max(0, used - models)
@@ -548,9 +552,10 @@ class Book:
             rec.fate = fate
 
     def tune(self, rec: Record, cfg: ModelConfig) -> None:
-        """``rec``'s config replaced in place (how its requests are scheduled only)."""
+        """``rec``'s config replaced in place (how its requests are scheduled, its aliases)."""
         with self._cond:
             rec.config = cfg
+            self._registry.relink()
             self._cond.notify_all()
 
     def finish(self, rec: Record) -> Record | None:

@@ -86,9 +86,10 @@ class Jobs:
         finally:
             self._book.spill(False)
 
-    def probe(self, rec: Record, reserved: bool = False) -> None:
-        """``rec`` measured on each device set it may load on (``reserved``: its only set's
-        worker was reserved for it: given back unless the probe started it)."""
+    def probe(self, rec: Record, token: int | None = None, start: bool = True) -> None:
+        """``rec`` measured on each device set it may load on (``token``: its only set's worker
+        reserved for it, given back once the probe ends; ``start``: a probe on the model's only
+        set may start that set's worker, which the load will use)."""
         book = self._book
         reqs: dict[frozenset[str], dict[str, int]] = {}
         parts: dict[frozenset[str], dict[str, dict]] = {}
@@ -98,14 +99,15 @@ class Jobs:
         try:
             for ds in candidates:
                 spec = worker_spec(rec.config.spec, ds, self._inventory.to_local(ds))
-                reqs[ds], parts[ds], params[ds] = self._measure.requirement(spec, ds, only=len(candidates) == 1)
+                reqs[ds], parts[ds], params[ds] = self._measure.requirement(spec, ds,
+                                                                            only=start and len(candidates) == 1)
                 if self._options.max_models:
                     reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
             error = e
         finally:
-            if reserved:  # the worker reserved for it, if it did not start it
-                book.workers.unreserve(candidates[0])
+            if token is not None:  # the worker reserved for it (a no-op once it runs)
+                book.workers.unreserve(candidates[0], token)
         with book.locked():
             if error is None:
                 book.probed(rec, reqs, parts, params)
@@ -114,9 +116,9 @@ class Jobs:
                 book.failed(rec, f"cannot measure memory: {error}")
 
     def fit(self, rec: Record, ds: frozenset[str], spec: ModelSpec, grant: dict[str, int],
-            reserved: bool = False) -> None:
-        """Fit ``spec`` into ``grant`` and remember the result for that grant (``reserved``: the
-        set's worker was reserved for it)."""
+            token: int | None = None) -> None:
+        """Fit ``spec`` into ``grant`` and remember the result for that grant (``token``: the
+        set's worker reserved for it)."""
         book = self._book
         fitted, error = None, None
         try:
@@ -124,8 +126,7 @@ class Jobs:
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
             error = e
         finally:
-            if reserved:  # the worker reserved for it, if it did not start it
-                book.workers.unreserve(ds)
+            book.workers.unreserve(ds, token)  # the worker reserved for it (a no-op once it runs)
         with book.locked():
             if fitted is not None:
                 book.fitted(rec, ds, fitted)
@@ -136,25 +137,26 @@ class Jobs:
     def refresh_overhead(self, worker: WorkerHandle) -> None:
         """A worker's own cost on its GPUs: what the device reports for the process
         (context, cuBLAS workspace, pools) minus the probed bytes of its models."""
+        since = self._book.moves
         usage = self._inventory.process_usage(worker.pid) if worker.pid else {}
         if usage:
-            self._book.set_overhead(worker, usage)
+            self._book.set_overhead(worker, usage, since)
 
-    def load(self, rec: Record, attempt: int, reserved: bool = False) -> None:
-        """Load attempt ``attempt`` of ``rec``: what it finds is applied only while the model
-        is still in that attempt (a worker that died under it may have let a new one start);
-        ``reserved``: the worker it starts was reserved for it."""
+    def load(self, rec: Record, attempt: int, device_set: frozenset[str] | None = None,
+             token: int | None = None) -> None:
+        """Load attempt ``attempt`` of ``rec`` on ``device_set`` (its admission's): what it finds
+        is applied only while the model is still in that attempt (a worker that died under it
+        may have let a new one start); ``token``: the worker it starts, reserved for it."""
         book, options = self._book, self._options
         worker = None
         try:
             if options.debug_fake_timing > 0:
                 time.sleep(options.debug_fake_timing)
-            device_set = rec.device_set
+            device_set = device_set or rec.device_set
             try:
                 worker = book.workers.ensure(device_set)
             finally:
-                if reserved:  # the worker reserved for it, if it did not start it
-                    book.workers.unreserve(device_set)
+                book.workers.unreserve(device_set, token)  # (a no-op once the worker runs)
             if not self._still_fits(rec, attempt):
                 return
             cfg = rec.config

@@ -64,6 +64,11 @@ class Record:
     def name(self) -> str:
         return self.config.name
 
+    def slots(self) -> int:
+        """Its engine's parallel slots, as probed on its device set (1 until known)."""
+        params = (self.params.get(self.device_set) or {}) if self.device_set else {}
+        return int(params.get("n_parallel") or 1)
+
     def context(self) -> dict | None:
         """The context the model is (or would be) loaded with: the fit's, or as probed on
         its device set (the first candidate's while it is not loaded)."""
@@ -140,6 +145,7 @@ class Ticket:
     # the load of one instance of a model (an extra one, or its own back): counted in no queue
     # limit and refused by none, drains nothing, takes that instance only
     loader: bool = False
+    asked: str = ""  # the name the request gave (a name or an alias): a removed model's waiter follows it
 
     @property
     def name(self) -> str:

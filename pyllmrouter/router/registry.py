@@ -21,8 +21,9 @@ config), finishes what it has, and unloads; only then does it go.
 
     diff(current, new) (pure) ──▶ Changes(add, remove, replace, tune): the reconciliation
         of the sources' new list with the router's (models added through the API stay);
-        a config whose only changes are how its requests are scheduled (TUNABLE: priority,
-        max-queue, replicas) is tuned in place: nothing unloads, nothing waiting is lost
+        a config whose only changes are how its requests are scheduled or the names it
+        answers to (TUNABLE: priority, max-queue, replicas, aliases) is tuned in place:
+        nothing unloads, nothing waiting is lost
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ class Changes:
     tune: tuple[ModelConfig, ...] = ()
 
 
-TUNABLE = ("priority", "max_queue", "replicas")  # a reload changes these in place
+TUNABLE = ("priority", "max_queue", "replicas", "aliases")  # a reload changes these in place
 
 
 def tuned_only(old: ModelConfig, new: ModelConfig) -> bool:
@@ -125,6 +126,10 @@ class Registry:
     def instances(self, rec: Record) -> list[Record]:
         """A model's instances: its own record, then its extra ones (replicas.py)."""
         return [rec, *(r for r in self._records.values() if r.primary is rec)]
+
+    def relink(self) -> None:
+        """The aliases, from the list as it is now (after a config changed in place)."""
+        self._relink()
 
     def _relink(self) -> None:
         """The aliases, from the list as it is now (a changed model's new config's)."""

@@ -3,8 +3,8 @@
     add / retire / reconcile(configs) ──▶ the live list (registry.py, through the Book):
         a removed or changed model takes no new request, finishes what it has, unloads,
         and goes (or makes room for its new config, which its waiters follow); a config
-        changed only in how its requests are scheduled (priority, max-queue, replicas)
-        is tuned in place: nothing unloads, nothing queued is lost
+        changed only in how its requests are scheduled (priority, max-queue, replicas) or
+        in its aliases is tuned in place: nothing unloads, nothing queued is lost
     settle(rec)  a retiring model's next step (registry.step) each time its state or
                  leases change; an extra instance that unloaded goes from the list
     grow(rec)    one more instance of a model whose requests wait (replicas.py):
@@ -71,12 +71,12 @@ class Roster:
             else:
                 self.add(cfg)
         for cfg in changes.tune:
-            self._tune(book.named(cfg.name), cfg)
+            self.tune(book.named(cfg.name), cfg)
         return changes
 
-    def _tune(self, rec: Record, cfg: ModelConfig) -> None:
-        """A new priority, max-queue or replica count, in place: the model stays loaded and
-        its waiting requests stay (a lower max-queue refuses new ones only); extra
+    def tune(self, rec: Record, cfg: ModelConfig) -> None:
+        """A new priority, max-queue, replica count or aliases, in place: the model stays
+        loaded and its waiting requests stay (a lower max-queue refuses new ones only); extra
         instances past a lower count finish and go."""
         book = self._book
         if rec.fate is not None:  # retiring already: the new config is what comes after
@@ -88,7 +88,8 @@ class Roster:
                 book.set_fate(extra, Fate.REMOVE)
                 book.end_follows(extra)
                 self.settle(extra)
-        book.event("tune", rec.name, priority=cfg.priority, max_queue=cfg.max_queue, replicas=cfg.replicas)
+        book.event("tune", rec.name, priority=cfg.priority, max_queue=cfg.max_queue, replicas=cfg.replicas,
+                   aliases=list(cfg.aliases))
 
     def retire(self, rec: Record, replacement: ModelConfig | None) -> None:
         book = self._book
@@ -132,7 +133,7 @@ class Roster:
             if rec.config.replicas <= 1 or rec.fate is not None or book.closed:
                 return
             instances = book.instances(rec)
-            running = [replicas.Instance(r.name, r.leases, book.slots(r), r.primary is None)
+            running = [replicas.Instance(r.name, r.leases, r.slots(), r.primary is None)
                        for r in instances if r.state is State.LOADED]
             # an instance with no memory (UNLOADED) holds no device set: its old one is free; an
             # extra one UNLOADED is on its way (it goes once nobody waits for it: Scheduler.lease)

@@ -48,6 +48,7 @@ from pyllmrouter.router.policy import admission, placement, queueing, replicas
 from pyllmrouter.router.policy.fitbook import fit_over
 from pyllmrouter.router.policy.state import State, evictable, holds_memory
 from pyllmrouter.router.records import Fate, Lease, Record, Ticket
+from pyllmrouter.router.registry import tuned_only
 from pyllmrouter.router.roster import Roster
 from pyllmrouter.router.workers.keep import KeepStore
 from pyllmrouter.router.workers.measure import Measurer, worker_spec
@@ -193,7 +194,7 @@ class Scheduler:
             refused = None if loader else self._queue_refusal(rec)
             if refused is not None:
                 raise QueueFull(rec.name, refused.scope, refused.limit, refused.waiting)
-            ticket = book.enqueue(rec, loader, waited)
+            ticket = book.enqueue(rec, loader, waited, name)
         deadline = time.monotonic() + timeout
         reading: tuple[Any, dict[str, int]] | None = None  # (the Book's mark, free memory), since the last wait
         try:
@@ -283,9 +284,9 @@ class Scheduler:
         ready = {r.name: r for r in candidates
                  if r.state is State.LOADED and r.fate is None and not r.gone and self._may_lease(r, ticket)}
         last = ready.get(prefer) if prefer is not None else None
-        if last is not None and last.leases < book.slots(last):
+        if last is not None and last.leases < last.slots():
             return last
-        name = replicas.pick([replicas.Instance(r.name, r.leases, book.slots(r), r.primary is None)
+        name = replicas.pick([replicas.Instance(r.name, r.leases, r.slots(), r.primary is None)
                               for r in ready.values()])
         return ready.get(name) if name is not None else None
 
@@ -316,7 +317,7 @@ class Scheduler:
             return None
         book = self._book
         queued = [queueing.Queued(t.rec.name, t.loader) for t in book.tickets()]
-        held = [queueing.Held(r.name, (r.primary or r).name, r.leases, book.slots(r), r.state is State.LOADED)
+        held = [queueing.Held(r.name, (r.primary or r).name, r.leases, r.slots(), r.state is State.LOADED)
                 for r in book.records()]
         mine, total = queueing.tally((rec.primary or rec).name, queued, held)
         return queueing.refusal(mine, rec.config.max_queue, total, self.options.max_queue)
@@ -342,7 +343,10 @@ class Scheduler:
                 raise UnknownModel(cfg.name, list(book.configs()))
             if (rec.replacement or rec.config) != cfg:
                 book.validate([*(c for n, c in book.configs().items() if n != cfg.name), cfg])
-                self._roster.retire(rec, cfg)
+                if rec.fate is None and tuned_only(rec.config, cfg):  # scheduling or aliases alone: in place
+                    self._roster.tune(rec, cfg)
+                else:
+                    self._roster.retire(rec, cfg)
 
     def reconcile(self, configs: Iterable[ModelConfig]) -> dict[str, list[str]]:
         """Make the list the sources' new one (models added through the API stay): new
@@ -401,14 +405,13 @@ class Scheduler:
         if isinstance(decision, admission.Wait):
             if decision.probe:
                 book.measuring(rec, probing=True)
-                if request.probe_worker is not None:  # its worker's bytes held until it runs
-                    book.workers.reserve(*request.probe_worker)
-                self._jobs.spawn(self._jobs.probe, rec, request.probe_worker is not None)
+                token = book.workers.reserve(*request.probe_worker) if request.probe_worker else None
+                self._jobs.spawn(self._jobs.probe, rec, token)  # its worker's bytes held until it runs
             if decision.fit is not None:
                 book.measuring(rec, fitting=True)
                 job = decision.fit
-                book.workers.reserve(job.device_set, dict(job.worker))
-                self._jobs.spawn(self._jobs.fit, rec, job.device_set, job.spec, dict(job.grant), bool(job.worker))
+                token = book.workers.reserve(job.device_set, dict(job.worker))
+                self._jobs.spawn(self._jobs.fit, rec, job.device_set, job.spec, dict(job.grant), token)
             deadline = ticket.created + self.options.turn
             for v in (decision.drain if rec.primary is None and not ticket.loader else ()):  # an instance's load drains nothing
                 victim = book.named(v)
@@ -423,8 +426,8 @@ class Scheduler:
                 book.event("waiting", rec.name, why=decision.why, short=dict(decision.short))
             return decision.why
         attempt = book.start_load(rec, decision.device_set, decision.need, decision.spec, decision.fit)
-        book.workers.reserve(decision.device_set, dict(decision.worker))  # the worker it starts, held until it runs
-        self._jobs.spawn(self._jobs.load, rec, attempt, bool(decision.worker))
+        token = book.workers.reserve(decision.device_set, dict(decision.worker))  # the worker it starts, held until it runs
+        self._jobs.spawn(self._jobs.load, rec, attempt, decision.device_set, token)
         return "loading"
 
     def _residents(self, ticket: Ticket, ignore_busy: bool = False, leaving: bool = False) -> list[placement.Resident]:
@@ -513,14 +516,21 @@ class Scheduler:
             book.notify()
 
     def measure(self, name: str) -> None:
-        """Probe ``name``'s bytes now (no load), unless measured or being measured."""
+        """Probe ``name``'s bytes now (no load), unless measured or being measured.  A model of
+        one device set is probed in that set's worker (kept: the load will use it) where the
+        worker fits now, its bytes reserved until it runs; else in a short-lived one."""
         book = self._book
+        free = self.read_free()
         with book.locked():
             rec = book.resolve(name)
             if rec.requirements is not None or rec.probing:
                 return
             book.measuring(rec, probing=True)
-        self._jobs.probe(rec)
+            request = self._request(rec, book.ticket(rec))
+            worker = request.probe_worker
+            fits = worker is None or (free[0] == book.mark() and not placement.shortfall(worker[1], book.available(free[1])))
+            token = book.workers.reserve(*worker) if worker is not None and fits else None
+        self._jobs.probe(rec, token, start=fits)
 
     # -- explicit control -----------------------------------------------------------------------
 

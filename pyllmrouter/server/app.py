@@ -365,11 +365,13 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
     @app.get("/v1/models/{name:path}")
     async def v1_model(name: str):
+        try:  # looked up as a request's name is (an alias of the list, a hidden model, an instance)
+            found = router.scheduler.resolve(name).name
+        except UnknownModel as e:
+            raise from_router_error(e) from None
         st = router.status()["models"]
-        listed = {c.name for c in router.models() if not c.hidden}
-        found = router.scheduler.canonical(name)  # the model the list gives that name or alias
-        if found not in listed or found not in st:
-            raise from_router_error(UnknownModel(name, sorted(listed)))
+        if found not in st:
+            raise from_router_error(UnknownModel(name, list(router.scheduler.configs())))
         return _openai_model(found, st[found])
 
     async def engine_get(request: Request) -> Response:

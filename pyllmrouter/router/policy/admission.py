@@ -159,12 +159,13 @@ def decide(view: View, request: Request) -> Decision:
             return Wait("measuring its memory")
         return _room_for_worker(view, request.probe_worker) or Wait("measuring its memory", probe=True)
     ready, why, never, job = _ready(view, request)
-    if job is not None and job.worker and (room := _room_for_worker(view, (job.device_set, job.worker))):
-        return room  # the fit starts its set's worker: room for it first
+    room = _room_for_worker(view, (job.device_set, job.worker)) if job is not None and job.worker else None
+    if room is not None:  # the fit would start its set's worker, which has no room yet: not now
+        job = None
     if not ready:
         if why is None and never is not None:
             return never
-        return Wait(why or "waiting", fit=job)
+        return room or Wait(why or "waiting", fit=job)
     # placed with the overhead the load adds (a worker to start); reserved: the model's own bytes
     candidates = [(o.device_set, o.room(o.need)) for o, _ in ready]
     # admitted only where it surely fits now; what to evict or drain, where it would fit once
@@ -198,8 +199,10 @@ def _room_for_worker(view: View, worker: tuple[frozenset[str], Mapping[str, int]
     if placement.choose(candidates, view.available, ()) is not None:
         return None
     plan = placement.choose(candidates, view.settled, view.evictable)
-    if plan is None:
-        return Wait("waiting for room for its worker", short=placement.shortfall(worker[1], view.settled))
+    if plan is None:  # busy models in the way take new requests for one turn, as for a model's own bytes
+        idle = placement.choose(candidates, view.settled, view.drainable)
+        return Wait("waiting for room for its worker", drain=idle.victims if idle else (),
+                    short=placement.shortfall(worker[1], view.settled))
     return Evict(plan.victims, plan.need) if plan.victims else Wait(SETTLING)
 
 

@@ -36,8 +36,9 @@ wait, never one to make room: ``hoped`` (``available`` with every held byte take
 allocated: ``external = total - free - held``, never above the truth) is what the devices
 will have once what is in flight settles, and admission weighs evictions, drains and fits
 against it (policy/admission.py): a model that fits only once the bytes in flight settle
-waits for them, and no resident loses its place for them.  Without a load or unload under
-way the two are equal and exact.
+waits for them, and no resident loses its place for them.  With nothing in flight (no load
+or unload under way, no worker starting or stopping, no states being saved) the two are
+equal and exact.
 """
 
 from __future__ import annotations

@@ -344,11 +344,16 @@ class KeepStore:
         is an unload's until it ends), as of the last change (no lock)."""
         return self._ram_files
 
-    def _settle(self) -> None:
+    def _settle(self, token: int | None = None) -> None:
         """Publish the RAM bytes and the report (store lock held, at the end of every change):
-        readers take them without the store's lock, so they never wait on its file work."""
-        self._ram_files = sum(k.size for k in self._files.values() if k.place == "ram")
-        self._publish_ram()
+        readers take them without the store's lock, so they never wait on its file work.
+        ``token``: a reservation whose states are among the files now, given back in the same
+        step (never a moment where neither counts)."""
+        with self._res_lock:
+            if token is not None:
+                self._reserved.pop(token, None)
+            self._ram_files = sum(k.size for k in self._files.values() if k.place == "ram")
+            self._ram_bytes = self._ram_files + sum(self._reserved.values())
         models: dict[str, dict[str, int]] = {}
         for k in self._files.values():
             s = models.setdefault(self._models.get(k.identity, k.identity), {"ram": 0, "disk": 0, "files": 0})
@@ -427,11 +432,8 @@ class KeepStore:
                 continue
             checked.append(Kept(ident, name, tokens, size, place, now, crc))
         with self._lock:
-            if token is not None:
-                with self._res_lock:
-                    self._reserved.pop(token, None)
             if self._closed:
-                self._settle()
+                self._settle(token)
                 return
             for k in checked:
                 old = self._files.pop((ident, k.name), None)
@@ -441,7 +443,7 @@ class KeepStore:
                 self.counters["saved"] += 1
             self.version += 1
             self._enforce()
-            self._settle()
+            self._settle(token)
 
     def prepare(self, ident: str) -> list[str]:
         """The files of ``ident`` for the engine to restore, as paths where they lie (RAM or

@@ -21,6 +21,7 @@ The map is the scheduler's state: read and changed under the scheduler's lock
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Callable, Iterable
 
@@ -52,8 +53,9 @@ class WorkerSet:
         self._launch = launch
         self.version = 0  # bumped when a worker's bytes become settled (registered): Book.mark
         self._seen: dict[frozenset[str], dict[str, int]] = {}  # the last overhead of each set's worker
-        # reserved for a worker about to start: its bytes, and how many jobs count on it
-        self._starting: dict[frozenset[str], tuple[dict[str, int], int]] = {}
+        # reserved for a worker about to start: its bytes, and the jobs (tokens) that count on it
+        self._starting: dict[frozenset[str], tuple[dict[str, int], set[int]]] = {}
+        self._tokens = itertools.count(1)
         self._workers: dict[frozenset[str], WorkerHandle] = {}
         self._stopping: list[WorkerHandle] = []  # retired, their processes not ended yet
         self._idle_since: dict[WorkerHandle, float] = {}  # empty workers, since when
@@ -86,35 +88,36 @@ class WorkerSet:
             return dict(self._starting[device_set][0]), False
         return {**self._inventory.worker_overhead(device_set), **self._seen.get(device_set, {})}, True
 
-    def reserve(self, device_set: frozenset[str], bytes_: dict[str, int]) -> None:
+    def reserve(self, device_set: frozenset[str], bytes_: dict[str, int]) -> int | None:
         """The bytes of a worker a load, probe or fit will start on ``device_set``, held from
-        now until it runs (``ensure``) or fails to start: two admissions never both count the
-        same room before it starts."""
+        now until it runs (``ensure``) or every job counting on them has given them back
+        (``unreserve``): two admissions never both count the room a coming worker takes.  The
+        job's token (None: nothing to reserve: its worker runs, or it has no bytes)."""
         if device_set in self._workers or not bytes_:
-            return
-        held, jobs = self._starting.get(device_set, (dict(bytes_), 0))
-        self._starting[device_set] = (held, jobs + 1)
+            return None
+        token = next(self._tokens)
+        held, jobs = self._starting.get(device_set, (dict(bytes_), set()))
+        self._starting[device_set] = (held, jobs | {token})
+        return token
 
     def starting(self) -> list[dict[str, int]]:
         """The bytes reserved for workers about to start."""
         return [held for held, _ in self._starting.values()]
 
-    def unreserve(self, device_set: frozenset[str]) -> None:
-        """A job that counted on a worker's reservation ended without starting it: the last
-        one to go takes the reservation with it (once the worker runs there is none)."""
+    def unreserve(self, device_set: frozenset[str], token: int | None) -> None:
+        """A job gives back what it reserved (it ended, or its worker runs); the reservation
+        goes with the last job counting on it.  A token of an earlier reservation (its worker
+        ran meanwhile) touches none made since."""
+        if token is None:
+            return
         with self._cond:
-            if device_set in self._starting:
-                held, jobs = self._starting[device_set]
-                if jobs > 1:
-                    self._starting[device_set] = (held, jobs - 1)
+            held, jobs = self._starting.get(device_set, ({}, set()))
+            if token in jobs:
+                if jobs - {token}:
+                    self._starting[device_set] = (held, jobs - {token})
                 else:
                     del self._starting[device_set]
                     self._cond.notify_all()
-
-    def expected_overhead(self, device_set: frozenset[str]) -> dict[str, int]:
-        """What a load on ``device_set`` adds beside the model's own bytes: a new worker's."""
-        overhead, starts = self.overhead_of(device_set)
-        return overhead if starts else {}
 
     def by_name(self, name: str) -> WorkerHandle | None:
         return next((w for ds, w in self._workers.items() if worker_name(ds) == name), None)
@@ -184,17 +187,10 @@ class WorkerSet:
             with self._cond:
                 w = self._workers.get(device_set)
                 if w is not None and w.alive:
-                    self._starting.pop(device_set, None)
                     return w
             w = self._launch("+".join(sorted(device_set)), device_set, self._inventory.mask_env(device_set),
                              self._on_death)
-            try:
-                w.start()
-            except BaseException:
-                with self._cond:  # its reservation goes with it
-                    self._starting.pop(device_set, None)
-                    self._cond.notify_all()
-                raise
+            w.start()  # a failed start: each job counting on its reservation gives its own back
             w.overhead.update(self._inventory.worker_overhead(device_set))
             with self._cond:  # its own bytes held from now, in its reservation's place
                 self._workers[device_set] = w
