@@ -458,6 +458,7 @@ def test_a_rename_of_a_model_not_loaded_lists_the_new_one(tiny, tmp_path):
     ("[a]\n{m}[b]\n{m}", "[b]\n{m}alias = a\n"),  # a removed, its name an alias of b's
     ("[a]\n{m}alias = x\n[b]\n{m}alias = y\n", "[a]\n{m}alias = y\n[b]\n{m}alias = x\n"),  # aliases swapped
     ("[a]\n{m}alias = x\n", "[a]\n{m}c = 512\n[c]\n{m}alias = x\n"),  # an alias moved from a changed model to a new one
+    ("[a]\n{m}alias = old\n", "[a]\n{m}[old]\n{m}"),  # an alias dropped, and a model of that name added
 ])
 def test_reloads_that_move_names_and_aliases_apply_whole(tiny, tmp_path, before, after):
     """Each was refused for ever (``alias ... is used twice``): the new list is valid, and it

@@ -525,10 +525,10 @@ class Book:
 
     # -- the live list ---------------------------------------------------------------------------
 
-    def add(self, cfg: ModelConfig) -> Record:
-        """A new model (ValueError: its name or an alias is taken)."""
+    def add(self, cfg: ModelConfig, listed: bool = False) -> Record:
+        """A new model (ValueError: its name or an alias is taken; ``listed``: Registry.add)."""
         with self._cond:
-            rec = self._registry.add(cfg)
+            rec = self._registry.add(cfg, listed)
             self._cond.notify_all()
             return rec
 

@@ -174,8 +174,13 @@ class Registry:
                              (" (a removed model of that name is still finishing its requests)" if leaving else ""))
         self.validate([*self.configs().values(), cfg])
 
-    def add(self, cfg: ModelConfig) -> Record:
-        self.check(cfg)
+    def add(self, cfg: ModelConfig, listed: bool = False) -> Record:
+        """A new model (``listed``: the whole list it comes with was validated: only its name
+        is checked, the list being changed step by step meanwhile)."""
+        if listed and cfg.name in self._records:
+            raise ValueError(f"model name {cfg.name!r} is used twice")
+        if not listed:
+            self.check(cfg)
         rec = Record(cfg)
         self._records[cfg.name] = rec
         self._relink()

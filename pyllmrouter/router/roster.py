@@ -37,9 +37,10 @@ class Roster:
         self._jobs = jobs
         self._load_instance = load_instance
 
-    def add(self, cfg: ModelConfig) -> None:
-        """A new model, servable at once (ValueError: its name or an alias is taken)."""
-        self._book.add(cfg)
+    def add(self, cfg: ModelConfig, listed: bool = False) -> None:
+        """A new model, servable at once (ValueError: its name or an alias is taken;
+        ``listed``: it comes with a whole list validated already)."""
+        self._book.add(cfg, listed)
         self._book.event("added", cfg.name, source=cfg.source)
 
     def reconcile(self, configs: Iterable[ModelConfig]) -> Changes:
@@ -62,16 +63,16 @@ class Roster:
             self.retire(book.named(name), None)
         for cfg in changes.replace:
             self.retire(book.named(cfg.name), cfg)
-        for cfg in changes.add:
+        for cfg in changes.tune:
+            self.tune(book.named(cfg.name), cfg)
+        for cfg in changes.add:  # (the list as a whole is valid: its steps need not be)
             leaving = book.named(cfg.name)  # removed, still finishing: listed again
             if leaving is not None:
                 book.revive(leaving, cfg)
                 book.event("added", cfg.name, source=cfg.source)
                 self.settle(leaving)
             else:
-                self.add(cfg)
-        for cfg in changes.tune:
-            self.tune(book.named(cfg.name), cfg)
+                self.add(cfg, listed=True)
         return changes
 
     def tune(self, rec: Record, cfg: ModelConfig) -> None:
