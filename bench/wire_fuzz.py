@@ -7,10 +7,10 @@ means; tests/test_wire.py runs a short run of it).
 
 ``pyllmrouter serve`` (defaults: native, following) and ``pyllmrouter serve --no-native``
 on the same models (a scripted chat model, whose greedy answers are fixed, and a tiny
-llama); each case runs on both, one connection at a time, and their answers (statuses and
-bodies, in order) are compared; ``GET /health`` is timed after each case.  Prints the case
-count, what differed (with each case's seed and index, to replay it) and the slowest
-/health, and writes JSON (default bench/results/wire_fuzz.json).  Exit code 1 when any
+llama); each case runs on both, one connection at a time, and what a client sees (statuses,
+header fields, bodies, in order, and how the connection ended) is compared; ``GET /health``
+is timed after each case.  Prints the cases and differences by kind, what differed (with
+each case's seed and index, to replay it) and the slowest /health, and writes JSON (default bench/results/wire_fuzz.json).  Exit code 1 when any
 case differed.
 """
 
@@ -27,6 +27,7 @@ import httpx
 
 from _load import save
 
+from pyllmrouter.tables import render
 from pyllmrouter.tools import scripted, tinymodels, wire
 from pyllmrouter.tools.loopback import start_serve
 
@@ -53,12 +54,14 @@ def main() -> int:
                 procs.append(proc)
             for url in urls.values():
                 httpx.post(url + "/tokenize", json={"model": wire.MODEL, "content": "warm"}, timeout=120)
-            found, slowest, t0 = [], 0.0, time.monotonic()
+            found, slowest, t0, kinds = [], 0.0, time.monotonic(), {}
             for i, case in enumerate(wire.cases(a.seed, a.cases)):
-                diff = wire.compare(wire.play(urls["native"], case), wire.play(urls["relay"], case), case.half_closed)
+                diff = wire.compare(wire.play(urls["native"], case), wire.play(urls["relay"], case), case)
+                ran, differed = kinds.get(case.kind, (0, 0))
+                kinds[case.kind] = (ran + 1, differed + bool(diff))
                 if diff:
-                    found.append({"index": i, "case": case.text, "differs": diff[:2000]})
-                    print(f"case {i} ({case.text}): {diff[:300]}", flush=True)
+                    found.append({"index": i, "kind": case.kind, "case": case.text, "differs": diff[:2000]})
+                    print(f"case {i} ({case.kind}: {case.text}): {diff[:300]}", flush=True)
                 for url in urls.values():
                     h0 = time.monotonic()
                     httpx.get(url + "/health", timeout=30)
@@ -74,7 +77,9 @@ def main() -> int:
                 except subprocess.TimeoutExpired:
                     proc.kill()
     result = {"seed": a.seed, "cases": a.cases, "differed": len(found), "found": found,
+              "by_kind": {k: {"cases": n, "differed": d} for k, (n, d) in sorted(kinds.items())},
               "slowest_health_s": round(slowest, 4), "seconds": round(time.monotonic() - t0, 1)}
+    print(render(["kind of case", "cases", "differed"], [[k, n, d] for k, (n, d) in sorted(kinds.items())]))
     print(f"{a.cases} cases (seed {a.seed}): {len(found)} differed; slowest /health {slowest * 1000:.0f} ms; "
           f"{result['seconds']} s")
     save(a.out, result)

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 
 #include "cpp-httplib/httplib.h"  // status_message: the reason phrases llama-server's HTTP layer writes
 #include "engine.h"
@@ -95,10 +96,26 @@ int default_write_timeout() {
     return seconds;
 }
 
+// The header lines every answer begins with: llama-server's Server (its HTTP layer's
+// default header) and the Date a server with a clock sends (RFC 9110 6.6.1), as the
+// router's own answers carry them.
+std::string stamp() {
+    static const char * const days[] = {"Sun", "Mon", "Tue", "Wed", "Thu", "Fri", "Sat"};
+    static const char * const months[] = {"Jan", "Feb", "Mar", "Apr", "May", "Jun",
+                                          "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"};
+    const std::time_t now = std::time(nullptr);
+    std::tm t{};
+    gmtime_r(&now, &t);
+    char line[96];
+    std::snprintf(line, sizeof(line), "Server: llama.cpp\r\nDate: %s, %02d %s %04d %02d:%02d:%02d GMT\r\n",
+                  days[t.tm_wday], t.tm_mday, months[t.tm_mon], t.tm_year + 1900, t.tm_hour, t.tm_min, t.tm_sec);
+    return line;
+}
+
 // A 500 with the error, as llama-server's ex_wrapper answers an exception; the connection closes.
 void write_error(Writer & out, const std::string & error) {
     const std::string data = safe_json_to_str({{"error", format_error_response(error, ERROR_TYPE_SERVER)}});
-    out.write("HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json; charset=utf-8\r\n"
+    out.write("HTTP/1.1 500 Internal Server Error\r\n" + stamp() + "Content-Type: application/json; charset=utf-8\r\n"
               "Connection: close\r\nContent-Length: " + std::to_string(data.size()) + "\r\n\r\n" + data);
 }
 
@@ -469,24 +486,35 @@ Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, 
                 left = true;
             }
         }
-        if (left) {
-            o.status = 499;  // nothing written: the client is gone
-        } else if (!engine) {  // unloaded meanwhile: what llama-server says of a model not ready
+        // unloaded meanwhile, or stopped by an unload or a close: what llama-server says of a
+        // model not ready, never a reply the request did not finish
+        auto unavailable = [&] {
             o.status = 503;
             const std::string data = safe_json_to_str(
                 {{"error", format_error_response("Loading model", ERROR_TYPE_UNAVAILABLE)}});
-            out.write("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json; charset=utf-8\r\n"
-                      "Retry-After: 1\r\n" + req.extra + connection + "Content-Length: " +
-                      std::to_string(data.size()) + "\r\n\r\n" + data);
+            out.write("HTTP/1.1 503 Service Unavailable\r\n" + stamp() +
+                      "Content-Type: application/json; charset=utf-8\r\nRetry-After: 1\r\n" + req.extra +
+                      connection + "Content-Length: " + std::to_string(data.size()) + "\r\n\r\n" + data);
             o.keep = req.keep_alive && out.ok;
+        };
+        std::shared_ptr<EngineReply> reply;
+        if (!left && engine) {
+            reply = engine->handle(req.method, req.path, req.query, req.headers, body, req.query_string, stop);
+        }
+        if (left || stop->peer_gone()) {
+            // the client is gone (or has ended its side: llama-server's connection check reads
+            // that as gone, and so does the router's relay): nothing is written to it
+            o.status = 499;
+        } else if (!engine || reply->cut()) {
+            unavailable();
         } else {
-            auto reply = engine->handle(req.method, req.path, req.query, req.headers, body, req.query_string, stop);
             o.status = reply->status();
             std::string head = "HTTP/1.1 " + std::to_string(o.status) + " " + httplib::status_message(o.status) +
-                               "\r\n" + "Content-Type: " + reply->content_type() + "\r\n";
+                               "\r\n" + stamp() + "Content-Type: " + reply->content_type() + "\r\n";
             for (const auto & [k, v] : reply->headers()) head += k + ": " + v + "\r\n";
             head += req.extra + connection;
             int seen = 0;
+            bool cut = false;  // a stream stopped before its end
             if (!reply->is_stream()) {
                 release_slot();  // the whole reply is here: its slot is free
                 const std::string & data = reply->data();
@@ -501,6 +529,8 @@ Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, 
                 // llama.cpp's own queue (as they do for llama-server's) and the request leaves
                 // the slot gate: a client that reads slowly, or not at all, never holds the
                 // engine.  The slot gate is left at the stream's end at the latest.
+                // A stream stopped under way (its client gone, an unload, a close) ends without
+                // its last chunk: the connection closes on a response a client sees incomplete.
                 std::string pending = head + "Transfer-Encoding: chunked\r\n\r\n";
                 std::string chunk;
                 bool more = true;
@@ -511,7 +541,8 @@ Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, 
                         Writer::frame(pending, chunk);
                         if (!more) {
                             release_slot();  // the stream's end: its slot is free
-                            pending += "0\r\n\r\n";
+                            if (reply->cut()) cut = true;
+                            else pending += "0\r\n\r\n";
                         }
                     }
                     out.some(pending);
@@ -522,7 +553,7 @@ Conduit::Outcome Conduit::answer(const Request & req, const std::string & body, 
                     }
                 }
             }
-            o.keep = req.keep_alive && out.ok && !stop->stopped();  // before the reply goes: it sets the flag
+            o.keep = req.keep_alive && out.ok && !cut && !stop->stopped();  // before the reply goes: it sets the flag
             reply.reset();  // on_complete, as llama-server's connection ends
             if (seen > 0) {
                 std::lock_guard<std::mutex> lock(mutex_);

@@ -312,8 +312,7 @@ ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free)
 
 // -- EngineReply ------------------------------------------------------------
 
-bool StopFlag::stopped() const {
-    if (value.load()) return true;
+bool StopFlag::peer_gone() const {
     if (peer < 0) return false;
     pollfd pfd{peer, POLLRDHUP, 0};  // the client shut its side, or the socket is in error
     return ::poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
@@ -355,6 +354,9 @@ void EngineReply::respond(const Handler & handler) {
     if (!res_) {
         res_ = error_reply("empty response from handler", ERROR_TYPE_SERVER);
     }
+    // llama.cpp's handlers return their reply untouched where should_stop ended the wait
+    // (server-context.cpp: "connection is closed"): every reply they make has a body
+    cut_ = !res_->is_stream() && res_->data.empty() && should_stop_();
 }
 
 void EngineReply::fail(const std::string & message, const std::string & type) {
@@ -383,7 +385,12 @@ bool EngineReply::next(std::string & chunk) {
         return false;
     }
     try {
+        // llama.cpp's stream looks at should_stop before anything else: stopped before the
+        // call, it ends there (cut); ended with nothing while stopped after, a stop too
+        // (its own end gives "[DONE]", or nothing for formats without one: a race alone)
+        const bool stopped = should_stop_();
         ended_ = !res_->next(chunk);
+        cut_ = ended_ && (stopped || (chunk.empty() && should_stop_()));
     } catch (const std::exception & e) {
         chunk = "error: " + safe_json_to_str({{"error", format_error_response(e.what(), ERROR_TYPE_SERVER)}}) +
                 "\n\n";
@@ -431,8 +438,9 @@ void pump(std::shared_ptr<EngineReply> reply, std::int64_t req_id, std::shared_p
             if (!chunk.empty()) out->push({req_id, std::move(chunk), false});
             chunk = std::string();
         }
+        const bool cut = reply->cut();
         reply.reset();  // on_complete, as llama-server's connection ends, before the last item
-        out->push({req_id, std::string(), true});
+        out->push({req_id, std::string(), true, cut});
     }).detach();
 }
 

@@ -42,7 +42,11 @@ struct StopFlag {
     std::atomic<bool> value{false};
     int peer = -1;
     void set() { value.store(true); }
-    bool stopped() const;
+    bool stopped() const { return value.load() || peer_gone(); }
+    // The client ended its side of the connection (a close, a half-close: the two look
+    // the same until something is written), or its socket erred: llama-server's
+    // is_connection_closed (a peek that reads the end) says so of both.
+    bool peer_gone() const;
 };
 
 // What a reply keeps alive (an Engine's server_context and routes, the router's
@@ -92,6 +96,11 @@ class EngineReply {
     bool is_stream() const;
     bool next(std::string & chunk);  // false: nothing after this chunk
     void cancel() { stop_->set(); }
+    // Stopped before it was whole: a handler that returned what llama.cpp returns for a
+    // request stopped under way (its default reply: 200, no body), or a stream that ended
+    // at a stop, not at its last result.  Such a reply has earned no status: it is not
+    // written as an answer (its client is gone, or the model went under it).
+    bool cut() const { return cut_; }
 
   private:
     std::shared_ptr<ReplyOwner> owner_;  // first: it goes after the request and reply that use it
@@ -100,6 +109,7 @@ class EngineReply {
     std::unique_ptr<server_http_req> req_;
     std::unique_ptr<server_http_res> res_;
     bool ended_ = false;
+    bool cut_ = false;
 };
 
 // What loading a model with these llama-server arguments allocates, probed with
@@ -110,7 +120,7 @@ class EngineReply {
 ProbeResult probe_server(const std::vector<std::string> & args, bool vocab_free = true);
 
 // Where the streams of one model's engine leave their chunks: pumps push
-// (request id, chunk, last) as llama.cpp yields them, and one reader takes all
+// (request id, chunk, last, cut) as llama.cpp yields them, and one reader takes all
 // that is there in one go, so a decode step's chunks of every stream leave the
 // process together.  Takes are paced: one comes at least interval_s after the
 // one before, so a stream whose tokens come faster than that leaves in groups
@@ -122,6 +132,7 @@ class Outbox {
         std::int64_t req_id;
         std::string chunk;
         bool last;
+        bool cut = false;  // the last item of a stream that was stopped (EngineReply::cut)
     };
     explicit Outbox(double interval_s = 0.0);
     void push(Item item);

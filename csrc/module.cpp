@@ -180,6 +180,8 @@ void bind_engine(py::module_ & m) {
         .def_property_readonly("headers", &EngineReply::headers)
         .def_property_readonly("data", [](const EngineReply & r) { return py::bytes(r.data()); })
         .def_property_readonly("is_stream", &EngineReply::is_stream)
+        .def_property_readonly("cut", &EngineReply::cut,
+                               "Stopped before it was whole (no status earned): see engine.h.")
         .def("next", [](EngineReply & r) {
                  std::string chunk;
                  bool more;
@@ -202,13 +204,15 @@ void bind_engine(py::module_ & m) {
                      items = o.take(timeout);
                  }
                  py::list out;
-                 for (auto & it : items) out.append(py::make_tuple(it.req_id, py::bytes(it.chunk), it.last));
+                 for (auto & it : items) {
+                     out.append(py::make_tuple(it.req_id, py::bytes(it.chunk), it.last, it.cut));
+                 }
                  return out;
              }, py::arg("timeout"),
-             "[(req_id, chunk, last)] queued, waiting up to timeout seconds for the first.")
-        .def("push", [](Outbox & o, std::int64_t req_id, const py::bytes & chunk, bool last) {
-                 o.push({req_id, std::string(chunk), last});
-             }, py::arg("req_id"), py::arg("chunk"), py::arg("last") = false,
+             "[(req_id, chunk, last, cut)] queued, waiting up to timeout seconds for the first.")
+        .def("push", [](Outbox & o, std::int64_t req_id, const py::bytes & chunk, bool last, bool cut) {
+                 o.push({req_id, std::string(chunk), last, cut});
+             }, py::arg("req_id"), py::arg("chunk"), py::arg("last") = false, py::arg("cut") = false,
              "Queue a chunk as a pump does.")
         .def("wake", [](Outbox & o) { o.push({-1, std::string(), true}); },
              "Wake the reader with an item of request id -1 (its signal to look at its state).");

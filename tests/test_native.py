@@ -176,8 +176,8 @@ def test_an_outbox_sends_tokens_that_come_faster_than_its_interval_together():
     def takes(interval: float) -> list[list[bytes]]:
         box, out = native().Outbox(interval), []
         box.push(1, b"a")
-        out.append([c for _, c, _ in box.take(1.0)])  # after a pause: at once
-        reader = threading.Thread(target=lambda: out.append([c for _, c, _ in box.take(1.0)]))
+        out.append([c for _, c, _, _ in box.take(1.0)])  # after a pause: at once
+        reader = threading.Thread(target=lambda: out.append([c for _, c, _, _ in box.take(1.0)]))
         reader.start()
         box.push(1, b"b")
         time.sleep(0.05)  # a token 50 ms later: within 0.5 s of the last take, not of 0

@@ -7,7 +7,8 @@
                          _native.pump: a C++ thread reads the rest of the stream as
                          llama.cpp yields it into the model's Outbox
     sender thread: Outbox.take() ─▶ every chunk there, of every stream, in one pipe message
-                   (Batch of Chunk(bytes)*, Result(None) at a stream's end); takes come
+                   (Batch of Chunk(bytes)*, Result(None) at a stream's end, Failed at a
+                   stream stopped under way); takes come
                    stream_interval apart, so fast tokens leave in groups
     Cancel ──────▶ EngineHost.cancel: the request's StopFlag (llama.cpp's should_stop)
     UnloadModel ─▶ EngineHost.close: stop every request, wait for its end, free the engine
@@ -95,6 +96,9 @@ class EngineHost:
         rid, streaming = msg.req_id, False
         try:
             reply = self.engine.handle(msg.method, msg.path, msg.query, msg.headers, msg.body, "", flag, msg.files)
+            if reply.cut:  # stopped before it was whole: no answer (csrc/engine.h, EngineReply::cut)
+                self._send(self._stopped(rid))
+                return
             body = reply.data
             if reply.is_stream and body:  # llama-server's first chunk, here already: it leaves with the head
                 body = reply.next()[1]
@@ -118,18 +122,27 @@ class EngineHost:
                     self._stops.pop(rid, None)
                     self._lock.notify_all()
 
+    def _stopped(self, rid: int) -> Failed:
+        """The end of a request stopped before its reply was whole (an unload, a close, its
+        caller gone): a failure, never the 200 with no body llama.cpp's handler leaves, nor a
+        stream's normal end (the relay closes such a stream unfinished)."""
+        with self._lock:
+            why = "is unloading" if self._closing else "stopped the request"
+        return Failed(rid, ErrorKind.NOT_LOADED, f"model {self.name!r} {why} before its reply was whole")
+
     def _send_chunks(self) -> None:
         """The sender thread: what the pumps left, in one message per take."""
         while True:
             items = self._outbox.take(5.0)
-            if any(rid < 0 for rid, _, _ in items):  # woken by close(): every stream has ended
+            if any(item[0] < 0 for item in items):  # woken by close(): every stream has ended
                 return
             if not items:
                 continue
-            msgs = [Result(rid, None) if last else Chunk(rid, chunk) for rid, chunk, last in items]
+            msgs = [(self._stopped(rid) if cut else Result(rid, None)) if last else Chunk(rid, chunk)
+                    for rid, chunk, last, cut in items]
             self._send(msgs[0] if len(msgs) == 1 else Batch(msgs))
             with self._lock:
-                for rid, chunk, last in items:
+                for rid, chunk, last, _ in items:
                     if last:
                         self._stops.pop(rid, None)
                     elif self._awaited:

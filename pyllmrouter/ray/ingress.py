@@ -33,7 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pyllmrouter.ray import cluster, failover
 from pyllmrouter.ray.messages import Head, NodeRequest, Started
-from pyllmrouter.server.app import HTTP_PROTOCOL, guard_error, json_object
+from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, guard_error, json_object
 from pyllmrouter.server.body import read_or_refuse, replay
 from pyllmrouter.server.errors import ApiError, error_response
 
@@ -68,7 +68,7 @@ class Ingress:
         except OSError as e:
             raise RuntimeError(f"the ingress cannot listen on {host}:{port}: {e.strerror or e}") from None
         config = uvicorn.Config(self.asgi, lifespan="off", interface="asgi3", http=HTTP_PROTOCOL,
-                                log_level="info" if access_log else "warning",
+                                headers=DEFAULT_HEADERS, log_level="info" if access_log else "warning",
                                 access_log=access_log)
         self._server = uvicorn.Server(config)
         self._serving = asyncio.get_running_loop().create_task(self._server.serve(sockets=[listener]))

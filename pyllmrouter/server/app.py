@@ -50,11 +50,14 @@ from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
 
-__all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL"]
+__all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL", "DEFAULT_HEADERS"]
 
 # uvicorn's protocol for every server of this app: its httptools protocol (the fastest it has),
 # whose connections a request can hand over to a worker (server/connection.py)
 HTTP_PROTOCOL = HttpProtocol
+# the default headers of every answer (uvicorn.Config's headers), as a worker writes them on
+# the native path (csrc/conduit.cpp, stamp): llama-server's Server; uvicorn adds Date
+DEFAULT_HEADERS = [("Server", "llama.cpp")]
 CORS_HEADERS = "pyllmrouter.cors"  # scope extension: the CORS headers a response gets
 
 MAX_CONVERSATION_ID = 256  # characters of an X-Conversation-Id (a UUID has 36)

@@ -7,6 +7,8 @@ uvicorn has), whose connections a request can hand over to a worker.
                    it (uvicorn marks the response started: its error paths close, never
                    write); None where the client has gone (its number may be another's now)
         undo()     not handed over after all: the app answers as usual
+        (usable: a plain TCP connection the router owes no byte: nothing of an earlier answer
+                   still in the event loop's buffer)
         untouched() nothing written since begin (TCP's own counters): a worker that died
                    before writing leaves a connection the app may still answer (a 503)
         finish(k)  the worker has answered on it: the request is complete, and the
@@ -35,6 +37,7 @@ task): the app's way to answer it after all (a worker that died before it wrote)
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 
@@ -42,9 +45,10 @@ from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 
-__all__ = ["HttpProtocol", "Handover", "HANDOVER"]
+__all__ = ["HttpProtocol", "Handover", "HANDOVER", "CUT"]
 
 HANDOVER = "pyllmrouter.handover"  # the ASGI scope extension's name
+CUT = "pyllmrouter.cut"  # another: cut() ends a response unfinished (what was sent goes, then the close)
 FOLLOW_IDLE_MS = 20  # a worker reading a connection's next request waits this long for it
 
 
@@ -61,11 +65,15 @@ class Handover:
 
     @property
     def usable(self) -> bool:
-        """A plain TCP connection this request may hand over: open, not TLS, and not one
-        that holds a pipelined request after this one."""
+        """A plain TCP connection this request may hand over: open, not TLS, not one that
+        holds a pipelined request after this one, and one the router owes no byte: every
+        byte of the answers before this one has left the event loop's buffer for the
+        socket (what the worker writes goes after what the socket holds, never before what
+        the loop still holds).  The router writes nothing on it once this request's cycle
+        has begun, so a connection usable now is usable at ``begin``."""
         p = self._protocol
         return (self._sock is not None and not p.transport.is_closing() and p.scheme == "http"
-                and not p.pipeline and p.cycle is self._cycle)
+                and not p.pipeline and p.cycle is self._cycle and p.transport.get_write_buffer_size() == 0)
 
     @property
     def alone(self) -> bool:
@@ -202,8 +210,11 @@ class HttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
-        if self.cycle is not None and self.cycle.scope is self.scope and self.scope.get("method") == "POST":
-            self.scope.setdefault("extensions", {})[HANDOVER] = Handover(self, self.cycle)
+        if self.cycle is not None and self.cycle.scope is self.scope:
+            extensions = self.scope.setdefault("extensions", {})
+            extensions[CUT] = functools.partial(_cut, self.cycle)
+            if self.scope.get("method") == "POST":
+                extensions[HANDOVER] = Handover(self, self.cycle)
 
     def _start_asgi_task(self, cycle, app) -> None:
         # a body still to come (more_body: its message is not complete) is waited for
@@ -235,6 +246,15 @@ class HttpProtocol(HttpToolsProtocol):
 
     def _start_task(self, cycle, app) -> None:
         super()._start_asgi_task(cycle, app)
+
+
+def _cut(cycle) -> None:
+    """A response ended unfinished: what was sent goes, then the connection closes (no
+    end of the body: a client sees the answer incomplete).  Its cycle is over (uvicorn
+    neither logs a response left unfinished nor starts the next pipelined request)."""
+    cycle.response_complete = True
+    cycle.keep_alive = False
+    cycle.transport.close()
 
 
 def _whole_soon(cycle, expect_100_continue: bool) -> bool:

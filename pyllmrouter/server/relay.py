@@ -3,7 +3,8 @@ big to hand over, a multipart form, a GET), as llama-server's HTTP layer writes 
 
     Router.acall ──(HttpReply, Stream | None)──▶ relay() ──▶ Response | Relayed (a stream)
         the reply's status, headers and content type unchanged; a stream chunk by chunk as
-        the engine yields it, its generation stopped when the client leaves
+        the engine yields it, its generation stopped when the client leaves; a stream that
+        fails under way left unfinished (the connection closes without its last chunk)
 
 A write that makes no progress for the write timeout (llama-server's ``--timeout``, read
 by llama.cpp's parser: ``settings["timeout_write"]``) ends the response as a departed
@@ -21,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from pyllmrouter.errors import RouterError
 from pyllmrouter.protocol import HttpReply
 from pyllmrouter.router.services.streams import Stream
+from pyllmrouter.server.connection import CUT
 from pyllmrouter.server.errors import from_router_error
 
 __all__ = ["relay", "Relayed"]
@@ -28,6 +30,11 @@ __all__ = ["relay", "Relayed"]
 
 class _Stalled(Exception):
     """The client took nothing of the response for the write timeout."""
+
+
+class _Cut(Exception):
+    """The stream failed under way (its worker died, its model went): the response may not
+    end as a whole one would."""
 
 
 def _bounded(send, timeout: float | None):
@@ -47,17 +54,28 @@ def _bounded(send, timeout: float | None):
 class Relayed(StreamingResponse):
     """A streamed reply whose writes are bounded by ``timeout`` (None: unbounded): a client
     that stops reading ends it, its generation stopped and its lease released (the body's
-    own end), and uvicorn closes the connection (the response is left incomplete)."""
+    own end), and uvicorn closes the connection (the response is left incomplete).  A
+    stream that fails under way is cut the same way: the connection closes without the
+    last chunk, so no client takes it for a whole answer (server/connection.py, CUT)."""
 
     def __init__(self, chunks, status_code: int, headers: dict[str, str], timeout: float | None):
         super().__init__(chunks, status_code=status_code, headers=headers)
         self.timeout = timeout
+        self._cut: Callable[[], None] | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        self._cut = scope.get("extensions", {}).get(CUT)
+        await super().__call__(scope, receive, send)
 
     async def stream_response(self, send) -> None:
         try:
             await super().stream_response(_bounded(send, self.timeout))
         except _Stalled:
             await self.body_iterator.aclose()
+        except _Cut:
+            if self._cut is None:  # not our HTTP protocol: uvicorn closes a response left unfinished
+                raise
+            self._cut()
 
 
 class _Whole(Response):
@@ -93,6 +111,7 @@ def relay(reply: HttpReply, stream: Stream | None, ended: Callable[[str], None],
                 yield b"".join(chunks)
         except RouterError as e:
             code = str(from_router_error(e).status)
+            raise _Cut() from e
         finally:
             stream.abandon()  # a client that left stops generation
             ended(code)

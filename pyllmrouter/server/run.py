@@ -194,7 +194,7 @@ def listen(host: str, port: int) -> list[socket.socket]:
 def serve(a: argparse.Namespace) -> int:
     import uvicorn  # noqa: PLC0415
 
-    from pyllmrouter.server.app import HTTP_PROTOCOL, create_app  # noqa: PLC0415
+    from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, create_app  # noqa: PLC0415
 
     class Server(uvicorn.Server):
         """SIGTERM/SIGINT: drain, shut down, exit 0 (uvicorn would re-raise the signal).
@@ -254,7 +254,8 @@ def serve(a: argparse.Namespace) -> int:
     # proxy_headers off: as llama-server, X-Forwarded-* are a client's headers like any other (uvicorn's
     # middleware would rewrite the client's address and scheme from them, on every request)
     config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
-                            timeout_graceful_shutdown=a.shutdown_timeout, http=HTTP_PROTOCOL, proxy_headers=False)
+                            timeout_graceful_shutdown=a.shutdown_timeout, http=HTTP_PROTOCOL, proxy_headers=False,
+                            headers=DEFAULT_HEADERS)
     try:
         sockets = listen(a.host, a.port)
     except OSError as e:
