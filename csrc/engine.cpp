@@ -355,8 +355,14 @@ void EngineReply::respond(const Handler & handler) {
         res_ = error_reply("empty response from handler", ERROR_TYPE_SERVER);
     }
     // llama.cpp's handlers return their reply untouched where should_stop ended the wait
-    // (server-context.cpp: "connection is closed"): every reply they make has a body
-    cut_ = !res_->is_stream() && res_->data.empty() && should_stop_();
+    // (server-context.cpp: "connection is closed"): every reply they make has a body.  Such a
+    // reply is answered as llama-server answers a model that is not ready (a client still
+    // there was stopped by an unload or a close; one gone reads nothing)
+    if (!res_->is_stream() && res_->data.empty() && should_stop_()) {
+        cut_ = true;
+        res_ = error_reply("Loading model", ERROR_TYPE_UNAVAILABLE);
+        res_->headers["Retry-After"] = "1";
+    }
 }
 
 void EngineReply::fail(const std::string & message, const std::string & type) {

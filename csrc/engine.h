@@ -98,8 +98,9 @@ class EngineReply {
     void cancel() { stop_->set(); }
     // Stopped before it was whole: a handler that returned what llama.cpp returns for a
     // request stopped under way (its default reply: 200, no body), or a stream that ended
-    // at a stop, not at its last result.  Such a reply has earned no status: it is not
-    // written as an answer (its client is gone, or the model went under it).
+    // at a stop, not at its last result.  Such a reply has earned no success: a plain one
+    // is made llama-server's 503 for a model not ready ("Loading model", Retry-After: 1),
+    // a stream is left without its end.
     bool cut() const { return cut_; }
 
   private:

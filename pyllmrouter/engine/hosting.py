@@ -96,10 +96,7 @@ class EngineHost:
         rid, streaming = msg.req_id, False
         try:
             reply = self.engine.handle(msg.method, msg.path, msg.query, msg.headers, msg.body, "", flag, msg.files)
-            if reply.cut:  # stopped before it was whole: no answer (csrc/engine.h, EngineReply::cut)
-                self._send(self._stopped(rid))
-                return
-            body = reply.data
+            body = reply.data  # a request stopped before its reply was whole: llama-server's 503 (EngineReply::cut)
             if reply.is_stream and body:  # llama-server's first chunk, here already: it leaves with the head
                 body = reply.next()[1]
             head = HttpReply(reply.status, reply.content_type, dict(reply.headers), body, reply.is_stream)
@@ -123,9 +120,9 @@ class EngineHost:
                     self._lock.notify_all()
 
     def _stopped(self, rid: int) -> Failed:
-        """The end of a request stopped before its reply was whole (an unload, a close, its
-        caller gone): a failure, never the 200 with no body llama.cpp's handler leaves, nor a
-        stream's normal end (the relay closes such a stream unfinished)."""
+        """The end of a stream stopped before its last result (an unload, a close, its caller
+        gone): a failure, never a stream's normal end (the relay closes such a stream
+        unfinished)."""
         with self._lock:
             why = "is unloading" if self._closing else "stopped the request"
         return Failed(rid, ErrorKind.NOT_LOADED, f"model {self.name!r} {why} before its reply was whole")

@@ -492,7 +492,14 @@ def compare(native: Transcript, relay: Transcript, case: Case) -> str:
     """What a client could tell apart between two servers' answers on one case ("": nothing)."""
     if case.reset:
         return ""
+    for name, seen in (("natively", native), ("relayed", relay)):
+        if seen.end == "open" and len(seen.answers) < case.requests:  # neither answered nor closed: a hang
+            return f"{len(seen.answers)} of {case.requests} answers {name}, the connection still open"
     if case.half_closed:
+        # the answers read before the client's end were owed whole (fewer only where both closed sooner)
+        before = max([s[1] for s in case.steps[:case.steps.index(("half_close",))] if s[0] == "await"], default=0)
+        if len(native.answers) != len(relay.answers) and min(len(native.answers), len(relay.answers)) < before:
+            return f"{len(native.answers)} and {len(relay.answers)} answers, {before} read before the half-close"
         n = min(len(native.answers), len(relay.answers))
         if native.answers[:n] != relay.answers[:n]:
             return f"answers differ within their common prefix: {_short(native.answers[:n])} != " \
