@@ -25,7 +25,9 @@ in order), its body, the number and order of answers, and how the connection end
 open, closed by the server, or closed in the middle of an answer).  What is not, and why
 (nothing else is tolerated):
 - The values two runs of one server differ in: a body's ids, creation times, timings and
-  fingerprints (``_VOLATILE``), and so ``Content-Length``'s value, which follows from them
+  fingerprints, and the slot that served a request and what its cache held (llama.cpp
+  picks a slot by each one's history, which a client stopped mid-request at a racing point
+  makes part ways) (``_VOLATILE``), and so ``Content-Length``'s value, which follows from them
   (each side's is checked against its own body, and its presence compared); ``Date``'s
   value (its presence and form are compared).
 - A header name's case (RFC 9110 5.1: case-insensitive) and the order between fields of
@@ -55,9 +57,13 @@ __all__ = ["Case", "Transcript", "ResponseReader", "cases", "play", "compare", "
            "LARGE"]
 
 MODEL = "story"  # a scripted model (tools/scripted.py): its greedy answers are fixed by construction
-# what differs between two runs or two servers: ids, times, timings, a process's random marker
+# what differs between two runs or two servers: ids, times, timings, a process's random marker; and
+# which of a model's slots served a request and what its cache held (llama.cpp picks a slot by each
+# one's history, and a client that leaves mid-request is stopped at a point that races, so two
+# servers' slots part ways after one)
 _VOLATILE = frozenset({"id", "created", "timings", "system_fingerprint", "time_ms", "t_prompt_processing",
-                       "t_token_generation", "media_marker"})
+                       "t_token_generation", "media_marker", "id_slot", "tokens_cached", "cached_tokens",
+                       "prompt_progress"})
 _WORDS = ["once", "upon", "a", "time", "router", "byte", "GPU", "café", "naïve", "日本"]
 _IMF_DATE = re.compile(r"(Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d\d (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
                        r"\d{4} \d\d:\d\d:\d\d GMT")
