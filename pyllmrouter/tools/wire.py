@@ -62,8 +62,8 @@ MODEL = "story"  # a scripted model (tools/scripted.py): its greedy answers are 
 # one's history, and a client that leaves mid-request is stopped at a point that races, so two
 # servers' slots part ways after one)
 _VOLATILE = frozenset({"id", "created", "timings", "system_fingerprint", "time_ms", "t_prompt_processing",
-                       "t_token_generation", "media_marker", "id_slot", "tokens_cached", "cached_tokens",
-                       "prompt_progress"})
+                       "t_token_generation", "media_marker", "id_slot", "tokens_cached", "cached_tokens"})
+_CACHED_PROGRESS = frozenset({"cache", "processed"})  # a prompt_progress's counts that follow the slot's cache
 _WORDS = ["once", "upon", "a", "time", "router", "byte", "GPU", "café", "naïve", "日本"]
 _IMF_DATE = re.compile(r"(Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d\d (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
                        r"\d{4} \d\d:\d\d:\d\d GMT")
@@ -391,9 +391,10 @@ class ResponseReader:
 def normalise(body: bytes) -> object:
     """A body with what differs between runs left out: JSON without ids, times and timings;
     an SSE stream as its events, each so; anything else as it is."""
-    def clean(v):
+    def clean(v, progress: bool = False):
         if isinstance(v, dict):
-            return {k: clean(x) for k, x in v.items() if k not in _VOLATILE}
+            return {k: clean(x, k == "prompt_progress") for k, x in v.items()
+                    if k not in _VOLATILE and not (progress and k in _CACHED_PROGRESS)}
         if isinstance(v, list):
             return [clean(x) for x in v]
         return v
