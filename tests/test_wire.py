@@ -43,8 +43,10 @@ def _preset(tiny, d, extra: str = "") -> str:
 
 
 def _serve(preset: str, *extra: str, env: dict | None = None):
+    # a short graceful shutdown: after a long fuzz the relay's server has been seen to wait its whole
+    # default (30 s) for something unfinished at exit (not found yet), past the fixture's wait
     return start_serve(["--models-preset", preset, "--no-models-cache", "--models-memory-margin", "0",
-                        "--emulate-devices", "GPU0=4GiB", *extra], env=env)
+                        "--emulate-devices", "GPU0=4GiB", "--shutdown-timeout", "5", *extra], env=env)
 
 
 @pytest.fixture(scope="module")
