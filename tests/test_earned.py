@@ -29,7 +29,7 @@ from pyllmrouter.engine.backend import native
 from pyllmrouter.engine.hosting import EngineHost
 from pyllmrouter.protocol import Batch, Call, Chunk, Failed, Result
 from pyllmrouter.tools import scripted, tinymodels, wire
-from pyllmrouter.tools.loopback import start_serve
+from pyllmrouter.tools.loopback import serving
 from test_handover import request
 
 pytestmark = pytest.mark.slow
@@ -51,18 +51,10 @@ def both(tiny, tmp_path_factory):
     preset.write_text(f"[one]\nmodel = {long}\nc = 32768\nnp = 1\n"
                       f"load-on-startup = true\n\n[{wire.MODEL}]\nmodel = {story}\nc = 4096\nnp = 2\n"
                       f"load-on-startup = true\n")
-    procs, urls = [], {}
-    try:
-        for name, extra in (("native", ()), ("relay", ("--no-native",))):
-            proc, urls[name] = start_serve(["--models-preset", str(preset), "--no-models-cache",
-                                            "--models-memory-margin", "0", "--emulate-devices", "GPU0=4GiB", *extra])
-            procs.append(proc)
+    common = ["--models-preset", str(preset), "--no-models-cache", "--models-memory-margin", "0",
+              "--emulate-devices", "GPU0=4GiB"]
+    with serving(common, {"native": (), "relay": ("--no-native",)}) as urls:
         yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
 
 
 def _load(url: str, model: str) -> None:

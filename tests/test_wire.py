@@ -25,7 +25,7 @@ from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.server.app import HTTP_PROTOCOL, create_app
 from pyllmrouter.tools import scripted, wire
-from pyllmrouter.tools.loopback import free_port, start_serve
+from pyllmrouter.tools.loopback import free_port, serving, start_serve
 from test_handover import Reader, connect, metric, request
 from test_live import wait_for
 
@@ -54,21 +54,14 @@ def servers(tiny, tmp_path_factory):
     """The same models behind ``serve`` as users run it (native, following) and behind
     ``serve --no-native`` (the reference: the router reads and writes everything)."""
     preset = _preset(tiny, tmp_path_factory.mktemp("wire"))
-    procs, urls = [], {}
-    try:
-        for name, extra in (("native", ()), ("relay", ("--no-native",))):
-            proc, urls[name] = _serve(preset, *extra)
-            procs.append(proc)
+    common = ["--models-preset", preset, "--no-models-cache", "--models-memory-margin", "0",
+              "--emulate-devices", "GPU0=4GiB"]
+    with serving(common, {"native": (), "relay": ("--no-native",)}) as urls:
         for url in urls.values():
             for model in (wire.MODEL, "m"):
                 assert httpx.post(url + "/tokenize", json={"model": model, "content": "warm"},
                                   timeout=120).status_code == 200
         yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
 
 
 def tokens(response) -> int:

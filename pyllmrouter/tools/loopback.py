@@ -3,6 +3,7 @@ free ports, ``pyllmrouter serve`` started and awaited, llama.cpp rpc-servers."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -16,7 +17,7 @@ from typing import Sequence
 
 from pyllmrouter.memory import cache_dir
 
-__all__ = ["free_port", "wait_healthy", "start_serve", "llama_tool", "rpc_server_binary", "RpcServers",
+__all__ = ["free_port", "wait_healthy", "start_serve", "serving", "llama_tool", "rpc_server_binary", "RpcServers",
            "rpc_live_bytes"]
 
 
@@ -55,6 +56,23 @@ def start_serve(args: Sequence[str], env: dict[str, str] | None = None,
         proc.kill()
         raise
     return proc, base
+
+
+@contextlib.contextmanager
+def serving(common: Sequence[str], variants: dict[str, Sequence[str]]):
+    """``pyllmrouter serve COMMON VARIANT`` for each named variant, side by side: {name: base
+    URL}; all stopped on exit (a short graceful shutdown, so none outlasts the wait)."""
+    procs, urls = [], {}
+    try:
+        for name, extra in variants.items():
+            proc, urls[name] = start_serve([*common, "--shutdown-timeout", "5", *extra])
+            procs.append(proc)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
 
 
 def llama_tool(name: str) -> Path:
