@@ -20,7 +20,9 @@ tokens generated (1 to 48, ``ignore_eos``), streamed.  At 1x the window (30 s, 4
 requests from 10 minutes into the hour) overloads the machine for every system.
 
 The budget is one emulated device of ``--budget`` times the models' bytes together (as
-probed; a GPU's size with ``--gpu``).  Systems, each started afresh for each rate:
+probed).  With ``--gpu`` it is the machine's first GPU, capped at that budget
+(``--device-budget CUDA0=``), and the models are GB-size (``GPU_MODELS``: a load costs
+seconds there, as real ones do).  Systems, each started afresh for each rate:
 
   - ours                          pyllmrouter serve on that device (exact bytes);
   - ours, states not kept         --kv-keep-ram 0;
@@ -82,6 +84,23 @@ MODELS = [
     ("chat-l", "conv", replace(tinymodels.LLAMA_100M, n_embd=768, n_layer=6, n_head=12, n_head_kv=4, n_ff=2048)),
     ("chat-xl", "conv", replace(tinymodels.LLAMA_100M, n_embd=768, n_layer=8, n_head=12, n_head_kv=4, n_ff=2560)),
 ]
+# --gpu: six llamas of 0.45 to 3.8 GiB, 9.8 together (Q4_0, a 32000-token vocabulary), whose
+# loads cost what real ones do on a GPU (seconds, not the CPU runs' 50-200 ms): their weights
+# are a sparse file's zeros (tinymodels.write_shape), which llama.cpp loads and runs as any
+# others (the text is noise; the bytes, the copies and the kernels are real)
+GPU_MODELS = [
+    ("code-s", "code", tinymodels.Shape("llama", n_embd=2048, n_layer=16, n_head=16, n_head_kv=4, n_ff=5632,
+                                        n_ctx_train=8192, n_vocab=32000)),
+    ("code-l", "code", tinymodels.Shape("llama", n_embd=3072, n_layer=28, n_head=24, n_head_kv=8, n_ff=8192,
+                                        n_ctx_train=8192, n_vocab=32000)),
+    ("chat-s", "conv", tinymodels.Shape("llama", n_embd=2048, n_layer=22, n_head=16, n_head_kv=4, n_ff=5632,
+                                        n_ctx_train=8192, n_vocab=32000)),
+    ("chat-m", "conv", tinymodels.Shape("llama", n_embd=2560, n_layer=32, n_head=20, n_head_kv=4, n_ff=6912,
+                                        n_ctx_train=8192, n_vocab=32000)),
+    ("chat-l", "conv", tinymodels.Shape("llama", n_embd=3584, n_layer=28, n_head=28, n_head_kv=4, n_ff=10240,
+                                        n_ctx_train=8192, n_vocab=32000)),
+    ("chat-xl", "conv", tinymodels.SHAPE_7B),
+]
 ARGS = ("-c", "4096", "-np", "2")  # every model, every system: 2 slots of 2048 tokens
 WORDS = ("the sea ship sail wind storm harbour light night star rope deck crew captain wave shore "
          "def return class import value list index loop print file open read write true false").split()
@@ -139,11 +158,11 @@ def zipf_pick(rnd: random.Random, n: int, s: float) -> int:
     return rnd.choices(range(n), weights)[0]
 
 
-def workload(args, seed: int) -> list[Request]:
+def workload(args, seed: int, models: list) -> list[Request]:
     """The window's requests, mapped to models and scaled to the machine (the same for the
     same seed, whatever the system)."""
     rnd = random.Random(seed)
-    groups = {svc: [name for name, s, _ in MODELS if s == svc] for svc in ("code", "conv")}
+    groups = {svc: [name for name, s, _ in models if s == svc] for svc in ("code", "conv")}
     for svc in groups:
         rnd.shuffle(groups[svc])  # which model is the popular one: the seed's
     conversations: dict[str, list[str]] = {}
@@ -255,11 +274,14 @@ class Poller:
 def start_system(system: str, preset: Path, budget: int, k: int, tmp: Path, args) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYLLMROUTER_CACHE": str(tmp / "cache")}
     if system.startswith("ours"):
-        device = f"GPU0={max(1, budget // 2**20)}MiB" if system != "ours, counted" else "GPU0=1TiB"
+        mib = max(1, budget // 2**20)
         extra = ["--kv-keep-ram", "0"] if system == "ours, states not kept" else []
         if system == "ours, counted":
             extra = ["--models-max", str(k)]
-        flags = [] if args.gpu else ["--emulate-devices", device]
+        if args.gpu:  # the real GPU, capped at the budget (a count: the whole GPU)
+            flags = [] if system == "ours, counted" else ["--device-budget", f"CUDA0={mib}MiB"]
+        else:
+            flags = ["--emulate-devices", f"GPU0={mib}MiB" if system != "ours, counted" else "GPU0=1TiB"]
         return start_serve(["--models-preset", str(preset), "--no-models-cache", "--models-memory-margin", "0",
                             *flags, *extra, *args.ours_args.split()], env=env)
     port = free_port()
@@ -372,7 +394,8 @@ def main() -> int:
     ap.add_argument("--slo", type=float, default=2.0)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a request may take before it counts as failed")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
-    ap.add_argument("--gpu", action="store_true", help="the machine's GPU as the budget (not emulated)")
+    ap.add_argument("--gpu", action="store_true",
+                    help="on the machine's GPU (CUDA0), capped at the budget, with GB-size models (GPU_MODELS)")
     ap.add_argument("--llama-server", default=str(llama_tool("llama-server")))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "trace_bench.json")
     ap.add_argument("--png", type=Path, default=Path(__file__).parent / "results" / "trace_bench.png")
@@ -389,8 +412,12 @@ def main() -> int:
     summaries: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        paths = {name: tinymodels.write_llama(tmp / f"{name}.gguf", shape, seed=i)
-                 for i, (name, _, shape) in enumerate(MODELS)}
+        models = GPU_MODELS if args.gpu else MODELS
+        if args.gpu:
+            paths = {name: tinymodels.write_shape(tmp / f"{name}.gguf", shape, "Q4_0") for name, _, shape in models}
+        else:
+            paths = {name: tinymodels.write_llama(tmp / f"{name}.gguf", shape, seed=i)
+                     for i, (name, _, shape) in enumerate(models)}
         sizes = {name: probe(ModelSpec(str(p), ARGS)).total for name, p in paths.items()}
         budget = int(args.budget * sum(sizes.values()))
         ordered = sorted(sizes.values(), reverse=True)
@@ -401,7 +428,7 @@ def main() -> int:
               f"budget {budget / 2**20:.0f} MiB ({args.budget:.0%} of {sum(sizes.values()) / 2**20:.0f}); "
               f"K = {k}", flush=True)
         for seed in seeds:
-            requests = workload(args, seed)
+            requests = workload(args, seed, models)
             print(f"seed {seed}: {len(requests)} requests in {args.window:g} s of the trace", flush=True)
             for rate in rates:
                 for system in systems:

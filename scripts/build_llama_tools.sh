@@ -26,7 +26,7 @@ if [ "${1:-}" = "--installed-ggml" ]; then
   ggml_args=(-DLLAMA_USE_SYSTEM_GGML=ON "-Dggml_DIR=$site/lib/cmake/ggml"
              "-DCMAKE_BUILD_RPATH=$libdir" "-DCMAKE_PREFIX_PATH=$site;$site/lib/cmake")
 fi
-"$py" vendor/fetch.py source --complete --out "$src" >/dev/null
+"$py" vendor/fetch.py source --out "$src" >/dev/null  # the trimmed sdist holds what these programs read
 targets=("$@")
 cpu_flags=$(scripts/cpu_flags.sh)  # as the wheel's ggml is built (setup.sh): the same kernels
 ggml_args+=("-DCMAKE_C_FLAGS=$cpu_flags" "-DCMAKE_CXX_FLAGS=$cpu_flags")

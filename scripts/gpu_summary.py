@@ -5,8 +5,10 @@
 
 junit.xml (pytest -m gpu): each test and its outcome; gpu_bench.json: probe against
 load, the residual; concurrency-*.json: ours against llama-server and its router mode;
-http.json: short non-streamed requests, ours against the same peers; replicas.json: one
-hot model with replicas = 1 and 2.
+http.json: short non-streamed requests, ours against the same peers; trace.json: the
+request trace over GB-size models on a budget of the GPU, ours against llama-server's
+router at its safe and overcommitting --models-max; replicas.json: one hot model with
+replicas = 1 and 2.
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ def http(path: Path) -> str:
                       "router process CPU us/request", "failed"], rows))
 
 
+def trace(path: Path) -> str:
+    if not path.exists():
+        return "trace: no result"
+    data = json.loads(path.read_text())
+    rows = [[f"{s['rate']:g}x", s["system"], f"{100 * s['attainment'][str(data['args']['slo'])]:.0f}%",
+             "-" if s["ttft_p50"] is None else f"{s['ttft_p50']:.2f}",
+             "-" if s["ttft_p99"] is None else f"{s['ttft_p99']:.2f}", s["loads"], s["evictions"], s["failed"],
+             f"{s['peak_bytes'] / data['budget']:.2f}", f"{s['seconds_over_budget']:g}"]
+            for s in data["summaries"]]
+    ref = "llama-server router, max K"
+    good = data["goodput"]
+    ratios = [f"{system}: {per[seed] / good[ref][seed]:.2f}" for system, per in good.items()
+              for seed in per if system != ref and ref in good and good[ref].get(seed)]
+    return (f"trace on the {'GPU' if data['args'].get('gpu') else 'CPU'}: budget {mib(data['budget'])} MiB, "
+            f"K = {data['k']}; goodput / {ref}: {'; '.join(ratios) or '-'}\n"
+            + render(["rate", "system", f"TTFT<={data['args']['slo']:g}s", "TTFT p50 s", "p99 s", "loads",
+                      "evictions", "failed", "peak/budget", "s over budget"], rows))
+
+
 def replicas(path: Path) -> str:
     data = json.loads(path.read_text())
     rows = []
@@ -100,6 +121,7 @@ def main() -> None:
     parts = [tests(out / "junit.xml"), gpu_bench(out / "gpu_bench.json")]
     parts += [concurrency(p) for p in sorted(out.glob("concurrency-*.json"))]
     parts.append(http(out / "http.json"))
+    parts.append(trace(out / "trace.json"))
     if (out / "replicas.json").exists():
         parts.append(replicas(out / "replicas.json"))
     print("\n\n".join(parts))

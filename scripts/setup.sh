@@ -8,6 +8,14 @@
 #                                  nvidia-ml-py; combine with --test for the GPU suite
 #   scripts/setup.sh --extra NAME  also the package's extra NAME (gpu-check: what
 #                                  scripts/gpu_check.sh runs, without the whole test set)
+#   scripts/setup.sh --wheel FILE  llama-cpp-python from this wheel, built before (by
+#                                  scripts/wheelhouse.sh --cuda ARCH on another machine):
+#                                  nothing of ggml is compiled here
+#   scripts/setup.sh --peer        also llama-server linked to that same ggml (the peer the
+#                                  benchmarks measure against), built beside the extension
+#
+# Each part's time is printed ("time: PART N s").  Offline, pip installs from a folder of
+# wheels with PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR (scripts/wheelhouse.sh makes one).
 #
 # llama-cpp-python is built once from its pinned sdist (downloaded through pip,
 # checked by sha256 against vendor/pin.json) and the wheel is cached under
@@ -19,12 +27,16 @@ cd "$(dirname "$0")/.."
 
 extras=()
 cuda=""
+wheel=""
+peer=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --test) extras+=(test) ;;
     --cuda) cuda="${2:?--cuda needs an architecture, e.g. 90}"; shift ;;
     --extra) extras+=("${2:?--extra needs the name of an extra}"); shift ;;
-    *) echo "usage: scripts/setup.sh [--test] [--cuda ARCH] [--extra NAME]" >&2; exit 2 ;;
+    --wheel) wheel="${2:?--wheel needs a llama-cpp-python wheel}"; shift ;;
+    --peer) peer=1 ;;
+    *) echo "usage: scripts/setup.sh [--test] [--cuda ARCH] [--extra NAME] [--wheel FILE] [--peer]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -34,6 +46,8 @@ if [ -n "$cuda" ]; then
 fi
 venv="${VENV:-.venv}"
 cache="${PYLLMROUTER_CACHE:-$HOME/.cache/pyllmrouter}"
+t0=$SECONDS
+took() { echo "time: $1 $((SECONDS - $2)) s"; }
 
 [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
 py="$venv/bin/python"
@@ -51,8 +65,17 @@ version=$("$py" -c 'import json; print(json.load(open("vendor/pin.json"))["versi
 args="-DGGML_RPC=ON ${CMAKE_ARGS:-}"
 cpu_flags=$(scripts/cpu_flags.sh)  # what ggml needs on this CPU beyond -march=native (AMX off where it faults)
 key=$(printf '%s %s %s' "$version" "$args" "$cpu_flags" | sha256sum | cut -c1-16)
+took "tools" "$t0"
+t=$SECONDS
 installed=$("$py" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
-if [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/null)" != "$key" ]; then
+if [ -n "$wheel" ]; then
+  key="prebuilt $(sha256sum < "$wheel" | cut -c1-16)"
+  if [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/null)" != "$key" ]; then
+    pip install --force-reinstall --no-deps "$wheel"
+    pip install "$wheel"  # its dependencies
+    echo "$key" > "$venv/.llama-cpp-build"
+  fi
+elif [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/null)" != "$key" ]; then
   wheels="$cache/wheels/$key"
   if ! ls "$wheels"/llama_cpp_python-"$version"-*.whl >/dev/null 2>&1; then
     if [ -n "$cuda" ]; then
@@ -72,10 +95,31 @@ fi
 
 # the extension's build reads the pinned source (headers, llama.cpp's common and server)
 # even when the wheel came from the cache: the trimmed sdist holds them
-if [ -n "$cuda" ]; then "$py" vendor/fetch.py trimmed >/dev/null; else "$py" vendor/fetch.py sdist >/dev/null; fi
+if [ -n "$cuda" ] || [ -n "$wheel" ]; then "$py" vendor/fetch.py trimmed >/dev/null; else "$py" vendor/fetch.py sdist >/dev/null; fi
+took "llama-cpp-python" "$t"
+# the peer, linked to the ggml just installed, compiles beside the extension (both read
+# llama.cpp's common and server sources; neither compiles ggml)
+peer_pid=""
+if [ "$peer" = 1 ]; then
+  t_peer=$SECONDS
+  PYTHON="$py" scripts/build_llama_tools.sh --installed-ggml llama-server > "$venv/.peer-build.log" 2>&1 &
+  peer_pid=$!
+fi
+t=$SECONDS
 spec="."
 [ ${#extras[@]} -gt 0 ] && spec=".[$(IFS=,; echo "${extras[*]}")]"
 pip install --no-build-isolation -e "$spec"
+took "extension" "$t"
+if [ -n "$peer_pid" ]; then
+  if wait "$peer_pid"; then
+    took "peer" "$t_peer"
+    echo "llama-server: $(tail -1 "$venv/.peer-build.log")/llama-server"
+  else
+    tail -20 "$venv/.peer-build.log" >&2
+    echo "building llama-server failed (the log: $venv/.peer-build.log)" >&2
+    exit 1
+  fi
+fi
 if [[ " ${extras[*]-} " == *" test "* ]]; then
   # llama.cpp's rpc-server (pinned source): real ggml devices for the multi-device tests;
   # llama-server (pinned source): the peer the parity tests compare our engine's replies with
@@ -87,4 +131,5 @@ if [[ " ${extras[*]-} " == *" test "* ]]; then
       || echo "chromium could not be installed: the page's browser tests will skip" >&2
   fi
 fi
+took "setup" "$t0"
 echo "pyllmrouter installed in $venv"

@@ -14,9 +14,10 @@ the sdist is downloaded through pip into the cache directory and verified.
                                    the whole sdist (llama.cpp's own programs need it)
     fetch.py trimmed [--out FILE]  print the path of (writing it first, from the sdist,
                                    if need be) the trimmed sdist: without what a CUDA/CPU
-                                   build of llama-cpp-python and this package's extension
-                                   never read (docs, vocab files, other GPU backends,
-                                   tests, tools but mtmd and server...); 4 MB, not 76
+                                   build of llama-cpp-python, this package's extension and
+                                   llama.cpp's llama-server and rpc-server never read (docs,
+                                   vocab files, other GPU backends, tests, the web page's
+                                   sources, media...); 4 MB, not 76
     fetch.py locate                check the installed llama-cpp-python against
                                    the pin; print "VERSION;SITE_PACKAGES;LIB_DIR"
 
@@ -136,7 +137,7 @@ def source(out: Path, complete: bool = False) -> None:
     not asked)."""
     stamp = out / ".pyllmrouter-sdist-sha256"
     done = stamp.read_text() if stamp.exists() else ""
-    if done == PIN["sdist_sha256"] or (done.startswith("trimmed ") and not complete):
+    if done == PIN["sdist_sha256"] or (done == "trimmed " + PIN["trimmed_contents_sha256"] and not complete):
         return
     path, identity = archive(complete)
     out.mkdir(parents=True, exist_ok=True)
@@ -154,17 +155,23 @@ def source(out: Path, complete: bool = False) -> None:
     stamp.write_text(identity)
 
 
-# Paths under vendor/llama.cpp that a llama-cpp-python build (CPU, CUDA, RPC) and this
-# package's extension (common, tools/server, tools/mtmd) never read.
+# Paths under vendor/llama.cpp that a llama-cpp-python build (CPU, CUDA, RPC), this package's
+# extension (common, tools/server, tools/mtmd) and llama.cpp's own programs (llama-server,
+# rpc-server: the peer the benchmarks measure against, built offline on a GPU machine) never
+# read.
 TRIM = (
     "docs/", "models/", "media/", ".github/", "gguf-py/", "benches/", "tests/", "examples/", "pocs/",
-    "scripts/", "conversion/", "grammars/", "requirements/", "skills/", "app/", "ci/", "licenses/",
+    "conversion/", "grammars/", "requirements/", "skills/", "app/", "ci/", "licenses/",
     "ggml/src/ggml-cann/", "ggml/src/ggml-et/", "ggml/src/ggml-hexagon/", "ggml/src/ggml-metal/",
     "ggml/src/ggml-musa/", "ggml/src/ggml-opencl/", "ggml/src/ggml-openvino/", "ggml/src/ggml-sycl/",
     "ggml/src/ggml-virtgpu/", "ggml/src/ggml-vulkan/", "ggml/src/ggml-webgpu/", "ggml/src/ggml-zdnn/",
     "ggml/src/ggml-zendnn/", "tools/server/tests/", "tools/server/bench/",
 )
-KEEP_TOOLS = ("tools/mtmd/", "tools/server/")
+# Of scripts/, what the programs' CMake runs; of tools/ui/ (the web page's sources: llama-server
+# is built without it, LLAMA_BUILD_UI off), what its CMake reads.
+KEEP_SCRIPTS = ("scripts/ui-assets.cmake",)
+KEEP_UI = ("tools/ui/CMakeLists.txt", "tools/ui/sources.cmake", "tools/ui/ui.cpp.in", "tools/ui/ui.h.in")
+MEDIA = (".mp4", ".jpg", ".jpeg", ".png", ".wav", ".mp3", ".gif", ".webp")
 
 
 def _keep(name: str) -> bool:
@@ -175,9 +182,11 @@ def _keep(name: str) -> bool:
     if not name.startswith(llama):
         return not any(name.startswith(root + d) for d in ("docs/", "examples/", ".git/", "tests/"))
     rel = name[len(llama):]
-    if rel.startswith("tools/") and not (rel == "tools/" or rel.startswith(KEEP_TOOLS)):
-        return False
-    if rel.startswith("tools/mtmd/") and rel.endswith((".mp4", ".jpg", ".png", ".wav", ".mp3")):
+    if rel.startswith("scripts/"):
+        return rel == "scripts" or rel in KEEP_SCRIPTS
+    if rel.startswith("tools/ui/"):
+        return rel in KEEP_UI
+    if rel.startswith("tools/") and rel.endswith(MEDIA):
         return False
     return not any(rel.startswith(t) for t in TRIM)
 
