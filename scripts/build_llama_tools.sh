@@ -32,7 +32,7 @@ cpu_flags=$(scripts/cpu_flags.sh)  # as the wheel's ggml is built (setup.sh): th
 ggml_args+=("-DCMAKE_C_FLAGS=$cpu_flags" "-DCMAKE_CXX_FLAGS=$cpu_flags")
 [ ${#targets[@]} -gt 0 ] || targets=(llama-server)
 cmake -S "$src" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_RPC=ON ${CMAKE_ARGS:-} "${ggml_args[@]}" >&2
 cmake --build "$build" --target "${targets[@]}" -j "${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" >&2 \
   || { echo "building ${targets[*]} failed" >&2; exit 1; }

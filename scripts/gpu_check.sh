@@ -122,7 +122,9 @@ if [ -n "$wheelhouse" ]; then
     say "llama-cpp-python from $cuda_wheel (CUDA built before: none compiled here)"
   fi
 fi
-step setup 420 scripts/setup.sh "${setup_args[@]}" || { say "setup failed: see $log"; exit 1; }
+setup_box=420
+[ "$dry" = 0 ] || setup_box=2400  # a CPU build of ggml on a small machine: no box worth the name
+step setup "$setup_box" scripts/setup.sh "${setup_args[@]}" || { say "setup failed: see $log"; exit 1; }
 grep '^time: ' "$log" | sed 's/^/   /' | tee -a "$summary" >/dev/null
 
 # the wheel's libraries (llama-server built elsewhere links them), and the CUDA libraries its

@@ -4,8 +4,7 @@
 #   scripts/setup.sh               runtime: llama-cpp-python (pinned) + pyllmrouter
 #   scripts/setup.sh --test        the same, plus what the tests and benchmarks need
 #   scripts/setup.sh --cuda 90     CUDA build for one GPU architecture (90: H100/H200),
-#                                  from the trimmed sdist (4 MB instead of 76 MB), plus
-#                                  nvidia-ml-py; combine with --test for the GPU suite
+#                                  plus nvidia-ml-py; combine with --test for the GPU suite
 #   scripts/setup.sh --extra NAME  also the package's extra NAME (gpu-check: what
 #                                  scripts/gpu_check.sh runs, without the whole test set)
 #   scripts/setup.sh --wheel FILE  llama-cpp-python from this wheel, built before (by
@@ -18,7 +17,8 @@
 # wheels with PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR (scripts/wheelhouse.sh makes one).
 #
 # llama-cpp-python is built once from its pinned sdist (downloaded through pip,
-# checked by sha256 against vendor/pin.json) and the wheel is cached under
+# checked by sha256 against vendor/pin.json; the build reads its trimmed copy, 4 MB
+# instead of 76, vendor/fetch.py trimmed) and the wheel is cached under
 # ~/.cache/pyllmrouter/wheels/<hash of CMAKE_ARGS>, so a CUDA build and a CPU
 # build never mix.  GPU builds work as llama-cpp-python's do:
 #   CMAKE_ARGS="-DGGML_CUDA=on" scripts/setup.sh
@@ -78,11 +78,7 @@ if [ -n "$wheel" ]; then
 elif [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/null)" != "$key" ]; then
   wheels="$cache/wheels/$key"
   if ! ls "$wheels"/llama_cpp_python-"$version"-*.whl >/dev/null 2>&1; then
-    if [ -n "$cuda" ]; then
-      sdist=$("$py" vendor/fetch.py trimmed)  # what the build reads: 4 MB instead of 76
-    else
-      sdist=$("$py" vendor/fetch.py sdist)
-    fi
+    sdist=$("$py" vendor/fetch.py trimmed)  # what the build reads: 4 MB instead of 76
     echo "building llama-cpp-python $version ($args); this takes a few minutes"
     CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
       CFLAGS="$cpu_flags ${CFLAGS:-}" CXXFLAGS="$cpu_flags ${CXXFLAGS:-}" \
@@ -94,8 +90,10 @@ elif [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/
 fi
 
 # the extension's build reads the pinned source (headers, llama.cpp's common and server)
-# even when the wheel came from the cache: the trimmed sdist holds them
-if [ -n "$cuda" ] || [ -n "$wheel" ]; then "$py" vendor/fetch.py trimmed >/dev/null; else "$py" vendor/fetch.py sdist >/dev/null; fi
+# even when the wheel came from the cache: the trimmed sdist holds them; llama.cpp's own
+# server test suite (scripts/llama_server_suite.py, the test extra) reads the whole one
+"$py" vendor/fetch.py trimmed >/dev/null
+[[ " ${extras[*]-} " != *" test "* ]] || "$py" vendor/fetch.py sdist >/dev/null
 took "llama-cpp-python" "$t"
 # the peer, linked to the ggml just installed, compiles beside the extension (both read
 # llama.cpp's common and server sources; neither compiles ggml)
