@@ -22,9 +22,34 @@ set(COMMON_SOURCES
   jinja/lexer.cpp jinja/parser.cpp jinja/runtime.cpp jinja/value.cpp jinja/string.cpp jinja/caps.cpp)
 list(TRANSFORM COMMON_SOURCES PREPEND "${LS}/common/")
 set(SERVER_SOURCES
-  server-chat.cpp server-task.cpp server-queue.cpp server-common.cpp server-context.cpp
+  server-chat.cpp server-task.cpp server-common.cpp server-context.cpp
   server-stream.cpp server-tools.cpp server-mcp.cpp server-schema.cpp server-models.cpp)
 list(TRANSFORM SERVER_SOURCES PREPEND "${LS}/tools/server/")
+
+# One change to llama.cpp's engine, the only one: a request whose caller has gone stops within
+# 50 ms.  A handler waiting for its results looks at its should_stop only when its wait for a
+# result times out, after a whole second (HTTP_POLLING_SECONDS), and every other request's
+# result restarts that second: under load a stopped request was never looked at and ran to its
+# end.  Here the wait ends 50 ms after it began, whatever wakes it meanwhile (a deadline, not
+# a restarted timeout); its callers (the response reader, the router's SSE client) then look
+# at should_stop and wait again, as they do after a timeout.  The build fails if the pinned
+# source no longer reads as expected.
+set(QUEUE_SRC "${LS}/tools/server/server-queue.cpp")
+file(READ "${QUEUE_SRC}" QUEUE_TEXT)
+set(QUEUE_ENTRY "server_task_result_ptr server_response::recv_with_timeout(const std::unordered_set<int> & id_tasks, int timeout) {\n")
+set(QUEUE_WAIT "condition_results.wait_for(lock, std::chrono::seconds(timeout));")
+string(FIND "${QUEUE_TEXT}" "${QUEUE_ENTRY}" AT_ENTRY)
+string(FIND "${QUEUE_TEXT}" "${QUEUE_WAIT}" AT_WAIT)
+if(AT_ENTRY EQUAL -1 OR AT_WAIT EQUAL -1)
+  message(FATAL_ERROR "pyllmrouter: ${QUEUE_SRC} no longer has the wait cmake/llama_engine.cmake changes")
+endif()
+string(REPLACE "${QUEUE_ENTRY}" "${QUEUE_ENTRY}    // pyllmrouter (cmake/llama_engine.cmake): ends 50 ms after it began, whatever wakes it\n    const auto stop_check_at = std::chrono::steady_clock::now() +\n        std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), std::chrono::seconds(timeout));\n" QUEUE_TEXT "${QUEUE_TEXT}")
+string(REPLACE "${QUEUE_WAIT}" "condition_results.wait_until(lock, stop_check_at);" QUEUE_TEXT "${QUEUE_TEXT}")
+set(QUEUE_PATCHED "${CMAKE_CURRENT_BINARY_DIR}/engine-src/server-queue.cpp")
+file(WRITE "${QUEUE_PATCHED}.new" "${QUEUE_TEXT}")
+configure_file("${QUEUE_PATCHED}.new" "${QUEUE_PATCHED}" COPYONLY)  # rewritten only when it changes
+list(APPEND SERVER_SOURCES "${QUEUE_PATCHED}")
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS "${QUEUE_SRC}")
 
 add_library(llama_engine STATIC
   ${COMMON_SOURCES} ${LLAMA_CHAT_PARSERS_SOURCES} ${SERVER_SOURCES}

@@ -23,6 +23,7 @@ import subprocess
 import sys
 from typing import Any
 
+from pyllmrouter import gguf_header
 from pyllmrouter.spec import ROUTER_DEFAULTS
 
 __all__ = ["ArgsError", "resolve", "cached_models", "model_base_args", "check_specs"]
@@ -76,8 +77,8 @@ def model_base_args(args: tuple[str, ...] | list[str]) -> tuple[str, ...]:
 
 def check_specs(specs: list[tuple[str, str, tuple[str, ...]]]) -> None:
     """Each (model name, file, llama-server arguments) as llama-server would take it: ValueError
-    naming the model and the problem (a file that is not there; an argument llama.cpp's
-    parser refuses).  The parse runs in a short-lived process, once per file and arguments
+    naming the model and the problem (a file that is not there, not a GGUF file or cut short:
+    its header read, gguf_header.check; an argument llama.cpp's parser refuses).  The parse runs in a short-lived process, once per file and arguments
     (what passed is remembered in the cache directory)."""
     from pyllmrouter.memory import cache_dir  # noqa: PLC0415
 
@@ -90,6 +91,10 @@ def check_specs(specs: list[tuple[str, str, tuple[str, ...]]]) -> None:
         key = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns, list(args)])
         mark = cache_dir() / "checked" / (hashlib.sha256(key.encode()).hexdigest()[:24])
         if not mark.exists():
+            try:
+                gguf_header.check(path)  # a file that is not a GGUF, or not whole: no load finds it out later
+            except ValueError as e:
+                raise ValueError(f"model {name!r}: {e}") from None
             todo.append((name, path, list(args), mark))
     if not todo:
         return

@@ -64,7 +64,8 @@ class NotLoaded(RouterError):
     """The model is not loaded and loading on demand is off (autoload=false)."""
 
     def __init__(self, name: str, state: str):
-        super().__init__(f"model {name!r} is {state} and autoload is off: load it first (POST /models/load)")
+        super().__init__(f"model {name!r} is {state} and autoload is off: load it first (Router.load({name!r}), "
+                         f"or POST /models/load over HTTP)")
         self.name = name
 
 

@@ -13,6 +13,7 @@ chunk llama.cpp's handler yields, then ``Result(None)``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -164,6 +165,10 @@ class HttpReply:
     headers: dict[str, str]
     body: bytes = b""
     stream: bool = False
+
+    def json(self) -> Any:
+        """The body as JSON (ValueError where it is not)."""
+        return json.loads(self.body)
 
 
 class ErrorKind(str, Enum):

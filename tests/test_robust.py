@@ -219,7 +219,7 @@ def test_a_lease_is_released_when_the_cancel_cannot_be_sent(tiny, monkeypatch):
 
         async def leave():
             with pytest.raises((Withdrawn, OSError)):
-                await r.acall("a", "POST", "/v1/completions", body, gone=lambda: asyncio.sleep(0.1))
+                await r.arelay("a", "POST", "/v1/completions", body, gone=lambda: asyncio.sleep(0.1))
 
         asyncio.run(leave())
         wait_for(lambda: r.status()["models"]["a"]["leases"] == 0, timeout=60, what="the lease released")

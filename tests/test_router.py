@@ -222,17 +222,28 @@ def test_worker_killed_mid_request_fails_it_and_spares_other_workers(specs):
 
 
 def test_corrupt_model_file_is_a_clear_error_and_unloads_nothing(specs, tmp_path):
+    """Refused when the router is made (its header read: no load), as llama-cpp-python's
+    Llama refuses it; a file cut short after that fails its load, and nothing else moves."""
     bad = tmp_path / "broken.gguf"
     data = open(specs["a"].path, "rb").read()
     bad.write_bytes(data[: len(data) // 3])
     models = [ModelConfig("a", specs["a"], devices=("GPU0",)),
               ModelConfig("broken", ModelSpec(bad, n_ctx=512), devices=("GPU0",))]
+    with pytest.raises(ValueError, match="model 'broken': .*broken.gguf is cut short"):
+        Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0)
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match="model 'broken': .*broken.gguf is not a GGUF file: it starts with b'not '"):
+        Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0)
+    bad.write_bytes(data)
     with Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0, max_models=1) as r:
         r.load("a")
+        bad.write_bytes(data[: len(data) // 3])  # cut short under the router
         with pytest.raises(LoadFailed, match="broken.gguf.*not within the file bounds"):
             r.complete("broken", "x")
         assert r.status()["models"]["a"]["state"] == "loaded"
         assert r.complete("a", "x", max_tokens=2)["choices"]
+        with pytest.raises(ValueError, match="model 'more': .*cut short"):
+            r.add_model(ModelConfig("more", ModelSpec(bad, n_ctx=512)))
 
 
 def test_model_that_can_never_fit_fails_at_once_naming_the_device(specs, need):

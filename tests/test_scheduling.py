@@ -141,8 +141,8 @@ def _loads_after_two_waiters(story, priority_c: int = 0, waited_c: float = 0.0) 
 
         def ask(model, waited):
             async def call():
-                reply, _ = await r.acall(model, "POST", "/v1/chat/completions",
-                                         {"messages": CHAT, "max_tokens": 4}, waited=waited)
+                reply, _ = await r.arelay(model, "POST", "/v1/chat/completions",
+                                          {"messages": CHAT, "max_tokens": 4}, waited=waited)
                 return reply.status
             answers.append((model, asyncio.run(call())))
 

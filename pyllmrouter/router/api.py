@@ -31,20 +31,37 @@ from pyllmrouter.devices import Inventory, SystemInventory
 from pyllmrouter.engine_args import check_specs
 from pyllmrouter.router.registry import API
 from pyllmrouter.errors import QueueTimeout, RequestTimeout, RouterError, UnknownModel, Withdrawn
+from pyllmrouter.router.exchange import Exchange, departure
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.router.services.conversations import Conversations
 from pyllmrouter.router.services.downloads import Downloads
 from pyllmrouter.router.services.sources import Sources
-from pyllmrouter.protocol import Call, Chunk, HttpReply
+from pyllmrouter.protocol import HttpReply
 from pyllmrouter.replies import Status
 from pyllmrouter.router.scheduler import Lease, Scheduler
-from pyllmrouter.router.methods import Methods, body_of, ok_or_raise, remaining
-from pyllmrouter.router.services.streams import Stream, unless_gone, value_of
+from pyllmrouter.router.methods import Methods, body_of, checked_seconds, ok_or_raise, remaining
+from pyllmrouter.router.services.streams import Stream, unless_gone
 
 __all__ = ["Router"]
 
 
 class Router(Methods):
+    """Several GGUF models served by llama.cpp's own engine, each loaded when it is asked
+    for, in worker processes, where its exact bytes fit (idle models evicted, least recently
+    used first).
+
+        with Router([ModelConfig("chat", ModelSpec("chat.gguf", ("-c", "8192")))]) as router:
+            router.chat("chat", [{"role": "user", "content": "hi"}], max_tokens=64)
+            with router.chat("chat", messages, stream=True) as events:
+                for event in events: ...
+
+    Requests: chat, complete, embed, tokenize, detokenize (and their awaited forms achat,
+    acomplete...), call/acall for any llama-server endpoint.  When a caller stops waiting
+    (``timeout=``, a cancelled task, a stream closed or dropped, ``close()``) the request's
+    generation stops and its slot is free.  Models: load, unload, status, models,
+    add_model, remove_model, replace_model, reload, pull, delete.  ``close()`` (or ``with``)
+    stops every worker."""
+
     def __init__(self, models: Iterable[ModelConfig], *, inventory: Inventory | None = None,
                  options: RouterOptions | None = None, sources: Sources | None = None, watch: float = 0.0,
                  **option_overrides: Any):
@@ -64,10 +81,7 @@ class Router(Methods):
             if not isinstance(m, ModelConfig):
                 raise ValueError(f"Router(models=...): item {i} is a {type(m).__name__} ({m!r}), not a ModelConfig: "
                                  f"Router([ModelConfig(name, ModelSpec(path, (llama-server arguments...)))])")
-        # the app's own models, checked as llama-server would take them: a missing file or an
-        # argument llama.cpp refuses fails here, not at the first request (a model the
-        # sources list, as llama-server's router lists it, fails at its load)
-        check_specs([(m.name, m.spec.path, m.spec.args) for m in models if m.source == API])
+        _check_own(models)
         self._sched = Scheduler(models, inventory or SystemInventory(), options)
         self._sources = sources or Sources()
         self._reloading = threading.Lock()  # one reading of the sources at a time
@@ -98,7 +112,8 @@ class Router(Methods):
         self.close()
 
     def close(self) -> None:
-        """Stop every worker; leaves no child process behind."""
+        """Stop every worker; leaves no child process behind.  Requests in flight end with
+        RouterClosed (their work stopped with their workers)."""
         self._stop.set()
         self._downloads.close()
         self._sched.close()
@@ -162,7 +177,9 @@ class Router(Methods):
     # -- the live model list ---------------------------------------------------------
 
     def add_model(self, cfg: ModelConfig) -> None:
-        """Serve one more model (ValueError: its name or an alias is taken)."""
+        """Serve one more model (ValueError: its name or an alias is taken, or its file or
+        arguments are refused, as ``Router()`` refuses them)."""
+        _check_own([cfg])
         self._sched.add_model(cfg)
 
     def remove_model(self, name: str) -> None:
@@ -170,7 +187,9 @@ class Router(Methods):
         self._sched.remove_model(name)
 
     def replace_model(self, cfg: ModelConfig) -> None:
-        """``cfg`` takes over its name once the model there has finished and unloaded."""
+        """``cfg`` takes over its name once the model there has finished and unloaded
+        (ValueError as for ``add_model``)."""
+        _check_own([cfg])
         self._sched.replace_model(cfg)
 
     def reload(self) -> dict[str, list[str]]:
@@ -252,22 +271,20 @@ class Router(Methods):
         ``timeout``: seconds the whole request may take, the stream read to its end
         included (then RequestTimeout, the request stopped); ``wait``: seconds it may wait
         for its model (default: the router's queue_timeout; then QueueTimeout)."""
+        timeout = checked_seconds("timeout", timeout)
+        wait = checked_seconds("wait", wait, zero=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._wait_within(model, deadline, timeout, wait) as bound:
             lease = self._sched.lease(model, bound, autoload)
         if self.options.debug_fake_timing > 0:
             time.sleep(self.options.debug_fake_timing)  # busy on the model meanwhile (the lease is held)
-        pending = self._send(lease, method, path, body_of(body), query, headers)
-        try:
-            first = pending.get(remaining(deadline))
-        except TimeoutError:
-            self._abandon(lease, pending)
-            raise RequestTimeout(model, timeout) from None
-        except BaseException:
-            self._abandon(lease, pending)
-            raise
-        reply, stream = self._opened(lease, pending, first, deadline, timeout)
+        ex = self._exchange(lease)
+        ex.send(method, path, body_of(body), query, headers)
+        reply, stream = ex.opened(ex.first(deadline, timeout), deadline, timeout)
         return (ok_or_raise(model, reply) if raise_for_status else reply), stream
+
+    def _exchange(self, lease: Lease) -> Exchange:
+        return Exchange(lease, self._sched.release, self._stop.is_set)
 
     @contextlib.contextmanager
     def _wait_within(self, model: str, deadline: float | None, timeout: float | None,
@@ -294,7 +311,7 @@ class Router(Methods):
         try:
             lease = self._sched.try_lease(model, prefer)
             if lease is None:
-                watch = _departure(gone)
+                watch = departure(gone)
                 lease = await self._await_lease(model, timeout, autoload, watch, prefer, waited)
             if self.options.debug_fake_timing > 0:
                 try:  # busy on the model meanwhile (the lease is held)
@@ -310,25 +327,37 @@ class Router(Methods):
 
     async def acall(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
-                    autoload: bool | None = None, gone: Callable[[], Awaitable[Any]] | None = None,
-                    headers: dict[str, str] | None = None,
-                    files: dict[str, tuple[str, str, bytes]] | None = None,
-                    leased: Callable[[str], None] | None = None,
-                    prefer: str | None = None, *, wait: float | None = None,
-                    raise_for_status: bool = True, waited: float = 0.0,
-                    running: Callable[[], None] | None = None) -> "tuple[HttpReply, Stream | None]":
-        """``call`` from a coroutine.  A model that can take the request now is leased in
-        the event loop (no thread hop before the worker has it); otherwise the lease is
-        waited for in a thread.  A caller that leaves (the coroutine is cancelled, or
-        ``gone()`` returns: an HTTP client that disconnected) withdraws a wait for the
-        model (Withdrawn: no lease, no load, no eviction) and cancels a request in flight.
-        ``files``: a multipart request's files (its fields are ``body``, as JSON); ``leased``
-        gets the name of the instance that takes the request (the model's, or an extra one's);
-        ``prefer``: the instance to take where it has a free slot (a conversation's last).
-        ``waited``: seconds the request already waited on another node (it keeps its place
-        in line here); ``running`` is called where the lease found one of the instance's
-        slots free (the request runs at once, not queued in its engine).  ``timeout`` (the first reply; a stream's reader bounds the rest),
-        ``wait`` and ``raise_for_status`` as in ``call``."""
+                    autoload: bool | None = None, headers: dict[str, str] | None = None, *,
+                    wait: float | None = None, raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
+        """``call`` awaited in the running event loop.  A model that can take the request now
+        is leased in the loop (no thread hop before the worker has it); otherwise the lease
+        is waited for in a thread.  Cancelling the awaiting task withdraws a wait for the
+        model (no lease, no load, no eviction) and stops a request in flight.  ``timeout``
+        bounds the first reply (a stream's reader bounds the rest); ``wait`` and
+        ``raise_for_status`` as in ``call``."""
+        return await self.arelay(model, method, path, body, query, timeout=timeout, autoload=autoload,
+                                 headers=headers, wait=wait, raise_for_status=raise_for_status)
+
+    async def arelay(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
+                     query: dict[str, str] | None = None, *, timeout: float | None = None,
+                     autoload: bool | None = None, gone: Callable[[], Awaitable[Any]] | None = None,
+                     headers: dict[str, str] | None = None,
+                     files: dict[str, tuple[str, str, bytes]] | None = None,
+                     leased: Callable[[str], None] | None = None,
+                     prefer: str | None = None, wait: float | None = None,
+                     raise_for_status: bool = True, waited: float = 0.0,
+                     running: Callable[[], None] | None = None) -> "tuple[HttpReply, Stream | None]":
+        """``acall`` as the HTTP server relays a client's request: ``gone()`` returns when the
+        client disconnected (a wait for the model withdrawn: Withdrawn; a request in flight
+        stopped); ``files``: a multipart request's files (its fields are ``body``, as JSON);
+        ``leased`` gets the name of the instance that takes the request (the model's, or an
+        extra one's); ``prefer``: the instance to take where it has a free slot (a
+        conversation's last); ``waited``: seconds the request already waited on another
+        node (it keeps its place in line here); ``running`` is called where the lease found
+        one of the instance's slots free (the request runs at once, not queued in its
+        engine)."""
+        timeout = checked_seconds("timeout", timeout)
+        wait = checked_seconds("wait", wait, zero=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._wait_within(model, deadline, timeout, wait) as bound:
             lease, watch = await self._alease(model, bound, autoload, gone, prefer, waited)
@@ -337,18 +366,10 @@ class Router(Methods):
                 leased(lease.name)
             if running is not None and lease.slot:
                 running()
-            pending = self._send(lease, method, path, body_of(body), query, headers, files)
-            try:
-                while (first := pending.get_nowait()) is None:
-                    watch = watch or _departure(gone)
-                    try:
-                        await asyncio.wait_for(unless_gone(pending.wait_async(), watch, model), remaining(deadline))
-                    except asyncio.TimeoutError:
-                        raise RequestTimeout(model, timeout) from None
-            except BaseException:
-                self._abandon(lease, pending)
-                raise
-            reply, stream = self._opened(lease, pending, first)
+            ex = self._exchange(lease)
+            ex.send(method, path, body_of(body), query, headers, files)
+            first = await ex.afirst(deadline, timeout, watch, lambda: departure(gone))
+            reply, stream = ex.opened(first)
             return (ok_or_raise(model, reply) if raise_for_status else reply), stream
         finally:
             if watch is not None:
@@ -370,14 +391,9 @@ class Router(Methods):
         served = self._hand(lease, method, path, body, query, headers, connection, query_string)
         if served is not None:
             return await asyncio.shield(served)  # the worker's answer; the lease ends with it
-        pending = self._send(lease, method, path, body, query, headers)
-        try:
-            while (first := pending.get_nowait()) is None:
-                await pending.wait_async()
-        except BaseException:
-            self._abandon(lease, pending)
-            raise
-        return self._opened(lease, pending, first)
+        ex = self._exchange(lease)
+        ex.send(method, path, body, query, headers)
+        return ex.opened(await ex.afirst(None, None, None, lambda: None))
 
     def serve_now(self, model: str, method: str, path: str, body: bytes, query: dict[str, str],
                   headers: dict[str, str], connection: Connection, follow: dict | None = None,
@@ -469,44 +485,19 @@ class Router(Methods):
         if not fut.cancelled() and fut.exception() is None:
             self._sched.release(fut.result())
 
-    def _send(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str] | None,
-              headers: dict[str, str] | None = None, files: dict[str, tuple[str, str, bytes]] | None = None):
-        """Send the request to the worker the lease was taken on (the lease is released if
-        that fails: a worker that died since raises WorkerDied)."""
-        try:
-            return lease.worker.call(lambda rid: Call(rid, lease.name, method, path, body, dict(query or {}),
-                                                      dict(headers or {}), dict(files or {})))
-        except BaseException:
-            self._sched.release(lease)
-            raise
 
-    def _opened(self, lease: Lease, pending, first: Any, deadline: float | None = None,
-                timeout: float | None = None) -> "tuple[HttpReply, Stream | None]":
-        """The first reply of a Call: a whole reply, or a stream's head (its chunks read no
-        later than ``deadline``)."""
-        if isinstance(first, Chunk) and isinstance(first.value, HttpReply):
-            return first.value, Stream(lease.name, pending, lambda: self._sched.release(lease), first.value.body,
-                                       deadline, timeout)
-        self._sched.release(lease)
-        return value_of(lease.name, first), None
-
-    def _abandon(self, lease: Lease, pending) -> None:
-        """The caller left before the first reply: stop the request; the lease ends with
-        the worker's final reply (or the worker's end), read in the background, whatever
-        the cancel met."""
-        try:
-            pending.cancel()
-        finally:
-            threading.Thread(target=self._release_after, args=(lease, pending), daemon=True).start()
-
-    def _release_after(self, lease: Lease, pending) -> None:
-        try:
-            while isinstance(pending.get(), Chunk):  # a stream that began: its end is the final reply
-                pass
-        finally:
-            self._sched.release(lease)
+def _check_own(models: list[ModelConfig]) -> None:
+    """The app's own models, checked as llama-server would take them (the file a whole GGUF,
+    the arguments llama.cpp's): a mistake fails here, not at the first request.  A model the
+    sources list fails at its load, as llama-server's router lists it."""
+    for i, m in enumerate(models):
+        if not isinstance(m, ModelConfig):
+            raise ValueError(f"item {i} is a {type(m).__name__} ({m!r}), not a ModelConfig: "
+                             f"ModelConfig(name, ModelSpec(path, (llama-server arguments...)))")
+    check_specs([(m.name, m.spec.path, m.spec.args) for m in models if m.source == API])
 
 
-def _departure(gone: Callable[[], Awaitable[Any]] | None) -> "asyncio.Future | None":
-    """A task that ends when the caller has left (None: nothing to watch)."""
-    return asyncio.ensure_future(gone()) if gone is not None else None
+# the methods Router takes from its mixin are Router's in tracebacks and help()
+for _name, _fn in vars(Methods).items():
+    if callable(_fn) and hasattr(_fn, "__qualname__") and not _name.startswith("__"):
+        _fn.__qualname__ = f"Router.{_name}"

@@ -12,16 +12,26 @@ each plain or awaited, whole or streamed.
                   router's queue_timeout): past it, QueueTimeout
     a reply with an error status raises RequestFailed (its status and llama.cpp's message)
 
-Replies are llama-server's JSON as dicts (replies.py types them); a stream is an iterator
-(an async one, awaited) of its events' JSON.
+Replies are llama-server's JSON as dicts (replies.py types them); a stream is ``Events``
+(``AsyncEvents`` for the awaited forms) of its events' JSON: an iterator that is also a
+context manager, whose end (read, closed, left by ``with``, its task cancelled, dropped)
+stops the generation and frees the slot:
+
+    with router.chat(model, messages, stream=True) as events:
+        for event in events: ...
+    async with router.achat(model, messages, stream=True) as events:
+        async for event in events: ...
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
+import math
 import time
-from typing import Any, AsyncIterator, Iterator, Literal, Mapping, Sequence, overload
+from typing import (Any, AsyncIterator, Awaitable, Callable, Generator, Generic, Iterator, Literal, Mapping,
+                    Sequence, TypeVar, overload)
 
 from pyllmrouter.errors import RequestFailed, RequestTimeout
 from pyllmrouter.protocol import HttpReply
@@ -29,7 +39,9 @@ from pyllmrouter.replies import ChatCompletion, ChatCompletionChunk, Completion,
 from pyllmrouter.router.options import check
 from pyllmrouter.router.services.streams import Stream
 
-__all__ = ["Methods", "body_of", "ok_or_raise", "remaining"]
+__all__ = ["Methods", "Events", "AsyncEvents", "body_of", "checked_seconds", "ok_or_raise", "remaining"]
+
+E = TypeVar("E")
 
 _POOLING_HINT = ("; an embedding model served for /v1/embeddings needs a pooling: start it with "
                  "ModelSpec(path, ('--embedding', '--pooling', 'mean')) (or cls, last, rank)")
@@ -42,6 +54,38 @@ def body_of(body: bytes | Mapping[str, Any]) -> bytes:
 
 def remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def checked_seconds(name: str, value: Any, zero: bool = False) -> float | None:
+    """``value`` as seconds (None: no bound): a TypeError for what is not a number, a
+    ValueError for a negative one, NaN, or 0 where ``zero`` is not allowed."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds (an int or a float) or None, "
+                        f"not {type(value).__name__} {value!r}")
+    if math.isnan(value) or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{name} must be {'0 or more' if zero else 'more than 0'} seconds, not {value!r}")
+    return float(value)
+
+
+def _checked_stream(where: str, stream: Any) -> bool:
+    if not isinstance(stream, bool):
+        raise TypeError(f"{where}(): stream must be True or False, not {type(stream).__name__} {stream!r}")
+    return stream
+
+
+def _checked_messages(where: str, messages: Any) -> list[Any]:
+    example = "[{'role': 'user', 'content': 'hi'}]"
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, (list, tuple)):
+        hint = "; for a plain prompt, complete(model, prompt)" if isinstance(messages, str) else ""
+        raise TypeError(f"{where}(): messages must be a list of messages such as {example}, "
+                        f"not {type(messages).__name__}{hint}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise TypeError(f"{where}(): messages[{i}] must be a dict such as {{'role': 'user', 'content': 'hi'}}, "
+                            f"not {type(m).__name__} {m!r}")
+    return list(messages)
 
 
 def ok_or_raise(model: str, reply: HttpReply) -> HttpReply:
@@ -72,50 +116,134 @@ def _sse(model: str, buffer: bytearray) -> Iterator[dict[str, Any]]:
                 raise RequestFailed(model, "HTTP 500", err.get("message", "stream failed"))
 
 
-def _events(model: str, stream: Stream) -> Iterator[dict[str, Any]]:
-    buffer = bytearray()
-    try:
-        for chunk in stream:
-            buffer += chunk
-            yield from _sse(model, buffer)
-    finally:
-        stream.abandon()
+class Events(Generic[E]):
+    """A stream's events (llama-server's ``data:`` JSON), as they come.  Its end stops the
+    generation and frees the model's slot: read to the end, ``close()``, left by ``with``,
+    an error raised while reading it, or the object dropped.  A stream left with ``break``
+    outside a ``with`` goes on until it is closed or collected."""
 
+    def __init__(self, model: str, stream: Stream):
+        self._model, self._stream = model, stream
+        self._buffer = bytearray()
+        self._ready: collections.deque[Any] = collections.deque()
 
-async def _aevents(model: str, stream: Stream, deadline: float | None, timeout: float | None) -> AsyncIterator[dict]:
-    buffer = bytearray()
-    try:
-        while True:
+    def __iter__(self) -> "Events[E]":
+        return self
+
+    def __next__(self) -> E:
+        while not self._ready:
             try:
-                chunks = await asyncio.wait_for(stream.anext_batch(), remaining(deadline))
+                chunk = next(self._stream)
+                self._buffer += chunk
+                self._ready.extend(_sse(self._model, self._buffer))
+            except StopIteration:
+                raise
+            except BaseException:
+                self._stream.abandon()
+                raise
+        return self._ready.popleft()
+
+    def close(self) -> None:
+        """Stop the generation; return once the worker has ended the request (its engine
+        frees the slot at its next step)."""
+        self._stream.close()
+
+    def __enter__(self) -> "Events[E]":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class AsyncEvents(Generic[E]):
+    """``Events`` for a coroutine: ``async for`` it directly (the request starts at its
+    first event), or await it first (the request started, its status checked), or
+    ``async with`` it.  Its end stops the generation: read to the end, ``aclose()``, left
+    by ``async with``, the reading task cancelled, an error, or the object dropped."""
+
+    def __init__(self, model: str, opening: Callable[[], Awaitable["tuple[HttpReply, Stream | None]"]],
+                 deadline: float | None, timeout: float | None):
+        self._model, self._opening = model, opening
+        self._deadline, self._timeout = deadline, timeout
+        self._stream: Stream | None = None
+        self._buffer = bytearray()
+        self._ready: collections.deque[Any] = collections.deque()
+
+    async def _open(self) -> Stream:
+        if self._stream is None:
+            reply, stream = await self._opening()
+            if stream is None:  # llama-server answered whole (an error is raised before this)
+                raise RequestFailed(self._model, f"HTTP {reply.status}", "the reply was not a stream")
+            self._stream = stream
+        return self._stream
+
+    def __await__(self) -> Generator[Any, None, "AsyncEvents[E]"]:
+        return self._started().__await__()
+
+    async def _started(self) -> "AsyncEvents[E]":
+        await self._open()
+        return self
+
+    def __aiter__(self) -> "AsyncEvents[E]":
+        return self
+
+    async def __anext__(self) -> E:
+        stream = await self._open()
+        while not self._ready:
+            try:
+                chunks = await asyncio.wait_for(stream.anext_batch(), remaining(self._deadline))
             except asyncio.TimeoutError:
-                raise RequestTimeout(model, timeout) from None
+                stream.abandon()
+                raise RequestTimeout(self._model, self._timeout) from None
+            except BaseException:
+                stream.abandon()
+                raise
             if not chunks:
-                return
+                raise StopAsyncIteration
             for chunk in chunks:
-                buffer += chunk
-                for event in _sse(model, buffer):
-                    yield event
-    finally:
-        stream.abandon()
+                self._buffer += chunk
+                try:
+                    self._ready.extend(_sse(self._model, self._buffer))
+                except BaseException:
+                    stream.abandon()
+                    raise
+        return self._ready.popleft()
+
+    async def aclose(self) -> None:
+        """Stop the generation; return once the worker has ended the request (its engine
+        frees the slot at its next step)."""
+        if self._stream is not None:
+            await self._stream.aclose()
+
+    async def __aenter__(self) -> "AsyncEvents[E]":
+        await self._open()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        if self._stream is not None:
+            self._stream.abandon()
 
 
 class Methods:
-    """``Router``'s request methods (see the module's docstring), over the two its host
-    gives: ``call`` and ``acall``."""
+    """The request methods of ``pyllmrouter.Router``: chat, completions, embeddings,
+    tokenize and detokenize, each plain or awaited, whole or streamed (``Router`` gives the
+    two they rest on, ``call`` and ``acall``)."""
 
     def call(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
              query: dict[str, str] | None = None, timeout: float | None = None, autoload: bool | None = None,
              headers: dict[str, str] | None = None, *, wait: float | None = None,
              raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
-        """Any llama-server request for one model (the host's: ``Router.call``)."""
+        """Any llama-server request for one model (``Router.call``)."""
         raise NotImplementedError
 
     async def acall(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
-                    autoload: bool | None = None, *args: Any, wait: float | None = None,
-                    raise_for_status: bool = True, **kwargs: Any) -> "tuple[HttpReply, Stream | None]":
-        """``call`` from a coroutine (the host's: ``Router.acall``)."""
+                    autoload: bool | None = None, headers: dict[str, str] | None = None, *,
+                    wait: float | None = None, raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
+        """``call`` awaited (``Router.acall``)."""
         raise NotImplementedError
 
     # -- chat ---------------------------------------------------------------------------------
@@ -128,37 +256,51 @@ class Methods:
     @overload
     def chat(self, model: str, messages: Sequence[Message | Mapping[str, Any]], *, stream: Literal[True],
              timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
-             extra_body: Mapping[str, Any] | None = None, **options: Any) -> Iterator[ChatCompletionChunk]: ...
+             extra_body: Mapping[str, Any] | None = None, **options: Any) -> Events[ChatCompletionChunk]: ...
+
+    @overload
+    def chat(self, model: str, messages: Sequence[Message | Mapping[str, Any]], *, stream: bool,
+             timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
+             extra_body: Mapping[str, Any] | None = None,
+             **options: Any) -> ChatCompletion | Events[ChatCompletionChunk]: ...
 
     def chat(self, model, messages, *, stream=False, timeout=None, wait=None, autoload=None, extra_body=None,
              **options):
         """An OpenAI chat completion as llama-server answers it (``POST /v1/chat/completions``):
-        its JSON, or with ``stream=True`` an iterator of its events' JSON.  ``options`` are
-        llama-server's request keys (``max_tokens``, ``temperature``, ``tools``...): an
-        unknown one is a TypeError at once; ``extra_body`` sends keys unchecked.
-        ``timeout``: seconds the whole request may take (then RequestTimeout, the request
-        stopped); ``wait``: seconds it may wait for the model (then QueueTimeout)."""
-        return self._openai("chat", model, "/v1/chat/completions", {"messages": list(messages)}, options,
-                            extra_body, stream, timeout, wait, autoload)
+        its JSON, or with ``stream=True`` its events (``Events``: iterate it inside ``with``).
+        ``options`` are llama-server's request keys (``max_tokens``, ``temperature``,
+        ``tools``...): an unknown one is a TypeError at once; ``extra_body`` sends keys
+        unchecked.  ``timeout``: seconds the whole request may take (then RequestTimeout,
+        the request stopped); ``wait``: seconds it may wait for the model (then
+        QueueTimeout)."""
+        fixed = {"messages": _checked_messages("chat", messages)}
+        return self._openai("chat", model, "/v1/chat/completions", fixed, options, extra_body, stream, timeout,
+                            wait, autoload)
 
     @overload
-    async def achat(self, model: str, messages: Sequence[Message | Mapping[str, Any]], *,
-                    stream: Literal[False] = False, timeout: float | None = None, wait: float | None = None,
-                    autoload: bool | None = None, extra_body: Mapping[str, Any] | None = None,
-                    **options: Any) -> ChatCompletion: ...
+    def achat(self, model: str, messages: Sequence[Message | Mapping[str, Any]], *,
+              stream: Literal[False] = False, timeout: float | None = None, wait: float | None = None,
+              autoload: bool | None = None, extra_body: Mapping[str, Any] | None = None,
+              **options: Any) -> Awaitable[ChatCompletion]: ...
 
     @overload
-    async def achat(self, model: str, messages: Sequence[Message | Mapping[str, Any]], *, stream: Literal[True],
-                    timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
-                    extra_body: Mapping[str, Any] | None = None,
-                    **options: Any) -> AsyncIterator[ChatCompletionChunk]: ...
+    def achat(self, model: str, messages: Sequence[Message | Mapping[str, Any]], *, stream: Literal[True],
+              timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
+              extra_body: Mapping[str, Any] | None = None, **options: Any) -> AsyncEvents[ChatCompletionChunk]: ...
 
-    async def achat(self, model, messages, *, stream=False, timeout=None, wait=None, autoload=None, extra_body=None,
-                    **options):
-        """``chat`` awaited in the running event loop (an async iterator of events with
-        ``stream=True``)."""
-        return await self._aopenai("achat", model, "/v1/chat/completions", {"messages": list(messages)}, options,
-                                   extra_body, stream, timeout, wait, autoload)
+    @overload
+    def achat(self, model: str, messages: Sequence[Message | Mapping[str, Any]], *, stream: bool,
+              timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
+              extra_body: Mapping[str, Any] | None = None,
+              **options: Any) -> Awaitable[ChatCompletion] | AsyncEvents[ChatCompletionChunk]: ...
+
+    def achat(self, model, messages, *, stream=False, timeout=None, wait=None, autoload=None, extra_body=None,
+              **options):
+        """``chat`` in the running event loop: awaited for a reply, or with ``stream=True``
+        its events (``AsyncEvents``: ``async for`` it, inside ``async with``)."""
+        fixed = {"messages": _checked_messages("achat", messages)}
+        return self._aopenai("achat", model, "/v1/chat/completions", fixed, options, extra_body, stream, timeout,
+                             wait, autoload)
 
     # -- completions ------------------------------------------------------------------------------
 
@@ -170,31 +312,42 @@ class Methods:
     @overload
     def complete(self, model: str, prompt: str | list[int], *, stream: Literal[True], timeout: float | None = None,
                  wait: float | None = None, autoload: bool | None = None,
-                 extra_body: Mapping[str, Any] | None = None, **options: Any) -> Iterator[Completion]: ...
+                 extra_body: Mapping[str, Any] | None = None, **options: Any) -> Events[Completion]: ...
+
+    @overload
+    def complete(self, model: str, prompt: str | list[int], *, stream: bool, timeout: float | None = None,
+                 wait: float | None = None, autoload: bool | None = None,
+                 extra_body: Mapping[str, Any] | None = None, **options: Any) -> Completion | Events[Completion]: ...
 
     def complete(self, model, prompt, *, stream=False, timeout=None, wait=None, autoload=None, extra_body=None,
                  **options):
         """An OpenAI completion of ``prompt`` (text or token ids, ``POST /v1/completions``):
-        its JSON, or with ``stream=True`` an iterator of its events' JSON.  Options,
-        ``timeout`` and ``wait`` as for ``chat``."""
+        its JSON, or with ``stream=True`` its events (``Events``).  Options, ``timeout`` and
+        ``wait`` as for ``chat``."""
         return self._openai("complete", model, "/v1/completions", {"prompt": prompt}, options, extra_body, stream,
                             timeout, wait, autoload)
 
     @overload
-    async def acomplete(self, model: str, prompt: str | list[int], *, stream: Literal[False] = False,
-                        timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
-                        extra_body: Mapping[str, Any] | None = None, **options: Any) -> Completion: ...
+    def acomplete(self, model: str, prompt: str | list[int], *, stream: Literal[False] = False,
+                  timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
+                  extra_body: Mapping[str, Any] | None = None, **options: Any) -> Awaitable[Completion]: ...
 
     @overload
-    async def acomplete(self, model: str, prompt: str | list[int], *, stream: Literal[True],
-                        timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
-                        extra_body: Mapping[str, Any] | None = None, **options: Any) -> AsyncIterator[Completion]: ...
+    def acomplete(self, model: str, prompt: str | list[int], *, stream: Literal[True],
+                  timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
+                  extra_body: Mapping[str, Any] | None = None, **options: Any) -> AsyncEvents[Completion]: ...
 
-    async def acomplete(self, model, prompt, *, stream=False, timeout=None, wait=None, autoload=None,
-                        extra_body=None, **options):
-        """``complete`` awaited in the running event loop."""
-        return await self._aopenai("acomplete", model, "/v1/completions", {"prompt": prompt}, options, extra_body,
-                                   stream, timeout, wait, autoload)
+    @overload
+    def acomplete(self, model: str, prompt: str | list[int], *, stream: bool,
+                  timeout: float | None = None, wait: float | None = None, autoload: bool | None = None,
+                  extra_body: Mapping[str, Any] | None = None,
+                  **options: Any) -> Awaitable[Completion] | AsyncEvents[Completion]: ...
+
+    def acomplete(self, model, prompt, *, stream=False, timeout=None, wait=None, autoload=None,
+                  extra_body=None, **options):
+        """``complete`` in the running event loop (``AsyncEvents`` with ``stream=True``)."""
+        return self._aopenai("acomplete", model, "/v1/completions", {"prompt": prompt}, options, extra_body,
+                             stream, timeout, wait, autoload)
 
     # -- embeddings ---------------------------------------------------------------------------------
 
@@ -207,12 +360,12 @@ class Methods:
         return self._openai("embed", model, "/v1/embeddings", {"input": input}, options, extra_body, False, timeout,
                             wait, autoload)
 
-    async def aembed(self, model: str, input: str | list[str], *, timeout: float | None = None,
-                     wait: float | None = None, autoload: bool | None = None,
-                     extra_body: Mapping[str, Any] | None = None, **options: Any) -> Embeddings:
+    def aembed(self, model: str, input: str | list[str], *, timeout: float | None = None,
+               wait: float | None = None, autoload: bool | None = None,
+               extra_body: Mapping[str, Any] | None = None, **options: Any) -> Awaitable[Embeddings]:
         """``embed`` awaited in the running event loop."""
-        return await self._aopenai("aembed", model, "/v1/embeddings", {"input": input}, options, extra_body, False,
-                                   timeout, wait, autoload)
+        return self._aopenai("aembed", model, "/v1/embeddings", {"input": input}, options, extra_body, False,
+                             timeout, wait, autoload)
 
     # -- tokens ---------------------------------------------------------------------------------------
 
@@ -247,19 +400,33 @@ class Methods:
 
     # -- the shared part -------------------------------------------------------------------------------
 
+    def _body(self, where: str, model: str, fixed: dict[str, Any], options: Mapping[str, Any],
+              extra: Mapping[str, Any] | None, stream: Any, timeout: Any, wait: Any) -> dict[str, Any]:
+        """The request's body, its mistakes raised here, before anything is sent."""
+        check(where, options)
+        stream = _checked_stream(where, stream)
+        checked_seconds("timeout", timeout)
+        checked_seconds("wait", wait, zero=True)
+        return {**options, **fixed, "model": model, **({"stream": True} if stream else {}), **(extra or {})}
+
     def _openai(self, where: str, model: str, path: str, fixed: dict[str, Any], options: Mapping[str, Any],
                 extra: Mapping[str, Any] | None, stream: bool, timeout: float | None, wait: float | None,
                 autoload: bool | None):
-        check(where, options)
-        body = {**options, **fixed, "model": model, **({"stream": True} if stream else {}), **(extra or {})}
+        body = self._body(where, model, fixed, options, extra, stream, timeout, wait)
         reply, chunks = self.call(model, "POST", path, body, timeout=timeout, wait=wait, autoload=autoload)
-        return _events(model, chunks) if chunks is not None else json.loads(reply.body)
+        return Events(model, chunks) if chunks is not None else json.loads(reply.body)
 
-    async def _aopenai(self, where: str, model: str, path: str, fixed: dict[str, Any],
-                       options: Mapping[str, Any], extra: Mapping[str, Any] | None, stream: bool,
-                       timeout: float | None, wait: float | None, autoload: bool | None):
-        check(where, options)
-        body = {**options, **fixed, "model": model, **({"stream": True} if stream else {}), **(extra or {})}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        reply, chunks = await self.acall(model, "POST", path, body, timeout=timeout, wait=wait, autoload=autoload)
-        return _aevents(model, chunks, deadline, timeout) if chunks is not None else json.loads(reply.body)
+    def _aopenai(self, where: str, model: str, path: str, fixed: dict[str, Any],
+                 options: Mapping[str, Any], extra: Mapping[str, Any] | None, stream: bool,
+                 timeout: float | None, wait: float | None, autoload: bool | None):
+        body = self._body(where, model, fixed, options, extra, stream, timeout, wait)
+        opening = lambda: self.acall(model, "POST", path, body, timeout=timeout, wait=wait,  # noqa: E731
+                                     autoload=autoload)
+        if stream:
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return AsyncEvents(model, opening, deadline, timeout)
+        return self._awhole(opening)
+
+    async def _awhole(self, opening: Callable[[], Awaitable["tuple[HttpReply, Stream | None]"]]) -> Any:
+        reply, _ = await opening()
+        return json.loads(reply.body)

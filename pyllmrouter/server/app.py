@@ -3,7 +3,7 @@
     client ──HTTP──▶ guard (API key, body limit) ──▶ per-model request: the model named by the
                      body's "model" (POST, taken by the guard past FastAPI's routing) or
                      ?model= (GET), as llama-server's router picks it
-                       ──▶ Router.acall(model, method, path, body) ──▶ the model's engine
+                       ──▶ Router.arelay(model, method, path, body) ──▶ the model's engine
                        ◀── llama.cpp's status, headers and body, written unchanged; a stream
                            chunk by chunk as the engine yields it; a client that leaves cancels
 
@@ -137,7 +137,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         endpoint, query, headers = _for_engine(request)
         relayed: Relayed | None = request.scope.get("extensions", {}).get(RELAYED)
         try:
-            reply, stream = await router.acall(model, request.method, endpoint, raw, query,
+            reply, stream = await router.arelay(model, request.method, endpoint, raw, query,
                                                autoload=autoload_param(request) if autoload is None else autoload,
                                                gone=gone or (lambda: _disconnected(request)), headers=headers,
                                                files=files, leased=leased, prefer=prefer, raise_for_status=False,

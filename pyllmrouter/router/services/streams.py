@@ -27,10 +27,13 @@ class Stream:
     """
 
     def __init__(self, name: str, pending, on_end: Callable[[], None], first: bytes = b"",
-                 deadline: float | None = None, timeout: float | None = None):
+                 deadline: float | None = None, timeout: float | None = None,
+                 errors: Callable[[Failed], RouterError] | None = None):
         """``deadline`` (time.monotonic): a reader still waiting then ends the stream (its
-        generation stopped) with RequestTimeout, naming ``timeout``, the request's own."""
+        generation stopped) with RequestTimeout, naming ``timeout``, the request's own;
+        ``errors``: the error a final Failed reply is (default: ``error_of``)."""
         self._name = name  # what the errors name (the model)
+        self._errors = errors or (lambda reply: error_of(name, reply))
         self._deadline, self._timeout = deadline, timeout
         self._first = [first] if first else []  # the chunk that came with the head
         self._pending = pending
@@ -70,7 +73,7 @@ class Stream:
             self.abandon()
             raise RequestTimeout(self._name, self._timeout)
         if isinstance(msg, Failed):
-            raise error_of(self._name, msg)
+            raise self._errors(msg)
         raise StopIteration
 
     async def anext_batch(self) -> list[bytes]:
@@ -94,7 +97,7 @@ class Stream:
                     continue
                 self._finish(msg)
                 if isinstance(msg, Failed):
-                    self._failure = error_of(self._name, msg)
+                    self._failure = self._errors(msg)
             if out:
                 return out
             if self._failure is not None:
@@ -118,6 +121,15 @@ class Stream:
         """Cancel and wait for the worker's final reply (the lease is then free)."""
         self.cancel()
         self._drain()
+
+    async def aclose(self) -> None:
+        """``close`` in the event loop: cancel, and await the worker's final reply."""
+        self.cancel()
+        while not self._done:
+            try:
+                await self.anext_batch()
+            except RouterError:
+                return
 
     def _drain(self) -> None:
         while not self._done:

@@ -1,0 +1,121 @@
+"""A GGUF file's header read without llama.cpp: is it a GGUF file, whole?
+
+    check(path)    ValueError naming the problem: not a GGUF file (its first bytes), a
+                   version llama.cpp does not read, a header cut short or inconsistent, or
+                   tensor data that ends past the end of the file (a truncated download)
+
+Reads the key/value section and the tensor table (values skipped by their lengths, nothing
+decoded but what the sizes need), as llama.cpp's gguf reader walks them, and the extent of
+the tensor data against the file's size: what a load would find first, without a load (the
+router never loads llama.cpp in its own process).  Sparse files of a model's full size pass.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+
+__all__ = ["check"]
+
+_MAGIC = b"GGUF"
+_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_STRING, _ARRAY = 8, 9
+_MAX_COUNT = 1 << 40  # counts past this are a corrupt header, not a big model
+
+
+class _Header:
+    def __init__(self, buf: mmap.mmap | bytes, size: int, path: str):
+        self.buf, self.size, self.path, self.pos = buf, size, path, 0
+
+    def fail(self, what: str) -> ValueError:
+        return ValueError(f"{self.path} is not a valid GGUF file: {what} (at byte {self.pos} of {self.size})")
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > self.size:
+            raise self.fail("its header is cut short")
+        out = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return bytes(out)
+
+    def u32(self) -> int:
+        return struct.unpack("<I", self.take(4))[0]
+
+    def u64(self) -> int:
+        value = struct.unpack("<Q", self.take(8))[0]
+        if value > _MAX_COUNT:
+            raise self.fail(f"a length of {value}")
+        return value
+
+    def string(self) -> bytes:
+        return self.take(self.u64())
+
+    def skip_string(self) -> None:
+        n = struct.unpack_from("<Q", self.buf, self.pos)[0] if self.pos + 8 <= self.size else -1
+        if n < 0 or self.pos + 8 + n > self.size:
+            raise self.fail("its header is cut short")
+        self.pos += 8 + n
+
+    def skip_value(self, kind: int) -> None:
+        if kind in _SCALARS:
+            self.take(_SCALARS[kind])
+        elif kind == _STRING:
+            self.skip_string()
+        elif kind == _ARRAY:
+            inner, count = self.u32(), self.u64()
+            if inner in _SCALARS:
+                self.take(_SCALARS[inner] * count)
+            elif inner == _STRING:
+                for _ in range(count):
+                    self.skip_string()
+            else:
+                raise self.fail(f"an array of value type {inner}")
+        else:
+            raise self.fail(f"value type {kind}")
+
+
+def check(path: str) -> None:
+    """ValueError unless ``path`` is a whole GGUF file (see the module's docstring)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(4)
+        if head != _MAGIC:
+            raise ValueError(f"{path} is not a GGUF file: it starts with {head!r}, not b'GGUF'"
+                             + (" (it is empty)" if size == 0 else ""))
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            h = _Header(buf, size, path)
+            h.take(4)
+            version = h.u32()
+            if version not in (2, 3):
+                raise h.fail(f"version {version} (llama.cpp reads 2 and 3)")
+            n_tensors, n_kv = h.u64(), h.u64()
+            alignment = 32
+            for _ in range(n_kv):
+                key, kind = h.string(), h.u32()
+                if key == b"general.alignment" and kind == 4:
+                    alignment = struct.unpack("<I", h.take(4))[0]
+                    if alignment == 0 or alignment & (alignment - 1):
+                        raise h.fail(f"general.alignment {alignment}")
+                else:
+                    h.skip_value(kind)
+            end = 0
+            for _ in range(n_tensors):
+                name = h.string()
+                n_dims = h.u32()
+                if n_dims > 8:
+                    raise h.fail(f"tensor {name!r} has {n_dims} dimensions")
+                elements = 1
+                for _ in range(n_dims):
+                    elements *= h.u64()
+                kind, offset = h.u32(), h.u64()
+                try:
+                    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+                except (ValueError, KeyError):
+                    raise h.fail(f"tensor {name!r} has type {kind}") from None
+                end = max(end, offset + elements // block * type_size)
+            data = -(-h.pos // alignment) * alignment
+    if data + end > size:
+        raise ValueError(f"{path} is cut short: its tensors end at byte {data + end}, the file has {size} "
+                         f"(a download that did not finish?)")
