@@ -10,6 +10,8 @@
 #                or the wheel scripts/wheelhouse.sh --cuda ARCH built elsewhere: no CUDA
 #                compiled here), this package's extension and llama-server linked to that
 #                same ggml, the two built side by side (LLAMA_SERVER=PATH: one built before)
+#   numpy first  numpy imported before the extension and before llama_cpp; where that
+#                dies, the loader's trace and a backtrace of it (scripts/numpy_first.sh)
 #   tests        pytest -m gpu: no GPU context in the router, one per worker and none
 #                outside its device set, probe == allocation on CUDA0 and host, the
 #                residual counted by admission, the margin kept, seed 001 served in turns,
@@ -87,7 +89,7 @@ step() {
   return "$rc"
 }
 # the lines of each step worth seeing as it runs (everything is in steps.log)
-STEP_ECHO='^(building|time: |llama-server: |pyllmrouter installed|=+ .* (passed|failed|error)|PASSED|FAILED|ERROR|three models|worker process|seed 001|wrote )'
+STEP_ECHO='^(building|time: |llama-server: |.* after numpy|pyllmrouter installed|=+ .* (passed|failed|error)|PASSED|FAILED|ERROR|three models|worker process|seed 001|wrote )'
 
 # -- the machine --------------------------------------------------------------------
 arch=""
@@ -116,7 +118,12 @@ if [ -n "$wheelhouse" ]; then
   cache="${PYLLMROUTER_CACHE:-$HOME/.cache/pyllmrouter}"
   mkdir -p "$cache/trimmed"
   cp "$wheelhouse"/sdist/*.tar.gz "$cache/trimmed/" 2>/dev/null || say "the wheelhouse has no trimmed sdist"
+  [ ! -e "$wheelhouse/system-site" ] || export VENV_SYSTEM_SITE=1  # the system's packages: not carried
   cuda_wheel=$(ls "$wheelhouse"/cuda/llama_cpp_python-*.whl 2>/dev/null | head -1)
+  folded=$(ls "$wheelhouse"/cuda/llama_cpp_python-*.whl.tar.xz 2>/dev/null | head -1)
+  if [ "$dry" = 0 ] && [ -z "$cuda_wheel" ] && [ -n "$folded" ]; then
+    cuda_wheel=$("${PYTHON:-python3}" scripts/wheelpack.py unpack "$folded" "$cache/prebuilt")
+  fi
   if [ "$dry" = 0 ] && [ -n "$cuda_wheel" ]; then
     setup_args+=(--wheel "$cuda_wheel")
     say "llama-cpp-python from $cuda_wheel (CUDA built before: none compiled here)"
@@ -156,6 +163,7 @@ else
 fi
 
 # -- the checks -------------------------------------------------------------------------
+step "numpy first" 60 scripts/numpy_first.sh "$py" "$out"
 step tests 150 "$py" -m pytest -m "gpu or numpy_first" -s -p no:cacheprovider --junitxml="$out/junit.xml" tests/test_gpu.py \
   tests/test_numpy_first.py
 step gpu_bench 60 "$py" bench/gpu_bench.py --out "$out/gpu_bench.json"

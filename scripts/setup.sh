@@ -49,7 +49,11 @@ cache="${PYLLMROUTER_CACHE:-$HOME/.cache/pyllmrouter}"
 t0=$SECONDS
 took() { echo "time: $1 $((SECONDS - $2)) s"; }
 
-[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
+# VENV_SYSTEM_SITE=1: the environment sees the system's packages (a GPU machine's own numpy,
+# pytest...: what a wheelhouse made with --present leaves out)
+venv_args=()
+[ "${VENV_SYSTEM_SITE:-0}" != 1 ] || venv_args+=(--system-site-packages)
+[ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "${venv_args[@]}" "$venv"
 py="$venv/bin/python"
 pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
 
@@ -69,6 +73,10 @@ took "tools" "$t0"
 t=$SECONDS
 installed=$("$py" -c 'import importlib.metadata as m; print(m.version("llama-cpp-python"))' 2>/dev/null || true)
 if [ -n "$wheel" ]; then
+  case "$(basename "$wheel")" in
+    llama_cpp_python-"$version"-*.whl) ;;
+    *) echo "--wheel $wheel: not llama-cpp-python $version, the version vendor/pin.json pins" >&2; exit 2 ;;
+  esac
   key="prebuilt $(sha256sum < "$wheel" | cut -c1-16)"
   if [ "$installed" != "$version" ] || [ "$(cat "$venv/.llama-cpp-build" 2>/dev/null)" != "$key" ]; then
     pip install --force-reinstall --no-deps "$wheel"
@@ -99,6 +107,7 @@ took "llama-cpp-python" "$t"
 # llama.cpp's common and server sources; neither compiles ggml)
 peer_pid=""
 if [ "$peer" = 1 ]; then
+  "$py" vendor/fetch.py source >/dev/null  # extracted once, before the two builds that read it start
   t_peer=$SECONDS
   PYTHON="$py" scripts/build_llama_tools.sh --installed-ggml llama-server > "$venv/.peer-build.log" 2>&1 &
   peer_pid=$!

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What scripts/gpu_check.sh installs, in one folder, for a GPU machine with no network:
 #
-#   scripts/wheelhouse.sh [--out DIR] [--python X.Y] [--cuda ARCH]
+#   scripts/wheelhouse.sh [--out DIR] [--python X.Y] [--cuda ARCH] [--present NAMES]
 #
 #   DIR/*.whl      the package's dependencies, the gpu-check extra's and what the build of
 #                  the extension needs (scikit-build-core, pybind11, setuptools), as binary
@@ -11,7 +11,13 @@
 #   DIR/cuda/      with --cuda ARCH: llama-cpp-python built HERE with CUDA for that one
 #                  architecture (no GPU needed: nvcc, cuBLAS's headers and a libcuda to link),
 #                  so that the lent GPU machine compiles no CUDA at all; the CPU kernels are
-#                  built for x86-64-v3 (AVX2, FMA, F16C), not for this machine's processor
+#                  built for x86-64-v3 (AVX2, FMA, F16C), not for this machine's processor.
+#                  The wheel (256 MB: a wheel holds no links, each library is there six
+#                  times) is kept folded, scripts/wheelpack.py: 42 MB for sm_90
+#   --present      the distributions the target's Python already has (comma-separated, or
+#                  @FILE, one per line): not downloaded, and the check's virtual environment
+#                  then sees the system's packages (DIR/system-site); what travels to a
+#                  machine that takes 64 MiB at most
 #
 #   scripts/gpu_check.sh --wheelhouse DIR     installs from it, with the package index off
 #
@@ -25,12 +31,14 @@ cd "$(dirname "$0")/.."
 out="wheelhouse"
 pyver=""
 arch=""
+present=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="${2:?--out needs a directory}"; shift ;;
     --python) pyver="${2:?--python needs a version, e.g. 3.12}"; shift ;;
     --cuda) arch="${2:?--cuda needs an architecture, e.g. 90}"; shift ;;
-    *) echo "usage: scripts/wheelhouse.sh [--out DIR] [--python X.Y] [--cuda ARCH]" >&2; exit 2 ;;
+    --present) present="${2:?--present needs names}"; shift ;;
+    *) echo "usage: scripts/wheelhouse.sh [--out DIR] [--python X.Y] [--cuda ARCH] [--present NAMES]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -63,6 +71,19 @@ echo "wheels for CPython $pyver: ${reqs[*]}"
 "$py" -m pip download --disable-pip-version-check -q --only-binary=:all: --implementation cp \
   --python-version "$pyver" "${platforms[@]}" -d "$out" "${reqs[@]}"
 cp "$("$py" vendor/fetch.py trimmed)" "$out/sdist/"
+rm -f "$out/system-site"
+if [ -n "$present" ]; then  # what the target has: not carried
+  [ "${present#@}" = "$present" ] || present=$(tr '\n' ',' < "${present#@}")
+  "$py" -c '
+import pathlib, re, sys
+norm = lambda n: re.sub(r"[-_.]+", "-", n).strip().lower()
+out, names = pathlib.Path(sys.argv[1]), {norm(n) for n in sys.argv[2].split(",") if n.strip()}
+for whl in out.glob("*.whl"):
+    if norm(whl.name.split("-")[0]) in names:
+        whl.unlink()
+' "$out" "$present"
+  echo "$present" > "$out/system-site"
+fi
 echo "wheels and the trimmed sdist: $(du -sh "$out" | cut -f1) in $((SECONDS - t0)) s"
 
 # -- the CUDA build of llama-cpp-python ------------------------------------------------------
@@ -115,7 +136,7 @@ if [ -n "$arch" ]; then
     sha256sum < "$out/sdist/"*.tar.gz > "$src/.from"
   fi
   mkdir -p "$out/cuda"
-  rm -f "$out"/cuda/*.whl
+  rm -f "$out"/cuda/*.whl "$out"/cuda/*.whl.tar.xz
   echo "building llama-cpp-python $version with CUDA $cuda_ver for sm_$arch ($(nproc) cores; build directory $build)"
   b0=$SECONDS
   PATH="$kit/bin:$(dirname "$py"):$PATH" CUDAToolkit_ROOT="$kit" CUDACXX="$kit/bin/nvcc" \
@@ -123,7 +144,9 @@ if [ -n "$arch" ]; then
     CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
     "$py" -m pip wheel --disable-pip-version-check -q --no-deps --no-build-isolation -w "$out/cuda" \
       -C build-dir="$build" "$src"
-  echo "built in $((SECONDS - b0)) s: $(ls "$out"/cuda/*.whl) ($(du -h "$out"/cuda/*.whl | cut -f1));" \
-       "per part: $py scripts/build_times.py $build"
+  whl=$(ls "$out"/cuda/*.whl)
+  echo "built in $((SECONDS - b0)) s: $whl ($(du -h "$whl" | cut -f1)); per part: $py scripts/build_times.py $build"
+  "$py" scripts/wheelpack.py pack "$whl" "$whl.tar.xz" && rm "$whl"
+  echo "folded: $whl.tar.xz ($(du -h "$whl.tar.xz" | cut -f1))"
 fi
 echo "wheelhouse in $out ($(du -sh "$out" | cut -f1)), $((SECONDS - t0)) s"

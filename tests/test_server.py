@@ -36,7 +36,7 @@ SHARE_PROBE_CACHE = True
 def server(tiny, tmp_path_factory, module_cache):
     broken = tmp_path_factory.mktemp("bad") / "broken.gguf"
     data = tiny["tiny-llama"].read_bytes()
-    broken.write_bytes(data[: len(data) // 3])
+    broken.write_bytes(data)  # whole while the router checks it, cut short below: its load fails
     # a serves one request at a time through llama_cpp's streaming (slow enough to stay busy)
     a, b = ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=2048), ModelSpec(tiny["tiny-moe"], n_ctx=512)
     gpu0 = max(probe(a).total, probe(b).total) + 1
@@ -49,6 +49,7 @@ def server(tiny, tmp_path_factory, module_cache):
     ]
     router = Router(models, inventory=EmulatedInventory({"GPU0": gpu0, "GPU1": 1 << 30}), margin=0,
                     queue_timeout=4.0, turn=0.2)
+    broken.write_bytes(data[: len(data) // 3])
     with serving(router, api_key=KEY, max_body=64 * 1024) as base:
         yield base, router
 

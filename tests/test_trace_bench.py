@@ -21,7 +21,9 @@ def _args(**kw) -> argparse.Namespace:
 
 def test_the_workload_is_the_traces_arrivals_mapped_per_service_the_same_for_a_seed():
     args = _args()
-    one, again, other = trace_bench.workload(args, 1), trace_bench.workload(args, 1), trace_bench.workload(args, 2)
+    models = trace_bench.MODELS
+    one, again, other = (trace_bench.workload(args, 1, models), trace_bench.workload(args, 1, models),
+                         trace_bench.workload(args, 2, models))
     code = sum(1 for _ in trace_bench.read_trace("code", args.offset, args.window))
     conv = sum(1 for _ in trace_bench.read_trace("conv", args.offset, args.window))
     assert len(one) == code + conv > 0

@@ -29,6 +29,9 @@ import asyncio
 import collections
 import json
 import math
+import numbers
+import sys
+import threading
 import time
 from typing import (Any, AsyncIterator, Awaitable, Callable, Generator, Generic, Iterator, Literal, Mapping,
                     Sequence, TypeVar, overload)
@@ -57,16 +60,27 @@ def remaining(deadline: float | None) -> float | None:
 
 
 def checked_seconds(name: str, value: Any, zero: bool = False) -> float | None:
-    """``value`` as seconds (None: no bound): a TypeError for what is not a number, a
-    ValueError for a negative one, NaN, or 0 where ``zero`` is not allowed."""
+    """``value`` as seconds (None, or more than a thread can wait: no bound): a TypeError for
+    what is not a real number (numpy's included), a ValueError for a negative one, NaN, or 0
+    where ``zero`` is not allowed."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (bool, numpy_bool())) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds (an int or a float) or None, "
                         f"not {type(value).__name__} {value!r}")
-    if math.isnan(value) or value < 0 or (value == 0 and not zero):
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not zero):
         raise ValueError(f"{name} must be {'0 or more' if zero else 'more than 0'} seconds, not {value!r}")
-    return float(value)
+    return None if seconds > threading.TIMEOUT_MAX else seconds
+
+
+def numpy_bool() -> type:
+    """numpy's bool where numpy is loaded (a bool is no number of seconds), else bool."""
+    numpy = sys.modules.get("numpy")
+    return getattr(numpy, "bool_", bool) if numpy is not None else bool
 
 
 def _checked_stream(where: str, stream: Any) -> bool:
@@ -126,11 +140,14 @@ class Events(Generic[E]):
         self._model, self._stream = model, stream
         self._buffer = bytearray()
         self._ready: collections.deque[Any] = collections.deque()
+        self._closed = False
 
     def __iter__(self) -> "Events[E]":
         return self
 
     def __next__(self) -> E:
+        if self._closed:
+            raise StopIteration
         while not self._ready:
             try:
                 chunk = next(self._stream)
@@ -145,7 +162,9 @@ class Events(Generic[E]):
 
     def close(self) -> None:
         """Stop the generation; return once the worker has ended the request (its engine
-        frees the slot at its next step)."""
+        frees the slot at its next step).  Nothing more is read after it."""
+        self._closed = True
+        self._ready.clear()
         self._stream.close()
 
     def __enter__(self) -> "Events[E]":
@@ -168,8 +187,12 @@ class AsyncEvents(Generic[E]):
         self._stream: Stream | None = None
         self._buffer = bytearray()
         self._ready: collections.deque[Any] = collections.deque()
+        self._closed = False
 
-    async def _open(self) -> Stream:
+    async def _open(self) -> Stream | None:
+        """The stream, its request sent first if need be; None once closed (nothing sent)."""
+        if self._closed:
+            return None
         if self._stream is None:
             reply, stream = await self._opening()
             if stream is None:  # llama-server answered whole (an error is raised before this)
@@ -189,6 +212,8 @@ class AsyncEvents(Generic[E]):
 
     async def __anext__(self) -> E:
         stream = await self._open()
+        if stream is None:
+            raise StopAsyncIteration
         while not self._ready:
             try:
                 chunks = await asyncio.wait_for(stream.anext_batch(), remaining(self._deadline))
@@ -211,7 +236,9 @@ class AsyncEvents(Generic[E]):
 
     async def aclose(self) -> None:
         """Stop the generation; return once the worker has ended the request (its engine
-        frees the slot at its next step)."""
+        frees the slot at its next step).  Nothing more is read, nor sent, after it."""
+        self._closed = True
+        self._ready.clear()
         if self._stream is not None:
             await self._stream.aclose()
 
@@ -401,25 +428,27 @@ class Methods:
     # -- the shared part -------------------------------------------------------------------------------
 
     def _body(self, where: str, model: str, fixed: dict[str, Any], options: Mapping[str, Any],
-              extra: Mapping[str, Any] | None, stream: Any, timeout: Any, wait: Any) -> dict[str, Any]:
-        """The request's body, its mistakes raised here, before anything is sent."""
+              extra: Mapping[str, Any] | None, stream: Any,
+              timeout: Any, wait: Any) -> tuple[dict[str, Any], float | None, float | None]:
+        """The request's body and its timeout and wait in seconds, its mistakes raised here,
+        before anything is sent."""
         check(where, options)
         stream = _checked_stream(where, stream)
-        checked_seconds("timeout", timeout)
-        checked_seconds("wait", wait, zero=True)
-        return {**options, **fixed, "model": model, **({"stream": True} if stream else {}), **(extra or {})}
+        timeout, wait = checked_seconds("timeout", timeout), checked_seconds("wait", wait, zero=True)
+        body = {**options, **fixed, "model": model, **({"stream": True} if stream else {}), **(extra or {})}
+        return body, timeout, wait
 
     def _openai(self, where: str, model: str, path: str, fixed: dict[str, Any], options: Mapping[str, Any],
                 extra: Mapping[str, Any] | None, stream: bool, timeout: float | None, wait: float | None,
                 autoload: bool | None):
-        body = self._body(where, model, fixed, options, extra, stream, timeout, wait)
+        body, timeout, wait = self._body(where, model, fixed, options, extra, stream, timeout, wait)
         reply, chunks = self.call(model, "POST", path, body, timeout=timeout, wait=wait, autoload=autoload)
         return Events(model, chunks) if chunks is not None else json.loads(reply.body)
 
     def _aopenai(self, where: str, model: str, path: str, fixed: dict[str, Any],
                  options: Mapping[str, Any], extra: Mapping[str, Any] | None, stream: bool,
                  timeout: float | None, wait: float | None, autoload: bool | None):
-        body = self._body(where, model, fixed, options, extra, stream, timeout, wait)
+        body, timeout, wait = self._body(where, model, fixed, options, extra, stream, timeout, wait)
         opening = lambda: self.acall(model, "POST", path, body, timeout=timeout, wait=wait,  # noqa: E731
                                      autoload=autoload)
         if stream:

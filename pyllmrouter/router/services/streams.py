@@ -39,6 +39,7 @@ class Stream:
         self._pending = pending
         self._on_end = on_end
         self._done = False
+        self._cancelled = False  # stopped by its caller: its final reply is its end, not an error
         self._lock = threading.Lock()
         self._read = threading.Lock()  # one reader at a time (a drain may race a reader)
         self._failure: RouterError | None = None  # a failure found by anext_batch, raised next
@@ -72,7 +73,7 @@ class Stream:
             self._deadline = None
             self.abandon()
             raise RequestTimeout(self._name, self._timeout)
-        if isinstance(msg, Failed):
+        if isinstance(msg, Failed) and not self._cancelled:
             raise self._errors(msg)
         raise StopIteration
 
@@ -96,7 +97,7 @@ class Stream:
                     out.append(msg.value)
                     continue
                 self._finish(msg)
-                if isinstance(msg, Failed):
+                if isinstance(msg, Failed) and not self._cancelled:
                     self._failure = self._errors(msg)
             if out:
                 return out
@@ -115,6 +116,7 @@ class Stream:
     def cancel(self) -> None:
         """Stop generation (thread-safe). Whoever reads the stream then sees its end."""
         if not self._done:
+            self._cancelled = True
             self._pending.cancel()
 
     def close(self) -> None:

@@ -53,7 +53,8 @@ class Pending:
 
     A thread blocks in ``get``; a coroutine awaits ``wait_async``, which
     the reader thread wakes with one ``call_soon_threadsafe`` per event loop and
-    pipe message (no thread hop per chunk).
+    pipe message (no thread hop per chunk).  Every coroutine waiting is woken (a stream's
+    reader and a task closing it may wait at once).
     """
 
     def __init__(self, req_id: int, worker: "WorkerHandle", ping: bool = False):
@@ -62,15 +63,15 @@ class Pending:
         self.ping = ping  # the heartbeat: it keeps no worker busy
         self._replies: deque = deque()
         self._cond = threading.Condition(threading.Lock())
-        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
-    def put(self, msg: Any) -> tuple[asyncio.AbstractEventLoop, asyncio.Future] | None:
-        """Add a reply; returns the coroutine waiter to wake, if one is waiting."""
+    def put(self, msg: Any) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]:
+        """Add a reply; returns the coroutine waiters to wake."""
         with self._cond:
             self._replies.append(msg)
             self._cond.notify()
-            waiter, self._waiter = self._waiter, None
-        return waiter
+            waiters, self._waiters = self._waiters, []
+        return waiters
 
     def get(self, timeout: float | None = None) -> Any:
         with self._cond:
@@ -91,13 +92,12 @@ class Pending:
         with self._cond:
             if self._replies:
                 return
-            self._waiter = (loop, fut)
+            self._waiters.append((loop, fut))
         try:
             await fut
         finally:
             with self._cond:
-                if self._waiter is not None and self._waiter[1] is fut:
-                    self._waiter = None
+                self._waiters = [w for w in self._waiters if w[1] is not fut]
 
     def cancel(self) -> None:
         """Ask the worker to stop the request (queued; a worker that is gone has no request
@@ -113,8 +113,8 @@ def _deliver(deliveries: list[tuple[Pending, Any]]) -> None:
     one call_soon_threadsafe per event loop."""
     waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
     for pending, msg in deliveries:
-        if (w := pending.put(msg)) is not None:
-            waiters.setdefault(w[0], []).append(w[1])
+        for loop, fut in pending.put(msg):
+            waiters.setdefault(loop, []).append(fut)
     for loop, futures in waiters.items():
         try:
             loop.call_soon_threadsafe(_wake, futures)
