@@ -240,3 +240,45 @@ def test_an_http_client_gone_while_it_waits_for_a_slot(servers, path):
     assert took < BOUND, f"{path}: a slot was still busy {took:.3f} s after every client left"
     time.sleep(0.3)
     assert http_busy(base) == 0, f"{path}: the withdrawn request ran after its client left"
+
+
+# -- closing from elsewhere --------------------------------------------------------------------------
+
+def test_an_async_stream_closed_by_another_task_ends_its_reader(router):
+    async def main():
+        events = router.achat("m", MESSAGES, stream=True, **LONG)
+        got = []
+
+        async def read():
+            async for event in events:
+                got.append(event)
+        reader = asyncio.ensure_future(read())
+        while not got:
+            await asyncio.sleep(0.01)
+        await events.aclose()
+        await asyncio.wait_for(reader, 10)  # it ends: the stream's end, not an error, not a hang
+    asyncio.run(main())
+    freed(router)
+
+
+def test_a_stream_closed_by_another_thread_ends_its_reader_without_an_error(router):
+    events = router.chat("m", MESSAGES, stream=True, **LONG)
+    next(events)
+    outcome = []
+    t = in_thread(lambda: outcome.append(sum(1 for _ in events)))
+    time.sleep(0.2)
+    events.close()
+    t.join(10)
+    assert outcome and not t.is_alive()  # the reader saw the end (no WorkerDied)
+    with pytest.raises(StopIteration):
+        next(events)
+    freed(router)
+
+
+def test_an_async_stream_closed_before_it_began_sends_nothing(router):
+    async def main():
+        events = router.acomplete("m", "once", stream=True, **LONG)
+        await events.aclose()
+        assert [e async for e in events] == []
+    asyncio.run(main())
+    assert busy(router) == 0
