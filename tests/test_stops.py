@@ -14,6 +14,8 @@ import asyncio
 import gc
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -282,3 +284,20 @@ def test_an_async_stream_closed_before_it_began_sends_nothing(router):
         assert [e async for e in events] == []
     asyncio.run(main())
     assert busy(router) == 0
+
+
+def test_a_process_that_exits_with_a_stream_open_exits(model_path):
+    """A stream collected while the interpreter finalizes used to start its drain thread,
+    which never starts then: Thread.start waited for it for ever and the process never
+    exited (a server's shutdown, seen after long runs)."""
+    code = f"""
+import sys
+from pyllmrouter import ModelConfig, ModelSpec, Router
+r = Router([ModelConfig("m", ModelSpec({str(model_path)!r}, ("-np", "1")))])
+events = r.complete("m", "once", stream=True, max_tokens=3000, ignore_eos=True)
+next(events)
+keep = [events]  # collected only as the interpreter finalizes
+print("exiting", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "exiting" in proc.stdout, proc.stderr[-2000:]

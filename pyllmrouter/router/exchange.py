@@ -19,6 +19,7 @@ from any thread; an exchange whose final reply was read needs none.
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from typing import Any, Awaitable, Callable
@@ -137,7 +138,8 @@ class Exchange:
         try:
             self._pending.cancel()
         finally:
-            threading.Thread(target=self._drain, name=f"stop-{self.name}", daemon=True).start()
+            if not sys.is_finalizing():  # at exit a thread never starts (Stream.abandon says more)
+                threading.Thread(target=self._drain, name=f"stop-{self.name}", daemon=True).start()
 
     def _drain(self) -> None:
         try:

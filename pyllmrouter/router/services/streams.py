@@ -9,6 +9,7 @@ errors a final reply is, and the wait for it that a caller who leaves cuts short
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
 from typing import Any, Awaitable, Callable
@@ -141,10 +142,13 @@ class Stream:
                 return
 
     def abandon(self) -> None:
-        """Cancel without waiting: the final reply is read (and the lease freed) in the background."""
+        """Cancel without waiting: the final reply is read (and the lease freed) in the background.
+        Not while the interpreter finalizes (a stream collected at exit): a thread started then
+        never runs, and Thread.start would wait for it for ever; the process is ending anyway."""
         if not self._done:
             self.cancel()
-            threading.Thread(target=self._drain, daemon=True).start()
+            if not sys.is_finalizing():
+                threading.Thread(target=self._drain, daemon=True).start()
 
     def __del__(self) -> None:
         self.abandon()
