@@ -18,7 +18,7 @@ import pytest
 
 from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.tools.loopback import free_port, start_serve, wait_healthy
+from pyllmrouter.tools.loopback import free_port, serving as serve_variants, start_serve, wait_healthy
 from test_handover import Reader, connect, metric as any_metric, request
 from test_live import serving, wait_for
 
@@ -63,9 +63,13 @@ for _ in range(int(sys.argv[3])):
 """
 
 
+def serve_args(preset) -> list[str]:
+    return ["--models-preset", str(preset), "--no-models-cache", "--models-memory-margin", "0",
+            "--emulate-devices", "GPU0=4GiB", "--api-key", KEY]
+
+
 def serve(preset, *extra: str):
-    return start_serve(["--models-preset", str(preset), "--no-models-cache", "--models-memory-margin", "0",
-                        "--emulate-devices", "GPU0=4GiB", "--api-key", KEY, *extra])
+    return start_serve([*serve_args(preset), *extra])
 
 
 @pytest.fixture(scope="module")
@@ -75,21 +79,11 @@ def servers(tiny, tmp_path_factory):
     preset = tmp_path_factory.mktemp("follow") / "models.ini"
     preset.write_text(f"[m]\nmodel = {tiny['tiny-llama']}\nc = 1024\nnp = 2\nload-on-startup = true\n\n"
                       f"[n]\nmodel = {tiny['tiny-llama']}\nc = 1024\nnp = 1\nload-on-startup = true\n")
-    procs = []
-    try:
-        urls = {}
-        for name, extra in (("follow", ("--follow-ms", "100")), ("router", ("--follow-ms", "0"))):
-            proc, urls[name] = serve(preset, *extra)
-            procs.append(proc)
+    with serve_variants(serve_args(preset), {"follow": ["--follow-ms", "100"], "router": ["--follow-ms", "0"]}) as urls:
         for url in urls.values():  # both models loaded before the first test
             for model in ("m", "n"):
                 httpx.post(url + "/v1/completions", json={**M, "model": model}, headers=AUTH, timeout=120)
         yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
 
 
 def metric(base: str, name: str) -> float:

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from pyllmrouter import Router
-from pyllmrouter.tools import tinymodels
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.errors import RequestTimeout, RouterClosed
@@ -95,14 +98,19 @@ def test_a_whole_reply_past_its_timeout_while_another_request_keeps_the_engine_b
     freed(router)
 
 
-def test_a_whole_reply_whose_task_is_cancelled(router):
+def cancelled_while_decoding(router: Router, work) -> None:
+    """``work()`` (a coroutine) run as a task, cancelled once the engine decodes for it."""
     async def main():
-        task = asyncio.ensure_future(router.achat("m", MESSAGES, **LONG))
+        task = asyncio.ensure_future(work())
         await asyncio.to_thread(decoding, router)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
     asyncio.run(main())
+
+
+def test_a_whole_reply_whose_task_is_cancelled(router):
+    cancelled_while_decoding(router, lambda: router.achat("m", MESSAGES, **LONG))
     freed(router)
 
 
@@ -156,16 +164,10 @@ def test_an_async_for_left_by_break(router):
 
 
 def test_an_async_stream_whose_task_is_cancelled(router):
-    async def main():
-        async def read():
-            async for _ in router.achat("m", MESSAGES, stream=True, **LONG):
-                pass
-        task = asyncio.ensure_future(read())
-        await asyncio.to_thread(decoding, router)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    asyncio.run(main())
+    async def read():
+        async for _ in router.achat("m", MESSAGES, stream=True, **LONG):
+            pass
+    cancelled_while_decoding(router, read)
     freed(router)
 
 
@@ -301,3 +303,72 @@ print("exiting", flush=True)
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "exiting" in proc.stdout, proc.stderr[-2000:]
+
+
+# -- a search: any path, stopped at any moment, beside a busy neighbour or not --------------------------
+
+def _stop_sync_timeout(router, after):
+    with pytest.raises(RequestTimeout):
+        router.chat("m", MESSAGES, timeout=0.05 + after / 100, **LONG)
+
+
+def _stop_stream_closed(router, after):
+    with router.complete("m", "once", stream=True, **LONG) as events:
+        for i, _ in enumerate(events):
+            if i >= after:
+                break
+
+
+def _stop_stream_dropped(router, after):
+    events = router.chat("m", MESSAGES, stream=True, **LONG)
+    for _, _ in zip(range(after), events):
+        pass
+    del events
+    gc.collect()
+
+
+def _stop_task_cancelled(router, after):
+    async def main():
+        task = asyncio.ensure_future(router.acomplete("m", "once", **LONG))
+        await asyncio.sleep(after / 100)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(main())
+
+
+def _stop_async_stream_closed(router, after):
+    async def main():
+        async with router.achat("m", MESSAGES, stream=True, **LONG) as events:
+            i = 0
+            async for _ in events:
+                i += 1
+                if i > after:
+                    break
+    asyncio.run(main())
+
+
+STOPS = {f.__name__.removeprefix("_stop_"): f for f in (_stop_sync_timeout, _stop_stream_closed, _stop_stream_dropped,
+                                                         _stop_task_cancelled, _stop_async_stream_closed)}
+
+
+@settings(max_examples=int(os.environ.get("STOP_EXAMPLES", "8")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(how=st.sampled_from(sorted(STOPS)), after=st.integers(0, 40), neighbour=st.booleans())
+def test_any_stop_at_any_moment_frees_its_slot_and_its_lease(router, how, after, neighbour):
+    """Searched: each way a caller stops, at a moment from before its first token to well into
+    its generation, on an idle engine or beside another request that keeps it busy; after
+    each, the slot is free within BOUND and no lease is left but the neighbour's."""
+    other = router.chat("m", MESSAGES, stream=True, **LONG) if neighbour else None
+    if other is not None:
+        next(other)
+    try:
+        STOPS[how](router, after)
+        took = until(lambda: busy(router) == int(neighbour))
+        assert took < BOUND, f"{how} after {after}: the slot was still busy {took:.3f} s later"
+        leases = until(lambda: router.status()["models"]["m"]["leases"] == int(neighbour), limit=BOUND)
+        assert leases < BOUND
+    finally:
+        if other is not None:
+            other.close()
+    until(lambda: busy(router) == 0)

@@ -77,11 +77,7 @@ class Router(Methods):
             options = RouterOptions(**{**options.__dict__, **option_overrides})
         self.options = options
         models = list(models)
-        for i, m in enumerate(models):
-            if not isinstance(m, ModelConfig):
-                raise ValueError(f"Router(models=...): item {i} is a {type(m).__name__} ({m!r}), not a ModelConfig: "
-                                 f"Router([ModelConfig(name, ModelSpec(path, (llama-server arguments...)))])")
-        _check_own(models)
+        _check_own(models, "Router(models=...)")
         self._sched = Scheduler(models, inventory or SystemInventory(), options)
         self._sources = sources or Sources()
         self._reloading = threading.Lock()  # one reading of the sources at a time
@@ -179,7 +175,7 @@ class Router(Methods):
     def add_model(self, cfg: ModelConfig) -> None:
         """Serve one more model (ValueError: its name or an alias is taken, or its file or
         arguments are refused, as ``Router()`` refuses them)."""
-        _check_own([cfg])
+        _check_own([cfg], "add_model()")
         self._sched.add_model(cfg)
 
     def remove_model(self, name: str) -> None:
@@ -189,7 +185,7 @@ class Router(Methods):
     def replace_model(self, cfg: ModelConfig) -> None:
         """``cfg`` takes over its name once the model there has finished and unloaded
         (ValueError as for ``add_model``)."""
-        _check_own([cfg])
+        _check_own([cfg], "replace_model()")
         self._sched.replace_model(cfg)
 
     def reload(self) -> dict[str, list[str]]:
@@ -486,13 +482,13 @@ class Router(Methods):
             self._sched.release(fut.result())
 
 
-def _check_own(models: list[ModelConfig]) -> None:
+def _check_own(models: list[ModelConfig], where: str) -> None:
     """The app's own models, checked as llama-server would take them (the file a whole GGUF,
     the arguments llama.cpp's): a mistake fails here, not at the first request.  A model the
     sources list fails at its load, as llama-server's router lists it."""
     for i, m in enumerate(models):
         if not isinstance(m, ModelConfig):
-            raise ValueError(f"item {i} is a {type(m).__name__} ({m!r}), not a ModelConfig: "
+            raise ValueError(f"{where}: item {i} is a {type(m).__name__} ({m!r}), not a ModelConfig: "
                              f"ModelConfig(name, ModelSpec(path, (llama-server arguments...)))")
     check_specs([(m.name, m.spec.path, m.spec.args) for m in models if m.source == API])
 

@@ -30,10 +30,9 @@ import collections
 import json
 import math
 import numbers
-import sys
 import threading
 import time
-from typing import (Any, AsyncIterator, Awaitable, Callable, Generator, Generic, Iterator, Literal, Mapping,
+from typing import (Any, Awaitable, Callable, Generator, Generic, Iterator, Literal, Mapping,
                     Sequence, TypeVar, overload)
 
 from pyllmrouter.errors import RequestFailed, RequestTimeout
@@ -65,7 +64,7 @@ def checked_seconds(name: str, value: Any, zero: bool = False) -> float | None:
     where ``zero`` is not allowed."""
     if value is None:
         return None
-    if isinstance(value, (bool, numpy_bool())) or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's bool is no Real
         raise TypeError(f"{name} must be a number of seconds (an int or a float) or None, "
                         f"not {type(value).__name__} {value!r}")
     try:
@@ -75,12 +74,6 @@ def checked_seconds(name: str, value: Any, zero: bool = False) -> float | None:
     if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not zero):
         raise ValueError(f"{name} must be {'0 or more' if zero else 'more than 0'} seconds, not {value!r}")
     return None if seconds > threading.TIMEOUT_MAX else seconds
-
-
-def numpy_bool() -> type:
-    """numpy's bool where numpy is loaded (a bool is no number of seconds), else bool."""
-    numpy = sys.modules.get("numpy")
-    return getattr(numpy, "bool_", bool) if numpy is not None else bool
 
 
 def _checked_stream(where: str, stream: Any) -> bool:
