@@ -3,6 +3,9 @@
     check(path)    ValueError naming the problem: not a GGUF file (its first bytes), a
                    version llama.cpp does not read, a header cut short or inconsistent, or
                    tensor data that ends past the end of the file (a truncated download)
+    metadata(path) the same checks, and what the header says: its keys' values (numbers,
+                   booleans and strings; an array is None) and the parameters (the
+                   tensors' elements): what Ollama's /api/show and /api/tags describe
 
 Reads the key/value section and the tensor table (values skipped by their lengths, nothing
 decoded but what the sizes need), as llama.cpp's gguf reader walks them, and the extent of
@@ -15,11 +18,13 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from typing import Any
 
-__all__ = ["check"]
+__all__ = ["check", "metadata"]
 
 _MAGIC = b"GGUF"
 _SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
+_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _MAX_COUNT = 1 << 40  # counts past this are a corrupt header, not a big model
 
@@ -78,13 +83,19 @@ def check(path: str) -> None:
     """ValueError unless ``path`` is a whole GGUF file (see the module's docstring).  A
     tensor of a type the installed gguf package does not know (llama.cpp's newer ones) is
     not judged by its size: llama.cpp's load is."""
+    metadata(path, values=False)
+
+
+def metadata(path: str, values: bool = True) -> tuple[dict[str, Any], int]:
+    """``check``'s checks, then (the header's keys and values, the parameters): a number,
+    boolean or string as it is, an array as None (``values=False``: no value read)."""
     try:
-        _check(path)
+        return _walk(path, values)
     except OSError as e:
         raise ValueError(f"{path} cannot be read: {e.strerror or e}") from None
 
 
-def _check(path: str) -> None:
+def _walk(path: str, values: bool) -> tuple[dict[str, Any], int]:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415
 
     size = os.path.getsize(path)
@@ -101,19 +112,23 @@ def _check(path: str) -> None:
                 raise h.fail(f"version {version} (llama.cpp reads 2 and 3)")
             n_tensors, n_kv = h.u64(), h.u64()
             alignment = 32
-            keys: set[bytes] = set()
+            keys: dict[bytes, Any] = {}
             for _ in range(n_kv):
                 key, kind = h.string(), h.u32()
                 if key in keys:
                     raise h.fail(f"the key {key.decode(errors='replace')!r} is there twice")
-                keys.add(key)
+                keys[key] = None
                 if key == b"general.alignment" and kind == 4:
-                    alignment = struct.unpack("<I", h.take(4))[0]
+                    alignment = keys[key] = struct.unpack("<I", h.take(4))[0]
                     if alignment == 0 or alignment & (alignment - 1):
                         raise h.fail(f"general.alignment {alignment}")
+                elif values and kind in _FORMATS:
+                    keys[key] = struct.unpack(_FORMATS[kind], h.take(_SCALARS[kind]))[0]
+                elif values and kind == _STRING:
+                    keys[key] = h.string().decode(errors="replace")
                 else:
                     h.skip_value(kind)
-            end = 0
+            end = parameters = 0
             for _ in range(n_tensors):
                 name = h.string()
                 n_dims = h.u32()
@@ -122,6 +137,7 @@ def _check(path: str) -> None:
                 elements = 1
                 for _ in range(n_dims):
                     elements *= h.u64()
+                parameters += elements
                 kind, offset = h.u32(), h.u64()
                 if offset % alignment:
                     raise h.fail(f"tensor {name!r} is at offset {offset}, not a multiple of {alignment}")
@@ -137,3 +153,4 @@ def _check(path: str) -> None:
     if n_tensors and data + end > size:
         raise ValueError(f"{path} is cut short: its tensors end at byte {data + end}, the file has {size} "
                          f"(a download that did not finish?)")
+    return {k.decode(errors="replace"): v for k, v in keys.items()}, parameters

@@ -117,6 +117,9 @@ class ModelStatus(TypedDict, total=False):
     kept: dict[str, int]  # prompt states kept across eviction: bytes in RAM and on disk, files
     idle_seconds: float | None
     waiting: dict[str, Any]  # requests waiting for it, and why
+    ttl: float | None  # seconds idle before it is unloaded: a client's keep_alive, else its config's (None: never)
+    context: dict[str, Any] | None  # n_ctx (the fit's, or as probed), n_ctx_train, slots...
+    projector: bool  # it has a multimodal projector
 
 
 class DeviceStatus(TypedDict, total=False):

@@ -59,10 +59,19 @@ class Record:
     successor: "Record | None" = None  # the Record of that config, once this one is gone
     gone: bool = False  # no longer in the list: its waiters follow ``successor``, or fail
     primary: "Record | None" = None  # an extra instance's model (replicas.py); None: the model's own
+    # its idle time as a client last set it (Ollama's keep_alive): None, the config's ttl;
+    # below 0, never unloaded for idleness (eviction still may: keep is not persistent)
+    keep: float | None = None
 
     @property
     def name(self) -> str:
         return self.config.name
+
+    def ttl(self) -> float | None:
+        """Seconds idle before it is unloaded (None: never): a client's keep, else the config's."""
+        if self.keep is None:
+            return self.config.ttl
+        return None if self.keep < 0 else self.keep
 
     def slots(self) -> int:
         """Its engine's parallel slots, as probed on its device set (1 until known)."""
@@ -97,7 +106,7 @@ class Record:
             "fit": self.fit.to_dict() if self.fit and held else None,
             "context": self.context(),
             "live": dict(self.live), "reason": self.reason, "loads": self.loads,
-            "persistent": self.config.persistent, "ttl": self.config.ttl, "source": self.config.source,
+            "persistent": self.config.persistent, "ttl": self.ttl(), "source": self.config.source,
             "projector": any(p.get("mmproj") for p in self.params.values()),
             "pending": self.fate.value if self.fate is not None else None,
             "replica_of": self.primary.name if self.primary is not None else None,

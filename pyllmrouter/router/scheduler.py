@@ -554,14 +554,24 @@ class Scheduler:
                 book.wait(0.1)
             return True
 
+    def keep_alive(self, name: str, seconds: float | None) -> str:
+        """``name``'s idle time from now on (Ollama's keep_alive): ``seconds`` (0: unloaded
+        once idle; below 0: never for idleness), None: its config's ttl again.  Only when it
+        goes idle changes: admission and eviction stay as they are.  Its record's name."""
+        with self._book.locked():
+            rec = self._book.resolve(name)
+            rec.keep = seconds
+            rec.last_used = max(rec.last_used, time.monotonic())  # the time counts from this request
+            return rec.name
+
     def reap_idle(self) -> list[str]:
         """Unload models idle longer than their ttl; returns their names."""
         now = time.monotonic()
         out = []
         with self._book.locked():
             for r in self._book.records():
-                ttl = r.config.ttl
-                if ttl and evictable(r.state, r.leases, False) and now - r.last_used > ttl:
+                ttl = r.ttl()
+                if ttl is not None and evictable(r.state, r.leases, False) and now - r.last_used > ttl:
                     self._jobs.unload_now(r)
                     out.append(r.name)
         return out

@@ -38,7 +38,7 @@ from fastapi.responses import Response
 
 from pyllmrouter.errors import RouterError, UnknownModel, WorkerDied
 from pyllmrouter.router.api import Router
-from pyllmrouter.server import manage, page
+from pyllmrouter.server import manage, ollama, page
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
 from pyllmrouter.router.services.tools import Services
 from pyllmrouter.server.body import BODY_METHODS, form, read_or_refuse, replay
@@ -387,6 +387,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         app.add_api_route(path, engine_get, methods=["GET"], include_in_schema=False)
 
     manage.mount(app, router, forward, body, settings)
+    ollama.mount(app, router)
     page.mount(app)
 
     @app.get("/metrics")
@@ -563,10 +564,10 @@ class _Guard:
             refused = self.gate.body(scope["method"], path, origin, headers.get("content-type", ""),
                                      headers.get("content-length", "0") != "0" or "transfer-encoding" in headers)
         if refused is not None:
-            return await error_response(_refusal(refused))(scope, receive, send)
+            return await _error_for(path, _refusal(refused))(scope, receive, send)
         err = guard_error(path, headers, self.api_keys, self.max_body)
         if err is not None:
-            return await error_response(err)(scope, receive, send)
+            return await _error_for(path, err)(scope, receive, send)
         if scope["method"] in BODY_METHODS:  # counted as it comes (chunked too), refused at the limit
             raw = await read_or_refuse(scope, receive, send, self.max_body)
             if raw is None:
@@ -575,6 +576,11 @@ class _Guard:
                 return await self.engine_post(scope, receive, send, headers, raw)
             receive = replay(raw, receive)
         return await self.app(scope, receive, send)
+
+
+def _error_for(path: str, e: ApiError) -> Response:
+    """A refusal in the shape the path's clients read: Ollama's under /api/, else OpenAI's."""
+    return ollama.error(e.status, e.message) if path.startswith("/api/") else error_response(e)
 
 
 def _refusal(r: Refusal) -> ApiError:

@@ -1,4 +1,5 @@
-"""The page at ``/``: static files of the package (``server/ui/``), no build step, nothing
+"""The page at ``/`` (for a browser: a request that accepts HTML; a program that does not
+gets Ollama's "Ollama is running", as Ollama's clients probe it): static files of the package (``server/ui/``), no build step, nothing
 fetched from elsewhere.  Public, as llama-server's web UI is: the page holds no secret;
 it asks for the API key and sends it with each of its API calls (server/ui/app.js).
 """
@@ -7,8 +8,8 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
 
 __all__ = ["mount", "is_public"]
 
@@ -27,8 +28,10 @@ def _file(name: str) -> Response:
 
 
 def mount(app: FastAPI) -> None:
-    @app.get("/", include_in_schema=False)
-    async def index():
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def index(request: Request):
+        if "text/html" not in request.headers.get("accept", ""):  # a program: Ollama's answer, as its clients probe
+            return PlainTextResponse("Ollama is running")
         return _file("index.html")
 
     @app.get("/ui/{name}", include_in_schema=False)

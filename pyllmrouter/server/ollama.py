@@ -1,0 +1,401 @@
+"""Ollama's API on the same server, answered by each model's llama.cpp engine through the router.
+
+    client ──/api/chat, /api/generate──▶ the model (name:tag, :latest) resolved to a listed one
+        ──ollama_wire.*_request──▶ Router.arelay(model, /v1/chat/completions | /completion | /infill)
+        ◀── SSE events ──Translator──▶ NDJSON objects (stream: true, the default), or one object
+        keep_alive: the model's idle time (Scheduler.keep_alive), set as the request takes it;
+        no prompt: the model loaded (done_reason "load"), or with keep_alive 0 unloaded ("unload")
+    /api/embed, /api/embeddings ──▶ /v1/embeddings
+    /api/tags, /api/show, /api/ps: the list, each file's GGUF header (gguf_header.metadata), and
+        the exact bytes each loaded model holds (size; size_vram: on GPUs), its expiry by its idle time
+    /api/pull, /api/delete: llama.cpp's cache (Router.pull, Router.delete), with Ollama's progress lines
+    /api/create, /api/copy, /api/push, /api/blobs: 501, saying why
+
+| endpoint                        | here                                                          |
+| GET  /api/version               | the Ollama API mirrored (ollama_wire.VERSION)                  |
+| GET  /api/tags, /api/ps         | listed models; loaded ones with their bytes                   |
+| POST /api/show                  | details, model_info, template, capabilities                   |
+| POST /api/chat, /api/generate   | streamed NDJSON or whole; format, options, tools, think, images |
+| POST /api/embed, /api/embeddings| vectors                                                       |
+| POST /api/pull, DELETE /api/delete | llama.cpp's cache (serve --models-cache)                   |
+
+Errors are Ollama's ``{"error": "..."}``; the key, Host and Origin rules are the server's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pyllmrouter import gguf_header
+from pyllmrouter.errors import RouterError, UnknownModel
+from pyllmrouter.router.api import Router
+from pyllmrouter.server import ollama_wire as wire
+from pyllmrouter.server.errors import ApiError, from_router_error
+from pyllmrouter.server.ollama_wire import OllamaError
+
+__all__ = ["error", "mount"]
+
+NDJSON = "application/x-ndjson"
+NEVER = 253402300799.0  # 9999-12-31T23:59:59Z: a model kept for ever expires then
+PULL_POLL = 0.25  # seconds between readings of a pull's progress
+
+
+def error(status: int, message: str) -> JSONResponse:
+    """Ollama's error shape."""
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _router_error(e: Exception) -> OllamaError:
+    err = from_router_error(e)
+    if isinstance(e, UnknownModel):
+        return OllamaError(404, f"model '{e.args[0] if e.args else ''}' not found")
+    return OllamaError(err.status, err.message)
+
+
+def _engine_error(status: int, body: bytes) -> OllamaError:
+    try:
+        data = json.loads(body)
+        message = data["error"]["message"] if isinstance(data.get("error"), dict) else data.get("error")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message = body.decode(errors="replace")
+    return OllamaError(status, str(message or f"HTTP {status}"))
+
+
+def _sse_events(buffer: bytearray) -> list[dict[str, Any]]:
+    """The whole events at the front of ``buffer`` (taken out of it), each ``data:``'s JSON."""
+    out = []
+    while (end := buffer.find(b"\n\n")) >= 0:
+        event = bytes(buffer[:end])
+        del buffer[:end + 2]
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                data = line[5:].strip()
+                if data and data != b"[DONE]":
+                    out.append(json.loads(data))
+    return out
+
+
+def mount(app: FastAPI, router: Router) -> None:
+    """Ollama's routes on ``app``."""
+    headers_cache: dict[tuple[str, int, int], tuple[dict[str, Any], int]] = {}  # this event loop's only
+
+    def handled(fn: Callable[..., Any]) -> Callable[..., Any]:
+        async def run(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except OllamaError as e:
+                return error(e.status, e.message)
+            except ApiError as e:
+                return error(e.status, e.message)
+            except RouterError as e:
+                e2 = _router_error(e)
+                return error(e2.status, e2.message)
+        run.__name__ = fn.__name__
+        return run
+
+    async def read(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            data = json.loads(raw or b"{}")
+        except (ValueError, RecursionError) as e:
+            raise OllamaError(400, f"invalid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise OllamaError(400, "the request body must be a JSON object")
+        return data
+
+    def resolve(data: dict[str, Any]) -> str:
+        name = data.get("model") or data.get("name")
+        if not isinstance(name, str) or not name:
+            raise OllamaError(400, "model is required")
+        for candidate in wire.listed_candidates(name):
+            listed = router.scheduler.canonical(candidate)
+            if listed is not None:
+                return listed
+        raise OllamaError(404, f"model '{name}' not found")
+
+    async def header(path: str) -> tuple[dict[str, Any], int]:
+        st = os.stat(path)
+        key = (path, st.st_size, st.st_mtime_ns)
+        if key not in headers_cache:
+            headers_cache[key] = await asyncio.to_thread(gguf_header.metadata, path)
+        return headers_cache[key]
+
+    def digest(path: str) -> str:
+        st = os.stat(path)  # an id of the file as it is (no need to read gigabytes): path, size and time
+        return hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
+
+    async def describe(name: str) -> dict[str, Any]:
+        cfg = router.scheduler.configs()[name]
+        path = cfg.spec.path
+        kv, parameters = await header(path)
+        st = os.stat(path)
+        return {"name": wire.ollama_name(name), "model": wire.ollama_name(name),
+                "modified_at": wire.timestamp(st.st_mtime), "size": st.st_size, "digest": digest(path),
+                "details": wire.details(kv, parameters)}
+
+    async def take(model: str, path: str, body: dict[str, Any], keep: float | None, gone) -> tuple[Any, Any]:
+        """The engine's reply to ``body`` at ``path``; the model's idle time set as the request takes it."""
+        def leased(_instance: str) -> None:
+            router.scheduler.keep_alive(model, keep)
+        try:
+            return await router.arelay(model, "POST", path, json.dumps(body).encode(), {},
+                                       headers={"content-type": "application/json"}, gone=gone,
+                                       leased=leased, raise_for_status=False)
+        except RouterError as e:
+            raise _router_error(e) from None
+
+    async def load_only(model: str, keep: float | None) -> str:
+        """No prompt: Ollama's load (or, keep_alive 0, unload)."""
+        try:
+            if keep == 0:
+                await asyncio.to_thread(router.unload, model)
+                return "unload"
+            await asyncio.to_thread(router.load, model)
+            router.scheduler.keep_alive(model, keep)
+        except RouterError as e:
+            raise _router_error(e) from None
+        return "load"
+
+    def warnings(ignored: list[str], num_ctx: int | None, model: str) -> dict[str, str]:
+        context = (router.status()["models"].get(model) or {}).get("context") or {}
+        n_ctx = context.get("n_ctx")
+        if num_ctx is not None and n_ctx and num_ctx > n_ctx:
+            ignored = [*ignored, f"num_ctx (the model is loaded with {n_ctx})"]
+        return {"x-pyllmrouter-ignored-options": ", ".join(ignored)} if ignored else {}
+
+    async def infer(request: Request, kind: str) -> Response:
+        t0, created = time.perf_counter(), time.time()
+        data = await read(request)
+        model = resolve(data)
+        keep = wire.keep_alive_seconds(data.get("keep_alive"))
+        stream = data.get("stream", True) is not False
+        empty = (kind == "chat" and not data.get("messages")) or \
+                (kind == "generate" and not data.get("prompt") and not data.get("suffix"))
+        if empty:
+            reason = await load_only(model, keep)
+            out: dict[str, Any] = {"model": data.get("model") or model, "created_at": wire.timestamp(created)}
+            out.update({"message": {"role": "assistant", "content": ""}} if kind == "chat" else {"response": ""})
+            out.update(done=True, done_reason=reason)
+            return JSONResponse(out)
+        build = wire.chat_request if kind == "chat" else wire.generate_request
+        path, body, ignored, num_ctx = build(data, model, stream)
+        extra = warnings(ignored, num_ctx, model)
+        gone = _watcher(request)
+        reply, chunks = await take(model, path, body, keep, gone)
+        translator = wire.Translator(kind, path, data.get("model") or model, created)
+        if reply.status >= 400:
+            if chunks is not None:
+                chunks.abandon()
+            raise _engine_error(reply.status, reply.body)
+        if chunks is None:
+            try:
+                whole = json.loads(reply.body)
+            except ValueError:
+                raise OllamaError(502, "the engine's reply is not JSON") from None
+            return JSONResponse(translator.whole(whole, int((time.perf_counter() - t0) * 1e9)), headers=extra)
+        return StreamingResponse(_ndjson(chunks, translator, t0), media_type=NDJSON, headers=extra)
+
+    async def embed(request: Request, legacy: bool) -> Response:
+        t0 = time.perf_counter()
+        data = await read(request)
+        model = resolve(data)
+        keep = wire.keep_alive_seconds(data.get("keep_alive"))
+        dimensions = data.get("dimensions")
+        if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
+                                       or dimensions < 1):
+            raise OllamaError(400, f"dimensions must be a positive integer, not {dimensions!r}")
+        reply, _ = await take(model, "/v1/embeddings", wire.embed_request(data, model, legacy), keep,
+                                   _watcher(request))
+        if reply.status >= 400:
+            raise _engine_error(reply.status, reply.body)
+        answer = json.loads(reply.body)
+        vectors = [wire.normalize(d["embedding"], dimensions)
+                   for d in sorted(answer.get("data") or [], key=lambda d: d.get("index", 0))]
+        if legacy:
+            return JSONResponse({"embedding": vectors[0] if vectors else []})
+        total = int((time.perf_counter() - t0) * 1e9)
+        return JSONResponse({"model": data.get("model") or model, "embeddings": vectors, "total_duration": total,
+                             "load_duration": 0,
+                             "prompt_eval_count": int((answer.get("usage") or {}).get("prompt_tokens") or 0)})
+
+    @app.get("/api/version")
+    async def version():
+        return {"version": wire.VERSION}
+
+    @app.get("/api/tags")
+    @handled
+    async def tags(request: Request):
+        names = [c.name for c in router.models() if not c.hidden]
+        models = []
+        for name in names:
+            try:
+                models.append(await describe(name))
+            except (OSError, ValueError, KeyError):
+                continue  # a file gone or unreadable: its load says why
+        return JSONResponse({"models": models})
+
+    @app.post("/api/show")
+    @handled
+    async def show(request: Request):
+        data = await read(request)
+        name = resolve(data)
+        cfg = router.scheduler.configs()[name]
+        try:
+            kv, parameters = await header(cfg.spec.path)
+        except (OSError, ValueError) as e:
+            raise OllamaError(500, f"model '{name}': {e}") from None
+        m = router.status()["models"].get(name) or {}
+        st = os.stat(cfg.spec.path)
+        return JSONResponse({
+            "modelfile": f"# pyllmrouter: model {name}\nFROM {cfg.spec.path}\n",
+            "parameters": wire.parameters(cfg.spec.to_args()), "template": kv.get("tokenizer.chat_template") or "",
+            "license": kv.get("general.license") or "", "details": wire.details(kv, parameters),
+            "model_info": wire.model_info(kv, parameters),
+            "capabilities": wire.capabilities(kv, bool(m.get("projector"))),
+            "modified_at": wire.timestamp(st.st_mtime)})
+
+    @app.get("/api/ps")
+    @handled
+    async def ps(request: Request):
+        st = router.status()
+        kinds = {n: d["kind"] for n, d in st["devices"].items()}
+        now = time.time()
+        configs = {c.name: c for c in router.models() if not c.hidden}
+        out = []
+        for name, m in st["models"].items():
+            if name not in configs or m["state"] not in ("loaded", "loading"):
+                continue
+            try:
+                entry = await describe(name)
+            except (OSError, ValueError, KeyError):
+                continue
+            ttl, idle = m["ttl"], m["idle_seconds"]
+            # busy (or loading): its idle time has not begun
+            expires = NEVER if ttl is None else now - (idle if idle is not None and m["state"] == "loaded" else 0) + ttl
+            held = m["held"]
+            entry.update(size=sum(held.values()), size_vram=sum(n for d, n in held.items() if kinds.get(d) != "cpu"),
+                         expires_at=wire.timestamp(min(expires, NEVER)),
+                         context_length=(m.get("context") or {}).get("n_ctx") or 0)
+            out.append(entry)
+        return JSONResponse({"models": out})
+
+    @app.post("/api/chat")
+    @handled
+    async def chat(request: Request):
+        return await infer(request, "chat")
+
+    @app.post("/api/generate")
+    @handled
+    async def generate(request: Request):
+        return await infer(request, "generate")
+
+    @app.post("/api/embed")
+    @handled
+    async def embed_new(request: Request):
+        return await embed(request, legacy=False)
+
+    @app.post("/api/embeddings")
+    @handled
+    async def embed_legacy(request: Request):
+        return await embed(request, legacy=True)
+
+    @app.post("/api/pull")
+    @handled
+    async def pull(request: Request):
+        data = await read(request)
+        name = data.get("model") or data.get("name")
+        if not isinstance(name, str) or not name:
+            raise OllamaError(400, "model is required")
+        if router.scheduler.canonical(name) is None:
+            try:
+                await asyncio.to_thread(router.pull, name)
+            except ValueError as e:
+                raise OllamaError(400, str(e)) from None
+        progress = _pulled(router, name)
+        if data.get("stream", True) is False:
+            last: dict[str, Any] = {}
+            async for last in progress:
+                pass
+            return error(500, last["error"]) if "error" in last else JSONResponse(last)
+        return StreamingResponse((wire.lines([o]) async for o in progress), media_type=NDJSON)
+
+    @app.delete("/api/delete")
+    @handled
+    async def delete(request: Request):
+        data = await read(request)
+        name = resolve(data)
+        try:
+            await asyncio.to_thread(router.delete, name)
+        except ValueError as e:
+            raise OllamaError(400, str(e)) from None
+        return Response(status_code=200)
+
+    for path, what in (("/api/create", ("creates no model: name a GGUF file in the model list (a preset, or "
+                                         "POST /models to pull one)")),
+                       ("/api/copy", "copies no model: give the model an alias in the preset"),
+                       ("/api/push", "pushes no model to a registry"),
+                       ("/api/blobs/{digest}", "takes no blobs: name a GGUF file in the model list")):
+        def refuse(what: str = what):
+            async def refused(request: Request):
+                return error(501, f"pyllmrouter {what}")
+            return refused
+        app.add_api_route(path, refuse(), methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
+                          include_in_schema=False)
+
+
+def _watcher(request: Request):
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    return gone
+
+
+async def _ndjson(chunks, translator: wire.Translator, t0: float) -> AsyncIterator[bytes]:
+    """The engine's SSE stream as Ollama's NDJSON; an error under way is Ollama's last line."""
+    buffer = bytearray()
+    try:
+        while batch := await chunks.anext_batch():
+            for chunk in batch:
+                buffer += chunk
+            objects = [o for event in _sse_events(buffer) for o in translator.feed(event)]
+            if objects:
+                yield wire.lines(objects)
+        yield wire.lines(translator.end(int((time.perf_counter() - t0) * 1e9)))
+    except OllamaError as e:
+        yield wire.lines([{"error": e.message}])
+    except RouterError as e:
+        yield wire.lines([{"error": _router_error(e).message}])
+    finally:
+        chunks.abandon()  # a client that left stops generation
+
+
+async def _pulled(router: Router, name: str) -> AsyncIterator[dict[str, Any]]:
+    """Ollama's pull progress lines for ``name``: until it is listed (success) or its download failed."""
+    yield {"status": "pulling manifest"}
+    while True:
+        if router.scheduler.canonical(name) is not None:
+            yield {"status": "success"}
+            return
+        d = router.status()["downloads"].get(name)
+        if d is not None and d["status"] == "failed":
+            yield {"error": f"pull of '{name}' failed: {d['error']}"}
+            return
+        if d is None:  # ended (a model that came is listed before its download ends), or stopped
+            if router.scheduler.canonical(name) is None:
+                yield {"error": f"pull of '{name}' ended with no model file (no such repository or tag?), "
+                                f"or was stopped"}
+                return
+            continue
+        for url, p in (d or {}).get("progress", {}).items():
+            yield {"status": f"pulling {url.rsplit('/', 1)[-1]}", "digest": url, "total": p["total"],
+                   "completed": p["done"]}
+        await asyncio.sleep(PULL_POLL)
