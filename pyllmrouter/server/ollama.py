@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -84,8 +84,10 @@ def _sse_events(buffer: bytearray) -> list[dict[str, Any]]:
     return out
 
 
-def mount(app: FastAPI, router: Router) -> None:
-    """Ollama's routes on ``app``."""
+def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+    """Ollama's routes on ``app``; returns its POSTs that run a model (chat, generate,
+    embed), by path, for the server's guard to call past FastAPI's routing and middleware
+    (server/app.py's ``_Guard``: a stream's every line would go through their wrappers)."""
     headers_cache: dict[tuple[str, int, int], tuple[dict[str, Any], int]] = {}  # this event loop's only
 
     def handled(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -166,10 +168,11 @@ def mount(app: FastAPI, router: Router) -> None:
         return "load"
 
     def warnings(ignored: list[str], num_ctx: int | None, model: str) -> dict[str, str]:
-        context = (router.status()["models"].get(model) or {}).get("context") or {}
-        n_ctx = context.get("n_ctx")
-        if num_ctx is not None and n_ctx and num_ctx > n_ctx:
-            ignored = [*ignored, f"num_ctx (the model is loaded with {n_ctx})"]
+        if num_ctx is not None:  # a context bigger than the model's is not given: said, not refused
+            context = (router.status()["models"].get(model) or {}).get("context") or {}
+            n_ctx = context.get("n_ctx")
+            if n_ctx and num_ctx > n_ctx:
+                ignored = [*ignored, f"num_ctx (the model is loaded with {n_ctx})"]
         return {"x-pyllmrouter-ignored-options": ", ".join(ignored)} if ignored else {}
 
     async def infer(request: Request, kind: str) -> Response:
@@ -191,7 +194,7 @@ def mount(app: FastAPI, router: Router) -> None:
         extra = warnings(ignored, num_ctx, model)
         gone = _watcher(request)
         reply, chunks = await take(model, path, body, keep, gone)
-        translator = wire.Translator(kind, path, data.get("model") or model, created)
+        translator = wire.Translator(kind, path, data.get("model") or model, time.time)
         if reply.status >= 400:
             if chunks is not None:
                 chunks.abandon()
@@ -288,26 +291,6 @@ def mount(app: FastAPI, router: Router) -> None:
             out.append(entry)
         return JSONResponse({"models": out})
 
-    @app.post("/api/chat")
-    @handled
-    async def chat(request: Request):
-        return await infer(request, "chat")
-
-    @app.post("/api/generate")
-    @handled
-    async def generate(request: Request):
-        return await infer(request, "generate")
-
-    @app.post("/api/embed")
-    @handled
-    async def embed_new(request: Request):
-        return await embed(request, legacy=False)
-
-    @app.post("/api/embeddings")
-    @handled
-    async def embed_legacy(request: Request):
-        return await embed(request, legacy=True)
-
     @app.post("/api/pull")
     @handled
     async def pull(request: Request):
@@ -350,6 +333,21 @@ def mount(app: FastAPI, router: Router) -> None:
             return refused
         app.add_api_route(path, refuse(), methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
                           include_in_schema=False)
+
+    async def chat(request: Request) -> Response:
+        return await infer(request, "chat")
+
+    async def generate(request: Request) -> Response:
+        return await infer(request, "generate")
+
+    async def embed_new(request: Request) -> Response:
+        return await embed(request, legacy=False)
+
+    async def embed_legacy(request: Request) -> Response:
+        return await embed(request, legacy=True)
+
+    return {"/api/chat": handled(chat), "/api/generate": handled(generate), "/api/embed": handled(embed_new),
+            "/api/embeddings": handled(embed_legacy)}
 
 
 def _watcher(request: Request):

@@ -19,7 +19,7 @@ import json
 import math
 import re
 from datetime import datetime, timezone
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 __all__ = ["OllamaError", "VERSION", "OPTIONS", "IGNORED", "ollama_name", "listed_candidates", "keep_alive_seconds",
@@ -269,18 +269,19 @@ def _ns(ms: Any) -> int:
 
 class Translator:
     """One engine reply as Ollama's objects.  ``kind``: "chat" (a ``message``) or
-    "generate" (a ``response``); ``engine``: the engine path it came from.  ``feed`` takes
-    each SSE event's JSON and returns the objects to write; ``end`` the final one."""
+    "generate" (a ``response``); ``engine``: the engine path it came from; ``clock``: the
+    wall clock each object's ``created_at`` reads (the caller's).  ``feed`` takes each SSE
+    event's JSON and returns the objects to write; ``end`` the final one."""
 
-    def __init__(self, kind: str, engine: str, model: str, created: float):
-        self.kind, self.engine, self.model, self.created = kind, engine, model, created
+    def __init__(self, kind: str, engine: str, model: str, clock: Callable[[], float]):
+        self.kind, self.engine, self.model, self.clock = kind, engine, model, clock
         self.calls: dict[int, dict[str, Any]] = {}  # tool calls as their deltas come: index -> id, name, arguments
         self.finish: str | None = None
         self.usage: dict[str, Any] = {}
         self.timings: dict[str, Any] = {}
 
     def _object(self, content: str = "", thinking: str = "", calls: list | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"model": self.model, "created_at": timestamp(self.created)}
+        out: dict[str, Any] = {"model": self.model, "created_at": timestamp(self.clock())}
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": content}
             if thinking:
