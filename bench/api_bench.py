@@ -26,6 +26,7 @@ from _load import QUESTIONS, gemma, percentile, ratio_interval, save
 from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.tables import render
 
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=40, help="pairs of calls")
