@@ -50,7 +50,8 @@ def models(tiny, projector, tmp_path_factory):
             ModelConfig("llama", ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=512)),
             ModelConfig("org/vision:Q8_0", ModelSpec(tiny["tiny-llama"], ("-np", "1", "--mmproj", str(projector)),
                                                      n_ctx=512)),
-            ModelConfig("bert", ModelSpec(tiny["tiny-bert"], ("--embedding",), n_ctx=512))]
+            ModelConfig("bert", ModelSpec(tiny["tiny-bert"], ("--embedding",), n_ctx=512)),
+            ModelConfig("pinned", ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=512), persistent=True, ttl=600)]
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def test_list_show_version_and_the_root_as_ollamas_clients_read_them(client, ser
     _, base = server
     listed = {m.model: m for m in client.list().models}
     assert set(listed) == {"think:latest", "tool:latest", "story:latest", "llama:latest", "org/vision:Q8_0",
-                           "bert:latest"}
+                           "bert:latest", "pinned:latest"}
     llama = listed["llama:latest"]
     assert llama.details.format == "gguf" and llama.details.family == "llama" and len(llama.digest) == 64
     assert llama.size == os.path.getsize(next(c for c in models if c.name == "llama").spec.path)
@@ -251,6 +252,39 @@ def test_keep_alive_sets_the_models_idle_time(client, server):
     assert bad.status_code == 400 and "invalid duration" in bad.json()["error"]
 
 
+def test_keep_alive_0_with_no_prompt_unloads_once_the_requests_in_flight_end(client, server):
+    r, base = server
+    client.chat(model="story", messages=HI, options={"num_predict": 1})
+    with httpx.stream("POST", base + "/api/chat", json={"model": "story", "messages": HI,
+                                                        "options": {"num_predict": 100000}}, timeout=60) as s:
+        next(s.iter_lines())  # under way
+        assert client.chat(model="story", messages=[], keep_alive=0).done_reason == "unload"
+        assert state(r, "story") == "loaded"  # its stream still runs
+    wait_for(lambda: state(r, "story") == "unloaded", 10, "the unload once the stream ended")
+
+
+def test_a_request_without_keep_alive_puts_the_models_own_idle_time_back_whatever_its_api(client, server):
+    r, _ = server
+    client.chat(model="llama", messages=HI, options={"num_predict": 1}, keep_alive=-1)
+    assert r.status()["models"]["llama"]["ttl"] is None
+    r.chat("llama", HI, max_tokens=1)  # the OpenAI endpoint's request, through the Python API
+    assert r.status()["models"]["llama"]["ttl"] is None is next(c for c in r.models() if c.name == "llama").ttl
+
+
+def test_a_persistent_model_keeps_its_own_idle_time(client, server):
+    r, _ = server
+    client.chat(model="pinned", messages=HI, options={"num_predict": 1}, keep_alive="1s")
+    assert r.status()["models"]["pinned"]["ttl"] == 600
+    time.sleep(2.5)
+    assert state(r, "pinned") == "loaded"
+
+
+def test_empty_input_loads_the_embedding_model_and_embeds_nothing(client, server):
+    assert client.embed(model="bert", input=[]).embeddings == []
+    assert client.embeddings(model="bert", prompt="").embedding == []
+    assert client.pull("bert:latest").status == "success"  # listed already: nothing to pull
+
+
 def test_keep_alive_for_ever_is_still_evicted_for_a_model_that_needs_its_memory(tiny):
     """keep_alive is an idle time, not a pin: admission stays exact."""
     a, b = (ModelConfig(n, ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=512)) for n in ("a", "b"))
@@ -279,11 +313,26 @@ def test_errors_are_ollamas_and_take_nothing_down(client, server):
              ("/api/chat", b'{"model": "llama", "messages": [{"role": "user", "content": "hi"}], '
                            b'"options": {"num_ctx": "big"}}', 400),
              ("/api/create", b'{"model": "x"}', 501), ("/api/copy", b'{"source": "a", "destination": "b"}', 501),
-             ("/api/push", b'{"model": "x"}', 501)]
+             ("/api/push", b'{"model": "x"}', 501),
+             ("/api/chat", b'{"model": "llama", "messages": [{"role": "assistant", "content": "x", '
+                           b'"tool_calls": "abc"}]}', 400),
+             ("/api/chat", b'{"model": "llama", "messages": [{"role": "assistant", "content": "x", '
+                           b'"tool_calls": [{"function": "f"}]}]}', 400),
+             ("/api/chat", b'{"model": "llama", "messages": [{"role": "user", "content": 5}]}', 400),
+             ("/api/chat", b'{"model": "llama", "messages": [], "tools": "abc"}', 400),
+             ("/api/chat", b'{"model": "llama", "messages": [], "stream": "no"}', 400),
+             ("/api/chat", b'{"model": "llama", "messages": [], "keep_alive": "nan"}', 400),
+             ("/api/generate", b'{"model": "llama", "prompt": "hi", "system": 5}', 400),
+             ("/api/chat", b'{"model": "bert", "messages": [{"role": "user", "content": "hi"}]}', 400),
+             ("/api/embed", b'{"model": "llama", "input": "hi"}', 400), ("/api/nothing", b"{}", 404)]
+    loaded_before = {n for n, m in r.status()["models"].items() if m["state"] == "loaded"}
     for path, body, status in cases:
         got = httpx.post(base + path, content=body, timeout=30)
         assert got.status_code == status, (path, body, got.text)
         assert isinstance(got.json()["error"], str) and got.json()["error"], got.text
+    assert httpx.get(base + "/api/chat").status_code == 404 and "error" in httpx.get(base + "/api/chat").json()
+    loaded_after = {n for n, m in r.status()["models"].items() if m["state"] == "loaded"}
+    assert loaded_before <= loaded_after  # nothing unloaded by any of them
     # the engine's own refusal (a prompt past the context), with its status
     long = post(base, "/api/chat", {"model": "llama", "messages": [{"role": "user", "content": "word " * 2000}],
                                     "stream": False})
@@ -367,7 +416,8 @@ def test_keep_alive_reads_ollamas_durations(given_, seconds):
     assert wire.keep_alive_seconds(given_) == seconds
 
 
-@pytest.mark.parametrize("bad", ["soon", "5 m", "m", "", True, [1], float("nan")])
+@pytest.mark.parametrize("bad", ["soon", "5 m", "m", "", True, [1], float("nan"), "nan", "inf", "-inf", "1e999",
+                                 float("inf")])
 def test_keep_alive_refuses_what_is_no_duration(bad):
     with pytest.raises(wire.OllamaError):
         wire.keep_alive_seconds(bad)

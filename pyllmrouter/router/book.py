@@ -304,6 +304,7 @@ class Book:
         with self._cond:
             rec.leases += 1
             rec.last_used = time.monotonic()
+            (rec.primary or rec).keep = None  # a request's keep_alive (if any) is set once it holds this
             if self.on_wait is not None:
                 self.on_wait((rec.primary or rec).name, rec.last_used - ticket.created)
             return Lease(rec.name, rec.worker, rec, rec.drain[0] if rec.drain is not None else None,
@@ -323,10 +324,12 @@ class Book:
             self._cond.notify_all()
 
     def keep_alive(self, rec: Record, seconds: float | None) -> None:
-        """``rec``'s idle time as a client set it (Record.keep), counted from now."""
+        """The idle time of ``rec`` (a model's own record) and its instances as a request set
+        it (Record.keep), counted from now."""
         with self._cond:
             rec.keep = seconds
-            rec.last_used = max(rec.last_used, time.monotonic())
+            for r in self._registry.instances(rec):
+                r.last_used = max(r.last_used, time.monotonic())
 
     def drain(self, rec: Record, deadline: float, seq: int) -> None:
         """``rec`` takes new requests until ``deadline`` only, for the waiter ``seq``."""

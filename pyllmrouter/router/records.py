@@ -59,8 +59,9 @@ class Record:
     successor: "Record | None" = None  # the Record of that config, once this one is gone
     gone: bool = False  # no longer in the list: its waiters follow ``successor``, or fail
     primary: "Record | None" = None  # an extra instance's model (replicas.py); None: the model's own
-    # its idle time as a client last set it (Ollama's keep_alive): None, the config's ttl;
-    # below 0, never unloaded for idleness (eviction still may: keep is not persistent)
+    # its idle time as the last request set it (Ollama's keep_alive; any request without one
+    # puts None back): None, the config's ttl; below 0, never unloaded for idleness (eviction
+    # still may: keep is not persistent).  The model's own record holds it for its instances.
     keep: float | None = None
 
     @property
@@ -68,10 +69,13 @@ class Record:
         return self.config.name
 
     def ttl(self) -> float | None:
-        """Seconds idle before it is unloaded (None: never): a client's keep, else the config's."""
-        if self.keep is None:
+        """Seconds idle before it is unloaded (None: never): the model's keep as the last
+        request set it, else the config's; a persistent model's is always its config's (an
+        operator's pin is not a client's to lift)."""
+        keep = (self.primary or self).keep
+        if keep is None or self.config.persistent:
             return self.config.ttl
-        return None if self.keep < 0 else self.keep
+        return None if keep < 0 else keep
 
     def slots(self) -> int:
         """Its engine's parallel slots, as probed on its device set (1 until known)."""

@@ -560,7 +560,7 @@ class Scheduler:
         goes idle changes: admission and eviction stay as they are.  Its record's name."""
         with self._book.locked():
             rec = self._book.resolve(name)
-            self._book.keep_alive(rec, seconds)
+            self._book.keep_alive(rec.primary or rec, seconds)
             return rec.name
 
     def reap_idle(self) -> list[str]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -44,6 +45,7 @@ from pyllmrouter.server.ollama_wire import OllamaError
 
 __all__ = ["error", "mount"]
 
+_LOG = logging.getLogger("pyllmrouter.ollama")
 NDJSON = "application/x-ndjson"
 NEVER = 253402300799.0  # 9999-12-31T23:59:59Z: a model kept for ever expires then
 PULL_POLL = 0.25  # seconds between readings of a pull's progress
@@ -101,6 +103,9 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             except RouterError as e:
                 e2 = _router_error(e)
                 return error(e2.status, e2.message)
+            except Exception as e:  # noqa: BLE001 - a bug: said in Ollama's shape, logged, the server goes on
+                _LOG.exception("%s %s", request.method, request.url.path)
+                return error(500, f"internal error: {type(e).__name__}: {e}")
         run.__name__ = fn.__name__
         return run
 
@@ -156,16 +161,29 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             raise _router_error(e) from None
 
     async def load_only(model: str, keep: float | None) -> str:
-        """No prompt: Ollama's load (or, keep_alive 0, unload)."""
+        """No prompt: Ollama's load; with keep_alive 0, its unload: now where it is idle, else
+        once its requests end (its idle time is 0: the reaper's next round after them)."""
         try:
             if keep == 0:
-                await asyncio.to_thread(router.unload, model)
+                router.scheduler.keep_alive(model, 0)
+                m = router.status()["models"].get(model) or {}
+                if m.get("state") == "loaded" and not m.get("leases"):
+                    await asyncio.to_thread(router.unload, model)
                 return "unload"
             await asyncio.to_thread(router.load, model)
             router.scheduler.keep_alive(model, keep)
         except RouterError as e:
             raise _router_error(e) from None
         return "load"
+
+    async def refuse_embedder(model: str, kind: str) -> None:
+        """An embedding model (its GGUF pools: an encoder) takes no chat or generate, as Ollama says."""
+        try:
+            kv, _ = await header(router.scheduler.configs()[model].spec.path)
+        except (OSError, ValueError, KeyError):
+            return  # its load says what is wrong
+        if "completion" not in wire.capabilities(kv, False):
+            raise OllamaError(400, f'"{model}" does not support {kind}: it is an embedding model')
 
     def warnings(ignored: list[str], num_ctx: int | None, model: str) -> dict[str, str]:
         if num_ctx is not None:  # a context bigger than the model's is not given: said, not refused
@@ -180,7 +198,10 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
         data = await read(request)
         model = resolve(data)
         keep = wire.keep_alive_seconds(data.get("keep_alive"))
-        stream = data.get("stream", True) is not False
+        stream = wire.streamed(data)
+        await refuse_embedder(model, kind)
+        build = wire.chat_request if kind == "chat" else wire.generate_request
+        path, body, ignored, num_ctx = build(data, model, stream)  # checked, whether or not it is sent
         empty = (kind == "chat" and not data.get("messages")) or \
                 (kind == "generate" and not data.get("prompt") and not data.get("suffix"))
         if empty:
@@ -189,8 +210,6 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             out.update({"message": {"role": "assistant", "content": ""}} if kind == "chat" else {"response": ""})
             out.update(done=True, done_reason=reason)
             return JSONResponse(out)
-        build = wire.chat_request if kind == "chat" else wire.generate_request
-        path, body, ignored, num_ctx = build(data, model, stream)
         extra = warnings(ignored, num_ctx, model)
         gone = _watcher(request)
         reply, chunks = await take(model, path, body, keep, gone)
@@ -216,8 +235,15 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
         if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
                                        or dimensions < 1):
             raise OllamaError(400, f"dimensions must be a positive integer, not {dimensions!r}")
-        reply, _ = await take(model, "/v1/embeddings", wire.embed_request(data, model, legacy), keep,
-                                   _watcher(request))
+        body = wire.embed_request(data, model, legacy)
+        if body["input"] in ("", []):  # nothing to embed: the model loaded, as Ollama does
+            await load_only(model, keep)
+            return JSONResponse({"embedding": []} if legacy else {"model": data.get("model") or model,
+                                                                    "embeddings": []})
+        reply, _ = await take(model, "/v1/embeddings", body, keep, _watcher(request))
+        if reply.status == 501:  # llama.cpp's "start it with --embeddings": this router's word for it
+            raise OllamaError(400, f"{_engine_error(reply.status, reply.body).message} (model '{model}' is "
+                                   f"not served for embeddings: embedding = true in its preset)")
         if reply.status >= 400:
             raise _engine_error(reply.status, reply.body)
         answer = json.loads(reply.body)
@@ -284,8 +310,9 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             ttl, idle = m["ttl"], m["idle_seconds"]
             # busy (or loading): its idle time has not begun
             expires = NEVER if ttl is None else now - (idle if idle is not None and m["state"] == "loaded" else 0) + ttl
-            held = m["held"]
-            entry.update(size=sum(held.values()), size_vram=sum(n for d, n in held.items() if kinds.get(d) != "cpu"),
+            held = [n for i, other in st["models"].items() if i == name or other.get("replica_of") == name
+                    for n in other["held"].items()]  # its extra instances' bytes too (replicas = N)
+            entry.update(size=sum(n for _, n in held), size_vram=sum(n for d, n in held if kinds.get(d) != "cpu"),
                          expires_at=wire.timestamp(min(expires, NEVER)),
                          context_length=(m.get("context") or {}).get("n_ctx") or 0)
             out.append(entry)
@@ -298,12 +325,14 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
         name = data.get("model") or data.get("name")
         if not isinstance(name, str) or not name:
             raise OllamaError(400, "model is required")
-        if router.scheduler.canonical(name) is None:
+        listed = next((router.scheduler.canonical(c) for c in wire.listed_candidates(name)
+                       if router.scheduler.canonical(c) is not None), None)
+        if listed is None:
             try:
                 await asyncio.to_thread(router.pull, name)
             except ValueError as e:
                 raise OllamaError(400, str(e)) from None
-        progress = _pulled(router, name)
+        progress = _pulled(router, listed or name)
         if data.get("stream", True) is False:
             last: dict[str, Any] = {}
             async for last in progress:
@@ -333,6 +362,11 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             return refused
         app.add_api_route(path, refuse(), methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
                           include_in_schema=False)
+
+    @app.api_route("/api/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "HEAD", "PATCH"],
+                   include_in_schema=False)
+    async def unknown(rest: str):  # registered last: what no route above answers
+        return error(404, f"404 page not found: /api/{rest} (or not with this method)")
 
     async def chat(request: Request) -> Response:
         return await infer(request, "chat")

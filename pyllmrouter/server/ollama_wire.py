@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["OllamaError", "VERSION", "OPTIONS", "IGNORED", "ollama_name", "listed_candidates", "keep_alive_seconds",
            "chat_request", "generate_request", "embed_request", "Translator", "timestamp", "details",
-           "capabilities", "model_info", "normalize", "lines", "parameters"]
+           "capabilities", "model_info", "normalize", "lines", "parameters", "streamed"]
 
 VERSION = "0.12.6"  # the Ollama API this mirrors (/api/version): its chat, generate, embed, think, tools
 # Ollama's options -> llama.cpp's request keys (tools/server's params_from_json_cmpl), by name only
@@ -81,15 +81,17 @@ def keep_alive_seconds(value: Any) -> float | None:
         raise OllamaError(400, f"keep_alive: {value!r} is not a duration")
     text = value.strip()
     try:
-        return float(text)
+        seconds = float(text)
     except ValueError:
-        pass
-    sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
-    parts = _DURATION.findall(body)
-    if not body or "".join(n + u for n, u in parts) != body:
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        parts = _DURATION.findall(body)
+        if not body or "".join(n + u for n, u in parts) != body:
+            raise OllamaError(400, f'time: invalid duration "{value}"') from None
+        seconds = sign * sum(float(n) * _UNITS[u] for n, u in parts)
+    if not math.isfinite(seconds):
         raise OllamaError(400, f'time: invalid duration "{value}"')
-    return sign * sum(float(n) * _UNITS[u] for n, u in parts)
+    return seconds
 
 
 # -- requests -----------------------------------------------------------------------------
@@ -157,22 +159,30 @@ def _content(text: Any, images: Any) -> Any:
 def _message(m: Any, i: int) -> dict[str, Any]:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise OllamaError(400, f"messages[{i}] must be an object with a role")
+    if m.get("content") is not None and not isinstance(m["content"], str):
+        raise OllamaError(400, f"messages[{i}].content must be a string")
     out: dict[str, Any] = {"role": m["role"], "content": _content(m.get("content"), m.get("images"))}
-    if m.get("thinking"):
-        out["reasoning_content"] = m["thinking"]
     calls = m.get("tool_calls")
     if calls:
+        if not isinstance(calls, list):
+            raise OllamaError(400, f"messages[{i}].tool_calls must be a list")
         out["tool_calls"] = []
         for j, call in enumerate(calls):
-            fn = (call or {}).get("function") or {}
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise OllamaError(400, f"messages[{i}].tool_calls[{j}] must be an object with a function "
+                                       f"that has a name")
             args = fn.get("arguments", {})
+            if not isinstance(args, (dict, str)):
+                raise OllamaError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be an object")
             out["tool_calls"].append({"id": call.get("id") or f"call_{i}_{j}", "type": "function",
                                       "function": {"name": fn.get("name", ""),
                                                    "arguments": args if isinstance(args, str) else json.dumps(args)}})
-    if m.get("tool_name"):
-        out["name"] = m["tool_name"]
-    if m.get("tool_call_id"):
-        out["tool_call_id"] = m["tool_call_id"]
+    for key, to in (("tool_name", "name"), ("tool_call_id", "tool_call_id"), ("thinking", "reasoning_content")):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            raise OllamaError(400, f"messages[{i}].{key} must be a string")
+        if m.get(key):
+            out[to] = m[key]
     return out
 
 
@@ -182,6 +192,16 @@ def _common(req: dict[str, Any], model: str, stream: bool) -> tuple[dict[str, An
     return body, ignored, num_ctx
 
 
+def streamed(req: dict[str, Any]) -> bool:
+    """``stream``: true unless false (Ollama's default); anything but a boolean is refused."""
+    value = req.get("stream", True)
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise OllamaError(400, f"stream must be true or false, not {value!r}")
+    return value
+
+
 def chat_request(req: dict[str, Any], model: str, stream: bool) -> tuple[str, dict[str, Any], list[str], int | None]:
     """/api/chat as llama-server's /v1/chat/completions: (path, body, options ignored, num_ctx)."""
     messages = req.get("messages") or []
@@ -189,8 +209,11 @@ def chat_request(req: dict[str, Any], model: str, stream: bool) -> tuple[str, di
         raise OllamaError(400, "messages must be a list")
     body, ignored, num_ctx = _common(req, model, stream)
     body["messages"] = [_message(m, i) for i, m in enumerate(messages)]
-    if req.get("tools"):
-        body["tools"] = req["tools"]
+    tools = req.get("tools")
+    if tools:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise OllamaError(400, "tools must be a list of objects")
+        body["tools"] = tools
     fmt = _format(req.get("format"))
     if fmt is not None:
         body["response_format"] = fmt
@@ -205,8 +228,9 @@ def generate_request(req: dict[str, Any], model: str,
     """/api/generate: the prompt in the model's chat template (/v1/chat/completions), as it
     is (``raw``: /completion), or between ``prompt`` and ``suffix`` (/infill)."""
     prompt, suffix = req.get("prompt") or "", req.get("suffix")
-    if not isinstance(prompt, str) or (suffix is not None and not isinstance(suffix, str)):
-        raise OllamaError(400, "prompt and suffix must be strings")
+    if not isinstance(prompt, str) or any(req.get(k) is not None and not isinstance(req[k], str)
+                                          for k in ("suffix", "system", "template")):
+        raise OllamaError(400, "prompt, suffix, system and template must be strings")
     body, ignored, num_ctx = _common(req, model, stream)
     if req.get("template"):
         ignored.append("template")
