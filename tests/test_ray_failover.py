@@ -88,9 +88,9 @@ def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
     victim = next(n for n in nodes if n.node_id == x)
     results: dict[str, tuple] = {}
 
-    def send(key: str, body: dict, started: threading.Event | None = None) -> None:
+    def send(key: str, body: dict, started: threading.Event | None = None, path: str = "/v1/completions") -> None:
         try:
-            with client.stream("POST", "/v1/completions", json=body) as r:
+            with client.stream("POST", path, json=body) as r:
                 chunks = r.iter_raw()
                 first = next(chunks, b"")
                 if started is not None:
@@ -127,6 +127,10 @@ def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
     while (_in_flight(client, x, "a") < 5 or _state(client, x, "big") != "loading") and time.monotonic() < deadline:
         time.sleep(0.005)
     assert _state(client, x, "big") == "loading" and _in_flight(client, x, "a") == 5
+    # a load asked of x as well (it joins the one under way there): not repeatable, never sent on
+    threads.append(threading.Thread(target=send, args=("explicit-load", {"model": "big"}, None, "/models/load")))
+    threads[-1].start()
+    time.sleep(1.0)
     killed_at = time.monotonic()
     assert kill_node(victim) > 1
     for t in threads:
@@ -137,6 +141,9 @@ def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
     assert status == 200 and "died" in text and _events(text)[-1]["error"]["code"] == 502, text[-300:]
     status, _, text, _ = results["running"]
     assert status == 502 and json.loads(text)["error"]["code"] == "node_died" and "running" in text, text
+    status, _, text, _ = results["explicit-load"]
+    assert status == 502 and json.loads(text)["error"]["code"] == "node_died", text
+    assert x in text and "may have run" in text, text  # the node named, and what the client may assume
     moved = [k for k in results if k.startswith("queued") or k == "load"]
     for key in moved:
         status, headers, text, _ = results[key]
@@ -147,6 +154,18 @@ def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
     where = _where(client)
     assert x not in {n for on in where.values() for n in on}
     assert where["big"] and where["a"]
+
+
+def test_a_slot_action_goes_to_the_one_node_where_its_model_is_loaded(cluster):
+    """Its model named by ?model= (no JSON body), as a node's app reads it; never another node."""
+    _, client, _, _ = cluster
+    r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})
+    where = r.headers["x-pyllmrouter-node"]
+    saved = client.post("/slots/0", params={"action": "erase", "model": "a"})
+    assert saved.headers.get("x-pyllmrouter-node") == where, saved.text
+    assert saved.status_code != 400 or "model" not in saved.text, saved.text
+    nowhere = client.post("/slots/0", params={"action": "erase", "model": "big3"})
+    assert nowhere.status_code == 409 and "?node=" in nowhere.json()["error"]["message"], nowhere.text
 
 
 def test_a_replica_is_silent_after_two_readings_missed_at_their_longest():
@@ -165,14 +184,58 @@ def test_a_lost_node_is_left_out_for_its_hold_then_tried_again():
     assert lost.now() == {"y"}  # x's hold is over: a paused node is tried again
 
 
-@pytest.mark.parametrize("began,retried,for_model,then", [
-    (False, False, True, failover.RETRY),   # nothing sent yet: to another node
-    (False, True, True, failover.FAIL),     # lost a second time: not sent on twice
-    (True, False, True, failover.FAIL),     # it ran there (a status, or a whole reply's Started)
-    (False, False, False, failover.FAIL),   # a question for one named node
+@pytest.mark.parametrize("began,retried,for_model,repeats,then", [
+    (False, False, True, True, failover.RETRY),   # nothing sent yet: to another node
+    (False, True, True, True, failover.FAIL),     # lost a second time: not sent on twice
+    (True, False, True, True, failover.FAIL),     # it ran there (Started: it held a slot)
+    (False, False, False, True, failover.FAIL),   # a question for one named node
+    (False, False, True, False, failover.FAIL),   # a load, a slot action...: never twice
 ])
-def test_only_a_request_that_had_not_begun_is_sent_on_and_only_once(began, retried, for_model, then):
-    assert failover.after_loss(began, retried, for_model) == then
+def test_only_a_repeatable_request_that_had_not_begun_is_sent_on_and_only_once(began, retried, for_model, repeats,
+                                                                              then):
+    assert failover.after_loss(began, retried, for_model, repeats) == then
+
+
+@pytest.mark.parametrize("method,path,headers,repeats", [
+    ("POST", "/v1/chat/completions", {}, True), ("POST", "/v1/completions", {}, True),
+    ("POST", "/v1/embeddings", {}, True), ("POST", "/v1/messages", {}, True), ("POST", "/api/chat", {}, True),
+    ("POST", "/api/embed", {}, True), ("GET", "/slots", {}, True), ("GET", "/props", {}, True),
+    ("POST", "/v1/chat/completions", {"x-conversation-id": "c1"}, False),  # it writes the conversation's stream
+    ("POST", "/models/load", {}, False), ("POST", "/models", {}, False), ("POST", "/models/unload", {}, False),
+    ("DELETE", "/models", {}, False), ("POST", "/slots/0", {}, False), ("POST", "/lora-adapters", {}, False),
+    ("POST", "/props", {}, False), ("POST", "/v1/chat/completions/control", {}, False),
+    ("POST", "/api/pull", {}, False), ("DELETE", "/api/delete", {}, False),
+])
+def test_the_idempotency_classes(method, path, headers, repeats):
+    from pyllmrouter.ray.ingress import ENGINE_POSTS
+
+    assert failover.repeatable(method, path, headers, ENGINE_POSTS) is repeats
+
+
+def test_only_a_dead_actor_or_node_is_a_loss():
+    from ray import exceptions as rx
+    from ray.serve import exceptions as sx
+
+    assert failover.kind_of(rx.ActorDiedError()) == failover.LOST
+    assert failover.kind_of(rx.NodeDiedError("gone")) == failover.LOST
+    assert failover.kind_of(rx.WorkerCrashedError()) == failover.LOST
+    # unavailable for now, its memory or object store short, Serve refusing: the node stays in
+    assert failover.kind_of(rx.ActorUnavailableError("busy", b"a" * 16)) == failover.UNSURE  # pinged
+    assert failover.kind_of(rx.OutOfMemoryError("oom")) == failover.TRANSIENT
+    assert failover.kind_of(rx.ObjectLostError("0" * 56, "owner", "call site")) == failover.TRANSIENT
+    assert failover.kind_of(rx.GetTimeoutError()) == failover.TRANSIENT
+    assert failover.kind_of(sx.BackPressureError(num_queued_requests=1, max_queued_requests=1)) == failover.TRANSIENT
+    assert failover.kind_of(sx.DeploymentUnavailableError("d")) == failover.TRANSIENT
+    assert failover.kind_of(rx.RayTaskError("f", "tb", ValueError("x"))) == failover.APP
+
+
+def test_a_held_node_stays_in_the_clusters_list_marked():
+    from pyllmrouter.ray import cluster as merged
+
+    entry = {"id": "m", "object": "model", "owned_by": "x", "aliases": [], "status": {"value": "loaded"}}
+    view = merged.merge_models({"n1": {"data": [entry], "held": True}, "n2": {"error": "node did not answer"}})
+    assert view["nodes"]["n1"]["held"] and not view["nodes"]["n2"]["held"]
+    assert view["data"][0]["loaded_on"] == ["n1"] and view["data"][0]["status"]["value"] == "loaded"
 
 
 def test_a_node_started_again_rejoins_and_takes_requests(cluster):

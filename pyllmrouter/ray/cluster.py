@@ -2,7 +2,8 @@
 
 ``/models`` keeps llama-server's router format (``data``: one entry per model id with
 its ``status``) and adds, per model, each node's entry under ``nodes``; a model is
-``loaded`` if some node has it loaded.  ``/devices`` lists each node's devices."""
+``loaded`` if some node has it loaded; a node held out after a failure (``held`` in its
+answer) is listed, marked, with its models.  ``/devices`` lists each node's devices."""
 
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ def merge_models(per_node: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         merged["status"] = {"value": min(states, key=_BEST.index) if states else "unloaded"}
         merged["loaded_on"] = sorted(n for n, e in merged["nodes"].items() if e["status"]["value"] == "loaded")
     return {"object": "list", "data": list(models.values()),
-            "nodes": {node: {"devices": reply.get("devices", {})} for node, reply in sorted(per_node.items())}}
+            "nodes": {node: {"devices": reply.get("devices", {}), "held": bool(reply.get("held")),
+                             **({"error": reply["error"]} if "error" in reply else {})}
+                      for node, reply in sorted(per_node.items())}}
 
 
 def openai_models(cluster: Mapping[str, Any]) -> dict[str, Any]:

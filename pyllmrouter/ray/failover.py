@@ -1,12 +1,36 @@
 """A node lost under a request: what becomes of the request, and which nodes are left
 out (pure: no Ray, no clock of its own).
 
-    the node is lost (a call to its replica raised; or it stopped answering pings)
-      ├─ the reply had not begun (no status; a whole reply: no Started)
+    a call to a node's replica raised (kind_of):
+      APP        the node's app failed the request (RayTaskError): 500, no node lost
+      TRANSIENT  its object store or memory short, a timeout, Serve refusing (ObjectLostError,
+                 OutOfMemoryError, RayServeException...): 503 + Retry-After, the node not
+                 held out
+      UNSURE     the replica unreachable for now (ActorUnavailableError: what a killed node's
+                 calls raise until Ray declares it dead, ~15 s, and what a brief network fault
+                 raises too; Serve's own router does not take it for death): the nodes are
+                 pinged; one whose replica does not answer within 2 s is LOST, else TRANSIENT
+      LOST       the actor or its node dead (ActorDiedError, NodeDiedError, WorkerCrashedError):
+      ├─ REPEATABLE (inference on a model: repeating it is unobservable) and not begun
+      │  (no Started: it took no slot there; none of its reply came)
       │     └─ sent to another node, once, with the seconds it waited (its place in line)
       │        lost again: 502 node_died
-      ├─ a whole reply had Started (its generation ran there): 502 node_died
-      └─ a stream had its status: it ends with an error event (ingress._relay)
+      ├─ begun (Started: it held a slot, stream or whole), or not repeatable (a load, a pull,
+      │  an unload, a slot action, a delete, a conversation's request): 502 node_died,
+      │  naming the node and whether the work may have run there
+      └─ a stream had its status: it ends with an error event (ingress._relay), the node lost
+
+The classes (``repeatable``), written in docs/ARCHITECTURE.md:
+    repeatable   a POST of a model's inference (ENGINE_POST less the slot, LoRA, props and
+                 stream-control endpoints; Ollama's chat, generate, embed), no X-Conversation-Id;
+                 a GET (it reads)
+    not          everything else: /models (pull, delete), /models/load, /models/unload,
+                 /slots/{id} (save, restore, erase: one node's engine), /lora-adapters,
+                 /props, a request of a conversation (it writes the conversation's stream)
+
+What stays open: a Started in transit when the node dies reads as not begun, so a
+repeatable request may run on the lost node and on the next (the lost node's run reaches
+no client; only its compute is spent twice).
 
 A lost node is left out of every request for ``hold`` seconds: longer than Ray takes
 to mark a killed node dead (its GCS misses five health checks, about 15 s), after which
@@ -19,10 +43,42 @@ from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["HOLD", "RETRY", "FAIL", "after_loss", "LostNodes", "stats_timeout", "silent_after"]
+__all__ = ["HOLD", "RETRY", "FAIL", "LOST", "TRANSIENT", "UNSURE", "APP", "after_loss", "kind_of", "repeatable",
+           "LostNodes", "stats_timeout", "silent_after"]
 
 HOLD = 30.0  # seconds a lost node is left out
 RETRY, FAIL = "retry", "fail"
+LOST, TRANSIENT, UNSURE, APP = "lost", "transient", "unsure", "app"
+# Ray's errors that mean the actor (or its node) is gone for good: a replaced replica is a new actor
+_DEAD = ("ActorDiedError", "NodeDiedError", "WorkerCrashedError", "LocalRayletDiedError", "ActorUnschedulableError")
+# a model's POSTs that change nothing but the reply (inference); the rest write somewhere
+_WRITES = ("/slots/", "/lora-adapters", "/props", "/v1/chat/completions/control")
+_OLLAMA = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
+
+
+def kind_of(e: BaseException) -> str:
+    """APP, LOST, UNSURE or TRANSIENT for an exception a call to a replica raised (by class
+    name along its MRO: Ray's and Serve's classes, without importing Ray here)."""
+    names = [c.__name__ for c in type(e).__mro__]
+    if "RayTaskError" in names and "RequestCancelledError" not in names:
+        return APP
+    if "ActorUnavailableError" in names:
+        return UNSURE
+    if any(n in names for n in _DEAD):
+        return LOST
+    return TRANSIENT
+
+
+def repeatable(method: str, path: str, headers: dict[str, str], engine_posts: frozenset[str]) -> bool:
+    """Whether running the request twice is unobservable (see the module's docstring);
+    ``headers`` by lower-case name, ``engine_posts``: a model's llama-server POST paths."""
+    if method == "GET":
+        return True
+    if method != "POST" or "x-conversation-id" in headers:
+        return False
+    if path.startswith(_WRITES) or path in _WRITES:
+        return False
+    return path in engine_posts or path in _OLLAMA
 
 
 def stats_timeout(period: float) -> float:
@@ -36,12 +92,12 @@ def silent_after(period: float) -> float:
     return 2 * (period + stats_timeout(period))
 
 
-def after_loss(began: bool, retried: bool, for_model: bool) -> str:
+def after_loss(began: bool, retried: bool, for_model: bool, repeats: bool = True) -> str:
     """RETRY: the request goes to another node; FAIL: 502.  ``began``: the node had sent
-    its status (a stream) or said the request runs (a whole reply's Started);
-    ``retried``: the request was sent on once already; ``for_model``: a model's request
-    (a question for one named node is not sent elsewhere)."""
-    return RETRY if for_model and not began and not retried else FAIL
+    its status or said the request runs (Started: it took a slot); ``retried``: the
+    request was sent on once already; ``for_model``: a model's request (a question for one
+    named node is not sent elsewhere); ``repeats``: ``repeatable``."""
+    return RETRY if for_model and repeats and not began and not retried else FAIL
 
 
 class LostNodes:

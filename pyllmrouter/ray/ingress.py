@@ -10,8 +10,12 @@
 The ingress listens on its address itself (uvicorn in the replica's event loop), as
 Serve's direct ingress does: Serve's HTTP proxy would be one more hop, and its routing
 sees a header, not the model in the body.  A node that dies under a request ends it
-with a clear error: 502 before the reply started, an SSE error event after.
-``?node=ID`` sends a management GET to one node.
+with a clear error: 502 before the reply started, an SSE error event after; only a
+repeatable request that had not begun is sent to another node (failover.py).
+``?node=ID`` sends a request to one node; a slot action (POST /slots/{id}) goes to the
+one node where its model is loaded (or the one ``?node=`` names), never elsewhere.
+Nodes held out after a failure are still asked by the cluster's views (marked ``held``)
+and by an unload; their absence never turns into a 507.
 """
 
 from __future__ import annotations
@@ -26,14 +30,14 @@ from typing import Any
 
 import ray
 import uvicorn
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pyllmrouter.ray import cluster, failover
-from pyllmrouter.ray.messages import Head, NodeRequest, Started
-from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, guard_error, json_object
+from pyllmrouter.ray.messages import Accepted, Head, NodeRequest, Started
+from pyllmrouter.server.app import DEFAULT_HEADERS, ENGINE_POST, HTTP_PROTOCOL, guard_error, json_object, model_named
 from pyllmrouter.server.body import read_or_refuse, replay
 from pyllmrouter.server.errors import ApiError, error_response
 
@@ -44,6 +48,8 @@ FAN_OUT = ("/models", "/v1/models", "/devices", "/events")
 # a node's refusals of a request it has not begun: tried on another node (each node once)
 RETRIED = frozenset({507, 429, 503})
 ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
+ACCEPT_TIMEOUT = 10.0  # seconds a node's replica has to take a request (its Accepted): none, 504
+ENGINE_POSTS = frozenset(p for p in ENGINE_POST if "{" not in p)
 PING_TIMEOUT = 2.0  # seconds a node has to answer, after a call to some node failed
 # pings a node gets while another node's replica answers them: Serve hands a chosen replica
 # to the oldest call waiting, so under load one ping may be answered by another node
@@ -136,6 +142,7 @@ class Ingress:
         path, method = request.url.path, request.method
         query = tuple((k, v) for k, v in request.query_params.items() if k != "node")
         body = await request.body()
+        headers = {k.lower(): v for k, v in request.headers.items()}
         plain = NodeRequest(method, path, query, tuple((k, v) for k, v in request.headers.items()
                                                        if k.lower() not in ("host", "content-length")), body)
         node = request.query_params.get("node")
@@ -147,24 +154,36 @@ class Ingress:
             return await self._cluster_view(plain)
         if method == "POST" and path == "/models/unload":
             return await self._unload(plain)
-        data = json_object(body) if method != "GET" else {}
-        model = dict(query).get("model") if method == "GET" else data.get("model")
-        model = model if isinstance(model, str) and model else None
+        if method == "GET":
+            model, stream = dict(query).get("model"), False
+        else:  # as a node's app reads it: a JSON body's (or a multipart form's) "model", else ?model=
+            ctype = headers.get("content-type", "")
+            model = model_named(ctype, body, dict(query))  # 400 for a body that is not JSON
+            data = {} if ctype.lower().startswith("multipart/") else json.loads(body or b"{}")
+            data = data if isinstance(data, dict) else {}
+            # Ollama's chat and generate stream unless told not to
+            stream = data.get("stream") is True or (path in ("/api/chat", "/api/generate")
+                                                    and data.get("stream") is not False)
         if model is None and method == "GET" and path in ("/props", "/metrics"):
             return JSONResponse({"role": "router", "cluster": True, "nodes": sorted(node_ids())})
         if model is None:
             raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
-        return await self._respond(replace(plain, model=model), model, stream=data.get("stream") is True)
+        if method == "POST" and path.startswith("/slots/"):
+            return await self._slot_action(plain, model)
+        repeats = failover.repeatable(method, path, headers, ENGINE_POSTS)
+        return await self._respond(replace(plain, model=model), model, stream=stream, repeats=repeats)
 
-    async def _respond(self, plain: NodeRequest, model: str | None, stream: bool = True) -> Response:
+    async def _respond(self, plain: NodeRequest, model: str | None, stream: bool = True,
+                       repeats: bool = False) -> Response:
         """``plain`` on the node the request router picks; a node that refuses it before
         doing anything (507: it never fits there; 429 or 503: its queue is full, or it
         cannot serve it now) is left out of the next attempt, each node once, until every
         node has refused: then 507 with each node's figures where every one said 507, else
         the last refusal as that node gave it.  A node lost before its reply began
         (failover.py) is left out and the request sent to another, once, with the seconds
-        it waited.  A request that does not ask for a stream takes its reply in one piece
-        (Started, then one message, not one per chunk)."""
+        it waited, where it is ``repeats`` (failover.repeatable).  A request that does not
+        ask for a stream takes its reply in one piece (Started, then one message, not one
+        per chunk)."""
         refusals: dict[str, Any] = {}
         refused: tuple[Head, bytes] | None = None  # the last 429 or 503
         arrived = time.monotonic()
@@ -172,33 +191,50 @@ class Ingress:
         while True:
             plain = replace(plain, exclude=plain.exclude | self._lost.now(), whole=not stream)
             replies = self.nodes.options(stream=True).handle.remote(plain)
-            began = False
+            began, at = False, None  # Started seen; the node that took it (its Accepted)
             try:
-                first = await replies.__anext__()
+                first = await asyncio.wait_for(replies.__anext__(), ACCEPT_TIMEOUT)
+                if isinstance(first, Accepted):
+                    at = first.node
+                    self._actors[first.actor] = first.node
+                    first = await replies.__anext__()
                 while isinstance(first, Started):
                     began = True
                     first = await replies.__anext__()
             except asyncio.CancelledError:  # the client left: the node stops the request
                 replies.cancel()
                 raise
+            except asyncio.TimeoutError:  # no replica took it: a stuck one, or none left (Serve queues)
+                replies.cancel()
+                raise ApiError(504, f"no node took the request for '{model or plain.path}' within "
+                                    f"{ACCEPT_TIMEOUT:g} s: its replica does not answer", "server_error",
+                               "node_timeout") from None
             except StopAsyncIteration:  # the node's reply ended before it began
                 raise ApiError(502, f"the node serving '{model or plain.path}' ended its reply before it began",
                                "server_error", "node_died") from None
-            except RayTaskError as e:  # the node's app failed the request: no node was lost
-                raise ApiError(500, f"the node serving '{model or plain.path}' failed the request: "
-                                    f"{type(e.cause).__name__}: {e.cause}", "server_error") from None
-            except RayError as e:  # the node lost (or its reply, in its object store)
+            except (RayError, RayServeException) as e:
                 replies.cancel()  # a node only unreachable for a while stops it too
-                retried = await self._sent_on(plain, model, e, began, retried)
+                kind = failover.kind_of(e)
+                if kind == failover.UNSURE:  # unreachable: lost if its node does not answer a ping
+                    kind = await self._confirmed(e, at)
+                if kind == failover.APP:  # the node's app failed the request: no node was lost
+                    cause = getattr(e, "cause", None) or e
+                    raise ApiError(500, f"the node serving '{model or plain.path}' failed the request: "
+                                        f"{type(cause).__name__}: {cause}", "server_error") from None
+                if kind == failover.TRANSIENT:  # not a loss: the node stays in, the client tries again
+                    raise ApiError(503, f"{_node_named(at)} serving '{model or plain.path}' is unavailable for "
+                                        f"now ({type(e).__name__}): {_fate(began, repeats, at)}", "server_error",
+                                   "node_unavailable", headers={"Retry-After": "5"}) from None
+                retried = await self._sent_on(plain, model, e, began, retried, repeats, at)
                 plain = replace(plain, waited=time.monotonic() - arrived)
                 continue
             head, rest = first if isinstance(first, tuple) else (first, replies)
             self._actors[head.actor] = head.node
             if head.status not in RETRIED or model is None or began:  # one that ran is not sent on
-                return await _relay(head, rest, model, retried)
+                return await _relay(head, rest, model, retried, self._lost_under_stream)
             try:
                 data = rest if isinstance(rest, bytes) else b"".join([c async for c in rest])
-            except RayError:  # the node lost while it said why it refused: the refusal stands
+            except (RayError, RayServeException):  # the node lost while it said why it refused: it stands
                 data = b""
             repeated = head.node in refusals  # the request router had no other node left
             if head.status == 507:
@@ -206,21 +242,54 @@ class Ingress:
             else:
                 refusals[head.node], refused = None, (head, data)
             if repeated or set(node_ids()) - self._lost.now() <= set(refusals):
+                held = set(node_ids()) & self._lost.now() - set(refusals)
+                if refused is None and held:  # a node held out may hold it: not a permanent 507
+                    raise ApiError(503, f"model '{model}' fits on no node that answers now; node(s) "
+                                        f"{', '.join(sorted(held))}, held out after a failure for up to "
+                                        f"{failover.HOLD:g} s, may", "server_error", "nodes_held",
+                                   headers={"Retry-After": str(int(failover.HOLD))})
                 if refused is None:
                     return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
                 return await _relay(*refused, model, retried)
             plain = replace(plain, exclude=plain.exclude | {head.node})
 
-    async def _sent_on(self, plain: NodeRequest, model: str | None, e: RayError, began: bool,
-                       retried: str | None) -> str:
-        """A call lost with its node (``e``): the node left out, and the request's fate
-        (failover.after_loss): 502 node_died, or the nodes lost under it for its header
-        when it is to be sent on (``unknown`` where none was named: the router picks again)."""
+    async def _confirmed(self, e: BaseException, at: str | None) -> str:
+        """LOST where the node of a call that found its replica unreachable (``at``, or the
+        one its actor's replies named) does not answer a ping now; TRANSIENT where it does."""
+        node = at or self._actors.get(getattr(e, "actor_id", None) or "")
+        before = self._lost.now()
+        lost = await self._find_lost(time.monotonic())
+        if (node in lost) if node is not None else bool(lost - before):
+            return failover.LOST
+        return failover.TRANSIENT
+
+    def _lost_under_stream(self, e: BaseException, node: str) -> None:
+        """A stream's node failed after its status: left out where it is lost (unreachable:
+        the nodes are pinged, and left out if they do not answer)."""
+        kind = failover.kind_of(e)
+        if kind == failover.LOST:
+            self._lost.add({node})
+        elif kind == failover.UNSURE:
+            asyncio.ensure_future(self._find_lost(time.monotonic()))
+
+    async def _sent_on(self, plain: NodeRequest, model: str | None, e: BaseException, began: bool,
+                       retried: str | None, repeats: bool, at: str | None) -> str:
+        """A call lost with its node (``e``; ``at``: the node that took it, if it said so):
+        the node left out, and the request's fate (failover.after_loss): 502 node_died,
+        naming the node and whether the work may have run there, or the nodes lost under
+        it for its header when it is to be sent on (``unknown`` where none was named: the
+        router picks again)."""
         failed_at, before = time.monotonic(), self._lost.now()
-        named = self._lose(getattr(e, "actor_id", None)) or await self._find_lost(failed_at) - before
+        named = self._lose(getattr(e, "actor_id", None))
+        if at is not None and not named:
+            self._lost.add({at})
+            named = frozenset({at})
+        named = named or await self._find_lost(failed_at) - before
+        at = at or (next(iter(named)) if len(named) == 1 else None)
         for_model = model is not None and plain.node is None  # a question for one node is not sent on
-        if failover.after_loss(began, retried is not None, for_model) == failover.FAIL:
-            raise ApiError(502, _lost_message(model or plain.path, e, began, retried), "server_error", "node_died")
+        if failover.after_loss(began, retried is not None, for_model, repeats) == failover.FAIL:
+            raise ApiError(502, _lost_message(model or plain.path, e, began, retried, repeats, at), "server_error",
+                           "node_died")
         lost = ",".join(sorted(named)) or "unknown"
         _LOG.warning("a node was lost before it answered a request for '%s' (lost: %s): sent on", model, lost)
         return lost
@@ -279,21 +348,22 @@ class Ingress:
             for _ in range(2):  # 421: another replica took it (Serve gave it a request routed at once); again
                 replies = self.nodes.options(stream=True).handle.remote(replace(plain, node=node))
                 head = await replies.__anext__()
+                while isinstance(head, (Accepted, Started)):  # a management question's reply: its Head next
+                    head = await replies.__anext__()
                 data = b"".join([c async for c in replies])
                 if head.status != 421:
                     break
             return json.loads(data) if head.status == 200 else {"error": data.decode(errors="replace")}
 
-        answers = {}
+        answers: dict[str, Any] = {}
         lost = self._lost.now()
-        for node in node_ids():
-            if node in lost:
-                answers[node] = {"error": "node lost: its replica did not answer"}
-                continue
+        for node in node_ids():  # a node held out is asked too (briefly): alive, its models stay visible
             try:
-                answers[node] = await asyncio.wait_for(one(node), ASK_TIMEOUT)
-            except (asyncio.TimeoutError, RayError) as e:
+                answers[node] = await asyncio.wait_for(one(node), PING_TIMEOUT if node in lost else ASK_TIMEOUT)
+            except (asyncio.TimeoutError, RayError, RayServeException) as e:
                 answers[node] = {"error": f"node did not answer: {type(e).__name__}"}
+            if node in lost:
+                answers[node] = {**answers[node], "held": True}
         return answers
 
     async def _cluster_view(self, plain: NodeRequest) -> Response:
@@ -316,26 +386,52 @@ class Ingress:
         results = [await self._respond(replace(plain, node=n), model) for n in where]
         return JSONResponse({"success": any(r.status_code == 200 for r in results), "nodes": sorted(where)})
 
+    async def _slot_action(self, plain: NodeRequest, model: str) -> Response:
+        """POST /slots/{id}: one node's engine (its slot files are there), the one where the
+        model is loaded; never sent to another (a save lost on one node is not another's)."""
+        per_node = await self._ask_all(NodeRequest("GET", "/models"))
+        where = sorted(n for n, r in per_node.items() for e in r.get("data", [])
+                       if (e["id"] == model or model in e.get("aliases", ())) and e["status"]["value"] == "loaded")
+        if len(where) != 1:
+            said = f"loaded on nodes {', '.join(where)}" if where else "not loaded on any node"
+            raise ApiError(409, f"a slot action acts on one node's engine: model '{model}' is {said}; name the "
+                                f"node with ?node=", code="node_required", param="node")
+        return await self._respond(replace(plain, node=where[0], model=model), None)
+
 
 def node_ids() -> list[str]:
     """The alive nodes that carry a replica's resource."""
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE)]
 
 
-def _lost_message(what: str, e: RayError, began: bool, retried: str | None) -> str:
-    why = f"the node serving '{what}' died: {type(e).__name__}"
+def _node_named(node: str | None) -> str:
+    return f"node {node}" if node else "the node"
+
+
+def _fate(began: bool, repeats: bool, node: str | None) -> str:
+    """What a client may assume of a request a node failed under."""
     if began:
-        return f"{why} (the request was running there)"
-    if retried:
+        return "the request was running there"
+    if not repeats:
+        return (f"the request may have run on {_node_named(node)} (it is not sent to another node: running it "
+                f"twice could be seen)")
+    return "the request did not start there"
+
+
+def _lost_message(what: str, e: BaseException, began: bool, retried: str | None, repeats: bool,
+                  node: str | None) -> str:
+    why = f"{_node_named(node)} serving '{what}' died: {type(e).__name__}"
+    if retried and not began:
         return f"{why} (the request was sent on once already, after node {retried} was lost)"
-    return why
+    return f"{why} ({_fate(began, repeats, node)})"
 
 
-async def _relay(head: Head, replies, model: str | None, retried: str | None = None) -> Response:
+async def _relay(head: Head, replies, model: str | None, retried: str | None = None,
+                 lost: Any = None) -> Response:
     """The node's reply (``replies``: its body, or the rest of its chunks): whole (a node
     that dies before its end gives 502), or as an event stream (a node that dies ends it
     with an error event).  ``retried``: the nodes lost before this one took the request
-    (the x-pyllmrouter-retried header)."""
+    (the x-pyllmrouter-retried header); ``lost(error, node)``: told of a failure under way."""
     headers = {k: v for k, v in head.headers if k.lower() not in ("content-length",)}
     headers["x-pyllmrouter-node"] = head.node
     if retried is not None:
@@ -346,7 +442,9 @@ async def _relay(head: Head, replies, model: str | None, retried: str | None = N
     if not headers.get("content-type", "").startswith("text/event-stream"):
         try:
             data = b"".join([c async for c in replies])
-        except RayError as e:
+        except (RayError, RayServeException) as e:
+            if lost is not None:
+                lost(e, head.node)
             raise ApiError(502, f"{died}: {type(e).__name__}", "server_error", "node_died") from None
         return Response(data, status_code=head.status, headers=headers)
 
@@ -354,7 +452,9 @@ async def _relay(head: Head, replies, model: str | None, retried: str | None = N
         try:
             async for chunk in replies:
                 yield chunk
-        except RayError as e:
+        except (RayError, RayServeException) as e:
+            if lost is not None:
+                lost(e, head.node)
             error = {"error": {"message": f"{died}: {type(e).__name__}", "type": "server_error", "code": 502}}
             yield b"data: " + json.dumps(error).encode() + b"\n\n"
         finally:

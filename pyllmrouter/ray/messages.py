@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["NodeRequest", "Head", "Started"]
+__all__ = ["NodeRequest", "Accepted", "Head", "Started"]
 
 
 @dataclass(frozen=True)
@@ -31,9 +31,20 @@ class NodeRequest:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """Every reply's first item, sent as the node's replica takes the request (before its
+    app sees it): which node and replica have it.  None within the ingress's deadline: no
+    replica answers (a stuck one, or none left while Serve queues the call)."""
+
+    node: str
+    actor: str = ""
+
+
+@dataclass(frozen=True)
 class Started:
-    """A whole reply's first item, where the request runs on ``node`` (it took a free slot
-    of its model): lost now, it is not sent elsewhere, its generation was under way."""
+    """The request runs on ``node``: it took a free slot of its model (a stream's or a whole
+    reply's, before its status).  Lost now, it is not sent elsewhere, its generation was
+    under way."""
 
     node: str
 

@@ -2,7 +2,8 @@
 
     ingress ──NodeRequest──▶ NodeRouter.handle ──ASGI──▶ create_app(Router): the same
             ◀── Head, bytes, bytes...  ◀────────────────  code as ``pyllmrouter serve``
-            ◀── Started, (Head, body)   (a whole reply: Started once it holds its model)
+            ◀── Accepted first (this node and replica have it), Started once it holds a slot
+                of its model (streams and whole replies), then Head, bytes... or (Head, body)
 
 The replica's Router owns every device of its node.  It is built from the same
 arguments as ``pyllmrouter serve`` (and the same LLAMA_ARG_* / PYLLMROUTER_*
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from typing import Any, AsyncIterator
 from urllib.parse import urlencode
 
@@ -27,7 +27,7 @@ import ray
 from pyllmrouter.config import MiB
 from pyllmrouter.errors import RouterError
 from pyllmrouter.ray import failover
-from pyllmrouter.ray.messages import Head, NodeRequest, Started
+from pyllmrouter.ray.messages import Accepted, Head, NodeRequest, Started
 from pyllmrouter.ray.policy import node_stats
 from pyllmrouter.server.app import create_app
 from pyllmrouter.server.relayed import RELAYED, Relayed
@@ -49,6 +49,7 @@ class NodeRouter:
         self.app = create_app(self.router, close_router=False, max_body=int(args.max_body_mb * MiB))
         self._lifespan = None
         self._started = asyncio.Lock()
+        self._readings = 0  # statistics read so far (record_routing_stats)
         threading.Thread(target=self._measure_all, name="measure", daemon=True).start()
 
     def _measure_all(self) -> None:
@@ -59,11 +60,13 @@ class NodeRouter:
                 pass  # recorded on the model: a request for it gets the reason
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the request router ranks this node by; ``at`` (this node's clock) changes
-        with every reading, so statistics that stop changing for ``silent_after`` seconds
-        are a node that stopped answering (request_router.py)."""
-        return {**node_stats(self.node, self.router.status(), self.router.options.max_models), "at": time.time(),
-                "silent_after": self.silent_after}
+        """What the request router ranks this node by; ``seq`` changes with every reading
+        (a count, not a clock: no host's clock is compared with another's), so statistics
+        that stop changing for ``silent_after`` seconds of the router's own clock are a node
+        that stopped answering (request_router.py)."""
+        self._readings += 1
+        return {**node_stats(self.node, self.router.status(), self.router.options.max_models),
+                "seq": self._readings, "silent_after": self.silent_after}
 
     async def ping(self, request: NodeRequest) -> str:
         """This node's id: the ingress asks, after a call failed, which nodes still answer."""
@@ -76,16 +79,17 @@ class NodeRouter:
                 self._lifespan = api.router.lifespan_context(api)
                 await self._lifespan.__aenter__()
 
-    async def handle(self, request: NodeRequest) -> AsyncIterator[Head | bytes | Started | tuple[Head, bytes]]:
-        """The reply of this node's app: a Head, then the body in chunks as the app
-        writes them; for ``request.whole``, a Started once the request holds its model,
-        then (Head, body).  Cancelled (the client left): the app sees a disconnect, and a
-        generation stops."""
+    async def handle(self, request: NodeRequest) -> AsyncIterator[Accepted | Head | bytes | Started | tuple[Head, bytes]]:
+        """The reply of this node's app: Accepted at once; a Started once the request
+        holds a slot of its model; then a Head and the body in chunks as the app writes
+        them, or for ``request.whole`` (Head, body).  Cancelled (the client left): the app
+        sees a disconnect, and a generation stops."""
         if request.node is not None and request.node != self.node:  # never answer for another node
             yield Head(421, (("content-type", "application/json"),), self.node, self.actor)
             yield json.dumps({"error": {"message": f"this is node {self.node}, not {request.node}",
                                         "type": "misdirected_request", "code": 421}}).encode()
             return
+        yield Accepted(self.node, self.actor)
         await self._start()
         scope = {
             "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
@@ -98,9 +102,9 @@ class NodeRouter:
 
         said = False
 
-        def running() -> None:  # the request runs (it holds a slot): a whole reply says so, once
+        def running() -> None:  # the request runs (it holds a slot): said once, before its status
             nonlocal said
-            if request.whole and not said:
+            if not said:
                 said = True
                 messages.put_nowait(Started(self.node))
 

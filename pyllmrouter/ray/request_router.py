@@ -10,11 +10,13 @@ Router queues them), so the first is where it goes.
 
 A replica whose statistics have not changed for the ``silent_after`` seconds they
 state (failover.silent_after: two readings missed at their longest, 12 s with a
-reading a second) has stopped answering them: each reading carries its node's clock,
-``at``, so a live one changes every period.  It is left out while any other replica
-answers.  The seconds count from the first request routed after its last change, or
-by the node's clock from the reading's ``at`` (plus SKEW).  The ingress leaves out a
-node whose calls fail at once (failover.py)."""
+reading a second) has stopped answering them: each reading carries a count, ``seq``,
+so a live one changes every period.  It is left out while any other replica answers.
+The seconds are this router's own (monotonic), from when it first saw that reading: no
+host's clock is compared with another's, so a node whose clock is behind is not taken
+for silent (a reading first seen after a quiet spell, no request routed meanwhile, is
+given its ``silent_after`` from then).  The ingress leaves out a node whose calls fail
+at once (failover.py)."""
 
 from __future__ import annotations
 
@@ -29,13 +31,12 @@ from pyllmrouter.ray.policy import assume_routed, rank
 __all__ = ["MemoryAwareRouter"]
 
 RECENT = 5.0  # seconds a routed load is assumed before the node's statistics show it
-SKEW = 5.0  # seconds two hosts' clocks may be apart
 
 
 class MemoryAwareRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         self._routed: dict[str, list[tuple[float, str]]] = {}  # replica id -> (when, model), routing loop only
-        self._heard: dict[str, tuple[Any, float]] = {}  # replica id -> (its last reading's ``at``, when first seen)
+        self._heard: dict[str, tuple[Any, float]] = {}  # replica id -> (its last reading's ``seq``, when first seen)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -64,14 +65,11 @@ class MemoryAwareRouter(RequestRouter):
     def _silent(self, replica: RunningReplica) -> bool:
         """Whether ``replica``'s statistics have not changed for the seconds they state."""
         stats, now = replica.routing_stats or {}, time.monotonic()
-        at, rid = stats.get("at"), replica.replica_id.unique_id
+        seq, rid = stats.get("seq"), replica.replica_id.unique_id
         last = self._heard.get(rid)
-        if last is None or last[0] != at:
-            self._heard[rid] = last = (at, now)
-        after = stats.get("silent_after", float("inf"))
-        # unchanged that long as this router saw it, or by the node's own clock (a reading
-        # first seen late, after a quiet spell; SKEW allows for clocks apart across hosts)
-        return at is not None and (now - last[1] > after or time.time() - at > after + SKEW)
+        if last is None or last[0] != seq:
+            self._heard[rid] = last = (seq, now)
+        return seq is not None and now - last[1] > stats.get("silent_after", float("inf"))
 
     def _stats(self, replica: RunningReplica) -> dict:
         if not replica.routing_stats:

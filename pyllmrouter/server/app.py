@@ -50,7 +50,8 @@ from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
 
-__all__ = ["create_app", "guard_error", "json_object", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL", "DEFAULT_HEADERS"]
+__all__ = ["create_app", "guard_error", "json_object", "model_named", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL",
+           "DEFAULT_HEADERS"]
 
 # uvicorn's protocol for every server of this app: its httptools protocol (the fastest it has),
 # whose connections a request can hand over to a worker (server/connection.py)
@@ -422,6 +423,12 @@ def _model_named(data: Any, query: dict[str, str]) -> str | None:
     none, an array), as llama-server's router reads it."""
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) and model else query.get("model") or None
+
+
+def model_named(content_type: str, raw: bytes, query: dict[str, str]) -> str | None:
+    """The model a POST names, as ``engine_post`` reads it: a JSON body's (or a multipart
+    form's) "model", else ?model= (400 for a body that is neither)."""
+    return _model_named(_engine_body(content_type, raw)[2], query)
 
 
 def _header_dict(scope) -> dict[str, str]:
