@@ -10,6 +10,8 @@ import base64
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -84,6 +86,36 @@ def test_the_clients_chat_whole_and_streamed_say_the_same(client):
     assert "".join(p.message.content for p in parts) == whole.message.content
     assert "".join(p.message.thinking or "" for p in parts) == whole.message.thinking
     assert (parts[-1].prompt_eval_count, parts[-1].eval_count) == (whole.prompt_eval_count, whole.eval_count)
+
+
+def test_the_readmes_examples_run_unchanged_with_only_ollama_host_set(server):
+    """ollama-python's README, as its users run it: the module's own client, found by OLLAMA_HOST."""
+    _, base = server
+    script = """
+import asyncio, ollama
+from ollama import chat, ChatResponse, AsyncClient
+response: ChatResponse = chat(model='think', messages=[{'role': 'user', 'content': 'Why is the sky blue?'}])
+print(response['message']['content'])
+print(response.message.content)
+stream = chat(model='think', messages=[{'role': 'user', 'content': 'Why is the sky blue?'}], stream=True)
+print(''.join(chunk['message']['content'] for chunk in stream))
+async def main():
+    message = {'role': 'user', 'content': 'Why is the sky blue?'}
+    print((await AsyncClient().chat(model='think', messages=[message]))['message']['content'])
+    parts = [part['message']['content'] async for part in await AsyncClient().chat(model='think', messages=[message],
+                                                                                    stream=True)]
+    print(''.join(parts))
+asyncio.run(main())
+print(ollama.generate(model='think', prompt='Why is the sky blue?')['response'])
+print(len(ollama.embed(model='bert', input='The sky is blue because of rayleigh scattering')['embeddings']))
+print(sorted(m['model'] for m in ollama.list()['models'])[0])
+print(ollama.show('think')['details']['format'])
+print(len(ollama.ps()['models']) > 0)
+"""
+    out = subprocess.run([sys.executable, "-c", script], env={**os.environ, "OLLAMA_HOST": base},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["Hello there!"] * 6 + ["1", "bert:latest", "gguf", "True"], out.stdout
 
 
 def test_think_false_asks_the_template_for_no_thinking(client):
