@@ -238,9 +238,11 @@ def test_a_held_node_stays_in_the_clusters_list_marked():
     assert view["data"][0]["loaded_on"] == ["n1"] and view["data"][0]["status"]["value"] == "loaded"
 
 
-def test_a_node_started_again_rejoins_and_takes_requests(cluster):
+def test_a_node_started_again_rejoins_and_takes_back_what_the_others_evicted(cluster):
     """A node started as the lost one was (ray start): its replica is placed, measures
-    its models and the request router sends it what fits only there, no redeploy."""
+    its models, and the model the two nodes left had to evict for another (three big
+    ones, room for two) is loaded there, in its free memory, with no request for it and
+    no redeploy (ingress.RE_PLACE_PERIOD)."""
     c, client, nodes, start_node = cluster
     alive = [n for n in nodes if n in c.worker_nodes]  # the killed one was removed from the cluster's list
     assert len(alive) == 2
@@ -248,13 +250,19 @@ def test_a_node_started_again_rejoins_and_takes_requests(cluster):
         assert client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}).status_code == 200
     where = _where(client)
     assert sorted(where["big"] + where["big2"]) == sorted(n.node_id for n in alive)
-    t0 = time.monotonic()
+    r = client.post("/v1/completions", json={"model": "big3", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+    (evicted,) = [m for m in ("big", "big2") if not _where(client)[m]]  # pushed out for big3
     back = start_node(NODE_MIB)
     _wait_measured(client, {back.node_id})
-    rejoined = time.monotonic() - t0
-    r = client.post("/v1/completions", json={"model": "big3", "prompt": "hi", "max_tokens": 2})
-    assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] == back.node_id, (r.text, rejoined)
-    assert _where(client)["big"] and _where(client)["big2"]  # nothing was evicted for it
+    deadline = time.monotonic() + 60
+    while _where(client)[evicted] != [back.node_id] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    where = _where(client)
+    assert where[evicted] == [back.node_id], where
+    assert len({where[m][0] for m in ("big", "big2", "big3")}) == 3  # one a node: nothing pushes another out
+    r = client.post("/v1/completions", json={"model": evicted, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] == back.node_id
 
 
 def test_a_replica_that_stops_answering_its_statistics_is_left_out(cluster):

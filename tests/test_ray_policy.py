@@ -143,3 +143,24 @@ def test_node_stats_carry_what_replicas_need():
                                "requirement": {}, "replicas": 3, "context": {"slots": 4}, "replica_of": None}}}
     m = node_stats("n", status)["models"]["m"]
     assert (m["replicas"], m["slots"], m["replica_of"]) == (3, 4, None)
+
+
+def view(available_mib: int, models: dict) -> dict:
+    """A node's GET /models: one device GPU0 with ``available_mib`` free; ``models``: name ->
+    (state, MiB needed)."""
+    return {"devices": {"GPU0": {"available": available_mib * MiB}},
+            "data": [{"id": n, "status": {"value": s}, "memory": {"requirement": {"GPU0": {"GPU0": need * MiB}}}}
+                     for n, (s, need) in models.items()]}
+
+
+def test_a_model_evicted_lately_goes_back_where_it_fits_free_the_tightest_fit_first():
+    from pyllmrouter.ray.policy import re_place
+
+    crowded = view(5, {"x": ("unloaded", 50), "y": ("loaded", 50), "z": ("unloaded", 10)})
+    joined = view(60, {"x": ("unloaded", 50), "y": ("unloaded", 50), "z": ("unloaded", 10)})
+    roomy = view(200, {"x": ("unloaded", 50), "y": ("unloaded", 50), "z": ("unloaded", 10)})
+    # x was pushed out for y: it fits free on the node that joined (the tightest) and the roomy one
+    assert re_place({"A": crowded, "B": joined, "C": roomy}, ["x"]) == [("x", "B")]
+    # one load a node per round; a model loaded somewhere is left alone; one that fits nowhere free stays out
+    assert re_place({"A": crowded, "B": joined, "C": roomy}, ["x", "z", "y"]) == [("x", "B"), ("z", "C")]
+    assert re_place({"A": crowded, "B": view(40, {"x": ("unloaded", 50)})}, ["x"]) == []

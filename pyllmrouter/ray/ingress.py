@@ -35,9 +35,10 @@ from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pyllmrouter.ray import cluster, failover
+from pyllmrouter.ray import cluster, failover, policy
 from pyllmrouter.ray.messages import Accepted, Head, NodeRequest, Started
-from pyllmrouter.server.app import DEFAULT_HEADERS, ENGINE_POST, HTTP_PROTOCOL, guard_error, json_object, model_named
+from pyllmrouter.server.app import DEFAULT_HEADERS, ENGINE_POST, HTTP_PROTOCOL, guard_error
+from pyllmrouter.server.body import json_object, model_named
 from pyllmrouter.server.body import read_or_refuse, replay
 from pyllmrouter.server.errors import ApiError, error_response
 
@@ -50,6 +51,7 @@ RETRIED = frozenset({507, 429, 503})
 ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
 ACCEPT_TIMEOUT = 10.0  # seconds a node's replica has to take a request (its Accepted): none, 504
 ENGINE_POSTS = frozenset(p for p in ENGINE_POST if "{" not in p)
+RE_PLACE_PERIOD = 5.0  # seconds between two looks for models evicted lately that fit free elsewhere
 PING_TIMEOUT = 2.0  # seconds a node has to answer, after a call to some node failed
 # pings a node gets while another node's replica answers them: Serve hands a chosen replica
 # to the oldest call waiting, so under load one ping may be answered by another node
@@ -78,6 +80,7 @@ class Ingress:
                                 access_log=access_log)
         self._server = uvicorn.Server(config)
         self._serving = asyncio.get_running_loop().create_task(self._server.serve(sockets=[listener]))
+        self._re_placing = asyncio.get_running_loop().create_task(self._re_place_loop())
         while not self._server.started:
             if self._serving.done():
                 self._serving.result()
@@ -118,6 +121,44 @@ class Ingress:
         finally:
             watcher.cancel()
 
+    async def _re_place_loop(self) -> None:
+        """Every RE_PLACE_PERIOD: the models the nodes evicted since the last look, loaded
+        nowhere now, are loaded where they fit in free memory (policy.re_place): a node that
+        joins takes back what the others pushed out, and models that keep evicting each
+        other for the same bytes end on different nodes.  Each node's events are read by
+        their sequence numbers, not by any clock."""
+        seen: dict[str, int] = {}  # node -> the last event it has told of (this loop's only)
+        pending: dict[str, None] = {}  # models evicted and not loaded since, the latest last (this loop's only)
+        while not self._server.should_exit:  # set as Serve stops this replica (__del__)
+            await asyncio.sleep(RE_PLACE_PERIOD)
+            try:
+                await self._re_place(seen, pending)
+            except Exception as e:  # noqa: BLE001 - the next round tries again
+                _LOG.warning("re-placing evicted models failed: %s: %s", type(e).__name__, e)
+
+    async def _re_place(self, seen: dict[str, int], pending: dict[str, None]) -> None:
+        for node, reply in (await self._ask_all(NodeRequest("GET", "/events"))).items():
+            events = [e for e in reply.get("data", ()) if isinstance(e, dict)]
+            if node in seen:  # a node's first reading is its history, not news
+                for e in events:
+                    if e.get("event") == "evict" and e.get("seq", 0) > seen[node]:
+                        pending.pop(e["model"], None)
+                        pending[e["model"]] = None
+            seen[node] = max([seen.get(node, 0)] + [e.get("seq", 0) for e in events])
+        if not pending:
+            return
+        views = {n: v for n, v in (await self._ask_all(NodeRequest("GET", "/models"))).items()
+                 if "error" not in v and not v.get("held")}
+        entries = [e for v in views.values() for e in v.get("data", ())]
+        held = {e["id"] for e in entries if e["status"]["value"] in ("loaded", "loading")}
+        for model in [m for m in pending if m in held or m not in {e["id"] for e in entries}]:
+            del pending[model]  # loaded again meanwhile, or listed nowhere now
+        for model, node in policy.re_place(views, list(pending)[::-1]):
+            _LOG.info("'%s', evicted and loaded nowhere since, fits free on node %s: loaded there", model, node)
+            del pending[model]
+            await self._respond(NodeRequest("POST", "/models/load", body=json.dumps({"model": model}).encode(),
+                                            headers=(("content-type", "application/json"),), node=node), None)
+
     def check_health(self) -> None:
         """Serve's health check: a server that stopped makes Serve replace this replica."""
         if self._serving.done():
@@ -127,6 +168,7 @@ class Ingress:
         server = getattr(self, "_server", None)
         if server is not None:
             server.should_exit = True  # it closes its socket and connections within 0.1 s
+
 
     async def respond(self, request: Request) -> Response:
         headers = {k.lower(): v for k, v in request.headers.items()}

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from pyllmrouter.router.policy import placement
 
-__all__ = ["node_stats", "Choice", "classify", "assume_routed", "rank", "waits", "wants_another_node"]
+__all__ = ["node_stats", "Choice", "classify", "assume_routed", "rank", "waits", "wants_another_node", "re_place"]
 
 LOADED, FREE, EVICT, EVER = "loaded", "free", "evict", "ever"
 
@@ -145,3 +145,37 @@ def rank(model: str, replicas: Sequence[tuple[Any, Mapping[str, Any]]]) -> list[
         if choice.kind in order:
             scored.append((order[choice.kind], choice.order, i))
     return [[replicas[i][0]] for _, _, i in sorted(scored)]
+
+
+def re_place(views: Mapping[str, Mapping[str, Any]], evicted: Sequence[str]) -> list[tuple[str, str]]:
+    """Loads that put models evicted lately back where they fit in free memory: (model,
+    node) pairs, at most one a node.  ``views``: each node's GET /models (its ``data`` and
+    ``devices``); ``evicted``: models a node evicted since the last round, most recent
+    first.  A model loaded (or loading) on some node already is left alone; a node is
+    chosen only where the model's probed bytes fit what its devices have available now
+    (nothing evicted for it), the tightest fit first: a node that joins takes back what
+    the others had to push out for each other, and two models that kept evicting each
+    other for the same bytes end on different nodes."""
+    available = {node: {d: (v.get("available") or 0) for d, v in (view.get("devices") or {}).items()}
+                 for node, view in views.items()}
+    entries = {node: {e["id"]: e for e in view.get("data") or ()} for node, view in views.items()}
+    out: list[tuple[str, str]] = []
+    taken: set[str] = set()
+    for model in dict.fromkeys(evicted):
+        if any((e.get(model) or {}).get("status", {}).get("value") in ("loaded", "loading")
+               for e in entries.values()):
+            continue
+        best: tuple[int, str] | None = None
+        for node, models in entries.items():
+            entry = models.get(model)
+            if node in taken or entry is None or entry.get("status", {}).get("failed"):
+                continue
+            for key, need in ((entry.get("memory") or {}).get("requirement") or {}).items():
+                room = [available[node].get(d, 0) - n for d, n in need.items()]
+                if need and set(need) <= set(available[node]) and min(room) >= 0 and \
+                        (best is None or min(room) < best[0]):
+                    best = (min(room), node)
+        if best is not None:
+            out.append((model, best[1]))
+            taken.add(best[1])
+    return out

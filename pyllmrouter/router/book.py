@@ -324,8 +324,7 @@ class Book:
             self._cond.notify_all()
 
     def keep_alive(self, rec: Record, seconds: float | None) -> None:
-        """The idle time of ``rec`` (a model's own record) and its instances as a request set
-        it (Record.keep), counted from now."""
+        """``rec``'s (a model's own) idle time as a request set it (Record.keep), from now."""
         with self._cond:
             rec.keep = seconds
             for r in self._registry.instances(rec):
@@ -582,19 +581,11 @@ class Book:
             self._registry.drop(rec)
             self._cond.notify_all()
 
-    # -- events -------------------------------------------------------------------------------
-
     def event(self, what: str, name: str, **data: Any) -> None:
         with self._cond:
             rec = self._registry.named(name)
             where = "+".join(sorted(rec.device_set)) if rec is not None and rec.device_set else ""
             self.bus.publish(what, name, where, **data)
-
-    def history(self) -> list[tuple[float, str, str, str]]:
-        """What happened to the models lately, as (time, event, model, devices)."""
-        return [(e.t, e.event, e.model, e.devices) for e in self.bus.recent() if e.event in HISTORY]
-
-    # -- the end ---------------------------------------------------------------------------------
 
     def close(self) -> list[WorkerHandle]:
         """No more requests: every model UNLOADED, no lease held; the workers to stop."""

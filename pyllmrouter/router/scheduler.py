@@ -42,7 +42,7 @@ from pyllmrouter.devices import HOST, Inventory
 from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueFull, QueueTimeout, RouterClosed, UnknownModel,
                                 Withdrawn)
 from pyllmrouter.router import report
-from pyllmrouter.router.book import Book, capacity
+from pyllmrouter.router.book import HISTORY, Book, capacity
 from pyllmrouter.router.jobs import Jobs
 from pyllmrouter.router.policy import admission, placement, queueing, replicas
 from pyllmrouter.router.policy.fitbook import fit_over
@@ -136,7 +136,7 @@ class Scheduler:
     def events(self) -> list[tuple[float, str, str, str]]:
         """What happened to the models lately, as (time, event, model, devices): loads,
         evictions, unloads, failures, fits, spills, dead workers (the bus has more)."""
-        return self._book.history()
+        return [(e.t, e.event, e.model, e.devices) for e in self._book.bus.recent() if e.event in HISTORY]
 
     def resolve(self, name: str) -> Record:
         return self._book.resolve(name)

@@ -41,7 +41,8 @@ from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage, ollama, page
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
 from pyllmrouter.router.services.tools import Services
-from pyllmrouter.server.body import BODY_METHODS, form, read_or_refuse, replay
+from pyllmrouter.server.body import (BODY_METHODS, engine_body, json_object, json_value, model_in, read_or_refuse,
+                                    replay)
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Refusal
 from pyllmrouter.server.connection import HANDOVER, Handover, HttpProtocol
@@ -50,8 +51,7 @@ from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
 
-__all__ = ["create_app", "guard_error", "json_object", "model_named", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL",
-           "DEFAULT_HEADERS"]
+__all__ = ["create_app", "guard_error", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL", "DEFAULT_HEADERS"]
 
 # uvicorn's protocol for every server of this app: its httptools protocol (the fastest it has),
 # whose connections a request can hand over to a worker (server/connection.py)
@@ -174,8 +174,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         and length, and gives the headers by lower-case name and the body it read)."""
         query = _query(scope)
         try:
-            raw, files, data = _engine_body(headers.get("content-type", ""), raw)
-            model = _model_named(data, query)
+            raw, files, data = engine_body(headers.get("content-type", ""), raw)
+            model = model_in(data, query)
             if not model:
                 raise ApiError(400, "'model' is required (a model id from GET /v1/models), in the body or as "
                                     "?model=", param="model")
@@ -261,7 +261,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         except ApiError:
             return False  # the task answers the 400
         query = _query(scope)
-        model = _model_named(data, query)
+        model = model_in(data, query)
         if not model:
             return False
         endpoint = scope["path"]
@@ -418,19 +418,6 @@ def _engine_headers(headers: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k not in _NOT_FORWARDED}
 
 
-def _model_named(data: Any, query: dict[str, str]) -> str | None:
-    """The model a request names: its JSON object's "model", else ?model= (a body that names
-    none, an array), as llama-server's router reads it."""
-    model = data.get("model") if isinstance(data, dict) else None
-    return model if isinstance(model, str) and model else query.get("model") or None
-
-
-def model_named(content_type: str, raw: bytes, query: dict[str, str]) -> str | None:
-    """The model a POST names, as ``engine_post`` reads it: a JSON body's (or a multipart
-    form's) "model", else ?model= (400 for a body that is neither)."""
-    return _model_named(_engine_body(content_type, raw)[2], query)
-
-
 def _header_dict(scope) -> dict[str, str]:
     """A request's headers by lower-case name (the last of a name given twice)."""
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -457,37 +444,6 @@ async def _departed(receive) -> None:
     """Returns once ``receive`` says the client has closed its connection."""
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def _engine_body(content_type: str, raw: bytes) -> tuple[bytes, dict[str, tuple[str, str, bytes]], Any]:
-    """What a model's engine gets of a POST body, as llama-server's HTTP layer gives it:
-    (body, files, the body read).  A multipart form becomes its fields as JSON, and its
-    files; anything else goes as it came, read as JSON (any value: an array too)."""
-    if content_type.lower().startswith("multipart/form-data"):
-        try:
-            fields, files = form(content_type, raw)
-        except ValueError as e:
-            raise ApiError(400, f"request body is not a valid multipart form: {e}", code="invalid_form") from None
-        return json.dumps(fields).encode(), files, fields
-    return raw, {}, json_value(raw)
-
-
-def json_value(raw: bytes) -> Any:
-    """A request body as JSON (empty: {}), or the 400 that says what is wrong."""
-    try:
-        return json.loads(raw or b"{}")
-    except ValueError as e:
-        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-    except RecursionError:
-        raise ApiError(400, "request body is nested too deeply to read", code="invalid_json") from None
-
-
-def json_object(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object (empty: {}), or the 400 that says what is wrong."""
-    data = json_value(raw)
-    if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-    return data
 
 
 def has_valid_key(headers: dict[str, str], keys: tuple[str, ...]) -> bool:

@@ -9,11 +9,13 @@ as one message.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Awaitable, Callable
 
 from pyllmrouter.server.errors import ApiError, error_response
 
-__all__ = ["BODY_METHODS", "TooLarge", "read_body", "read_or_refuse", "replay"]
+__all__ = ["BODY_METHODS", "TooLarge", "read_body", "read_or_refuse", "replay", "form", "engine_body", "json_value",
+           "json_object", "model_in", "model_named"]
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
@@ -98,3 +100,47 @@ def form(content_type: str, body: bytes) -> tuple[dict[str, Any], dict[str, tupl
         else:
             fields[name] = data.decode(errors="replace")
     return fields, files
+
+
+def engine_body(content_type: str, raw: bytes) -> tuple[bytes, dict[str, tuple[str, str, bytes]], Any]:
+    """What a model's engine gets of a POST body, as llama-server's HTTP layer gives it:
+    (body, files, the body read).  A multipart form becomes its fields as JSON, and its
+    files; anything else goes as it came, read as JSON (any value: an array too)."""
+    if content_type.lower().startswith("multipart/form-data"):
+        try:
+            fields, files = form(content_type, raw)
+        except ValueError as e:
+            raise ApiError(400, f"request body is not a valid multipart form: {e}", code="invalid_form") from None
+        return json.dumps(fields).encode(), files, fields
+    return raw, {}, json_value(raw)
+
+
+def json_value(raw: bytes) -> Any:
+    """A request body as JSON (empty: {}), or the 400 that says what is wrong."""
+    try:
+        return json.loads(raw or b"{}")
+    except ValueError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply to read", code="invalid_json") from None
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object (empty: {}), or the 400 that says what is wrong."""
+    data = json_value(raw)
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def model_in(data: Any, query: dict[str, str]) -> str | None:
+    """The model a request names: its JSON object's "model", else ?model= (a body that names
+    none, an array), as llama-server's router reads it."""
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else query.get("model") or None
+
+
+def model_named(content_type: str, raw: bytes, query: dict[str, str]) -> str | None:
+    """The model a POST names, as ``engine_post`` reads it: a JSON body's (or a multipart
+    form's) "model", else ?model= (400 for a body that is neither)."""
+    return model_in(engine_body(content_type, raw)[2], query)

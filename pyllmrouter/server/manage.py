@@ -183,7 +183,7 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
     async def events():
         evs = router.scheduler.bus.recent()
         t0 = evs[0].t if evs else 0.0
-        return {"data": [{"t": round(e.t - t0, 3), "event": e.event, "model": e.model, "devices": e.devices,
+        return {"data": [{"seq": e.seq, "t": round(e.t - t0, 3), "event": e.event, "model": e.model, "devices": e.devices,
                           **({"data": e.data} if e.data else {})} for e in evs]}
 
     # -- resumable streams: the engine of the model that serves the conversation -------
