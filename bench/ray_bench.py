@@ -20,15 +20,21 @@ the geometric mean of the per-round requests/s ratios with a 95 % confidence
 interval (the machine is shared and noisy: one round is not a comparison).  Prints
 a table and writes JSON (default bench/results/ray_bench.json).
 
-With ``--kill-node`` every run loses the 48 MiB node under load (its raylet and every
-process under it SIGKILLed once ``--kill-at`` of the requests have been sent) and
-starts a node in its place once ``--restart-at`` have been (bench/_ray_kill.py); the
-table then gives per round ok, sent on (ours), failed by kind, the seconds from the kill
-to the first success of a model that lived there, and p99 latency before, during and
-after (default bench/results/ray_kill_bench.json).
+With ``--kill-node`` every run loses the 48 MiB node under load (``--fault kill``: its
+raylet and every process under it SIGKILLed; ``--fault stop``: SIGSTOPped, a silent node
+that resets nothing) once ``--kill-at`` of the requests have been sent, and starts a
+node in its place once ``--restart-at`` have been (bench/_ray_kill.py).  The requests
+then mix whole and streamed completions, loads and slot saves (Serve's multiplexing:
+whole completions only), each with its own X-Request-Id, which our replicas log as they
+start and answer it; the table gives per round ok, sent on (ours), failed by kind, the
+requests that ran on two nodes (must be 0) and those that ran but were reported failed,
+the seconds from the fault to the first success of a model that lived there, and p99
+latency before, during and after and per quarter (default
+bench/results/ray_kill_bench.json, ray_stop_bench.json with ``--fault stop``;
+``--control``: the same windows, no fault).
 
     python bench/ray_bench.py [--requests N] [--clients C] [--per-replica K,K] [--rounds R] [--out FILE]
-    python bench/ray_bench.py --kill-node [--kill-at 0.3] [--restart-at 0.5] ...
+    python bench/ray_bench.py --kill-node [--fault kill|stop] [--kill-at 0.3] [--restart-at 0.5] ...
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from pyllmrouter.ray.ingress import node_ids  # noqa: E402
 from pyllmrouter.tables import render  # noqa: E402
 from pyllmrouter.tools import tinymodels  # noqa: E402
 from pyllmrouter.tools.loopback import free_port  # noqa: E402
-from pyllmrouter.tools.raynodes import add_node  # noqa: E402
+from pyllmrouter.tools.raynodes import add_node, kill_node  # noqa: E402
 
 STATS_PERIOD = 0.5  # seconds between two reads of a node's statistics by our request router
 NODES = (32, 48, 96)  # MiB: every model fits at once if placed by memory (176 MiB for 144)
@@ -101,8 +107,10 @@ def drive(base: str, order: list[str], clients: int, headers_for) -> dict:
             "seconds": done}
 
 
-def ours(cluster_address: str, preset: Path, port: int, order: list[str], clients: int, run=None) -> dict:
-    deploy(["--models-preset", str(preset), "--models-memory-margin", "0", "--queue-timeout", "300"],
+def ours(cluster_address: str, preset: Path, port: int, order: list[str], clients: int, run=None,
+         slots: Path | None = None) -> dict:
+    deploy(["--models-preset", str(preset), "--models-memory-margin", "0", "--queue-timeout", "300",
+            *(["--slot-save-path", f"{slots}/"] if slots is not None else [])],
            address=cluster_address, port=port, stats_period=STATS_PERIOD)
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -145,9 +153,11 @@ def main() -> int:
     ap.add_argument("--kill-at", type=float, default=0.25, help="the share of requests sent before the kill")
     ap.add_argument("--restart-at", type=float, default=0.4, help="the share sent before a node starts again")
     ap.add_argument("--control", action="store_true", help="with --kill-node: the same runs and windows, no kill")
+    ap.add_argument("--fault", choices=("kill", "stop"), default="kill",
+                    help="with --kill-node: SIGKILL the node, or SIGSTOP it (a silent node)")
     a = ap.parse_args()
     a.out = a.out or str(Path(__file__).parent / "results" / (
-        ("ray_kill_control.json" if a.control else "ray_kill_bench.json") if a.kill_node else "ray_bench.json"))
+        ("ray_kill_control.json" if a.control else f"ray_{a.fault}_bench.json") if a.kill_node else "ray_bench.json"))
 
     d = Path(tempfile.mkdtemp(prefix="ray-bench-"))
     tiny = tinymodels.write_tiny_set(d / "models")
@@ -156,8 +166,12 @@ def main() -> int:
                               for name, (kind, ctx, _) in MODELS.items()))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
 
+    run_log = d / "runs"
+    run_log.mkdir()
+    (d / "slots").mkdir()
+
     def start_node(mib: int):
-        return add_node(cluster, mib, d / "cache")
+        return add_node(cluster, mib, d / "cache", run_log=run_log if a.kill_node else None)
 
     nodes = [start_node(mib) for mib in NODES]
     ray.init(address=cluster.address)
@@ -172,13 +186,16 @@ def main() -> int:
             for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                 outage = run = None
                 if a.kill_node:  # the middle node, lost and started again (--control: neither)
-                    outage = _ray_kill.Outage(None if a.control else nodes[1], lambda: start_node(NODES[1]))
+                    outage = _ray_kill.Outage(None if a.control else nodes[1], lambda: start_node(NODES[1]), a.fault)
 
-                    def run(base, order_, clients_, headers_for, outage=outage):
-                        records = _ray_kill.drive(base, order_, clients_, headers_for, outage, a.kill_at, a.restart_at)
-                        return {**_ray_kill.summary(records, outage), "records": records}
+                    def run(base, order_, clients_, headers_for, outage=outage, tag=f"{rnd}-{names.index(name)}-",
+                            whole_only=name != "pyllmrouter"):
+                        records = _ray_kill.drive(base, order_, clients_, headers_for, outage, a.kill_at, a.restart_at,
+                                                  whole_only, tag)
+                        ran = {k: v for k, v in _ray_kill.runs(run_log).items() if k.startswith(tag)}
+                        return {**_ray_kill.summary(records, outage, ran), "records": records}
                 if name == "pyllmrouter":
-                    runs[name].append(ours(cluster.address, preset, port, order, a.clients, run))
+                    runs[name].append(ours(cluster.address, preset, port, order, a.clients, run, d / "slots"))
                 else:
                     runs[name].append(baseline(preset, base_port, order, a.clients, per_replica[name], run))
                 if outage is not None and outage.node is not None:
@@ -232,6 +249,7 @@ def _recover(cluster: Cluster, outage: "_ray_kill.Outage", start_node) -> object
     the lost one dropped from the cluster's list, and Ray's view back to three live nodes
     (a redeploy counts the live nodes): the node that stands in for the lost one."""
     new = outage.new_node or start_node(NODES[1])
+    kill_node(outage.node)  # a stopped node never comes back
     cluster.remove_node(outage.node, allow_graceful=False)
     deadline = time.monotonic() + 120
     while len(node_ids()) != len(NODES) and time.monotonic() < deadline:
@@ -240,9 +258,9 @@ def _recover(cluster: Cluster, outage: "_ray_kill.Outage", start_node) -> object
 
 
 def _kill_report(a, names: list[str], runs: dict[str, list[dict]]) -> int:
-    keys = ("wall_s", "kill_s", "restart_s", "ok", "retried", "failed", "in_flight_at_kill", "in_flight_at_kill_failed",
-            "first_moved_success_s", "rejoin_s",
-            "p99_ms_before", "p99_ms_during", "p99_ms_after", "p99_ms_first_quarter", "p99_ms_last_quarter")
+    keys = ("wall_s", "kill_s", "restart_s", "ok", "retried", "failed", "ran_twice", "ran_but_failed",
+            "in_flight_at_kill", "in_flight_at_kill_failed", "first_moved_success_s", "rejoin_s",
+            "p99_ms_before", "p99_ms_during", "p99_ms_after")
 
     def cell(r: dict, key: str) -> str:
         v = r[key]
@@ -256,17 +274,23 @@ def _kill_report(a, names: list[str], runs: dict[str, list[dict]]) -> int:
                 total[kind] = total.get(kind, 0) + count
         return "; ".join(f"{kind}: {count}" for kind, count in sorted(total.items())) or "-"
 
+    rows.append(["p99_ms per quarter"] + [" | ".join("/".join(f"{q:.0f}" for q in r["p99_ms_quarters"])
+                                                         for r in runs[n]) for n in names])
+    rows.append(["ok by kind sent (all rounds)"] + ["; ".join(f"{k}: {sum(r['ok_by_kind'].get(k, 0) for r in runs[n])}"
+                                                             for k in sorted(runs[n][0]["ok_by_kind"])) for n in names])
     rows.append(["failed, by kind (all rounds)"] + [kinds(n) for n in names])
-    what = (f"no node killed (the control: windows at {a.kill_at:.0%} and {a.restart_at:.0%})" if a.control else
-            f"the {NODES[1]} MiB node killed after {a.kill_at:.0%} of the requests were sent and started again "
-            f"after {a.restart_at:.0%}")
+    faulted = "killed (SIGKILL)" if a.fault == "kill" else "silenced (SIGSTOP)"
+    what = (f"no node faulted (the control: windows at {a.kill_at:.0%} and {a.restart_at:.0%})" if a.control else
+            f"the {NODES[1]} MiB node {faulted} after {a.kill_at:.0%} of the requests were sent and a node started "
+            f"again after {a.restart_at:.0%}")
     print(f"{a.requests} requests, {a.clients} clients, 3 nodes ({', '.join(f'{n} MiB' for n in NODES)}), {what}; "
           f"{a.rounds} rounds (each cell: round 1/2/3)\n")
     print(render([""] + names, rows))
     for rs in runs.values():
         for r in rs:
             r.pop("records")
-    out = {"nodes_mib": NODES, "killed_mib": NODES[1], "kill_at": a.kill_at, "restart_at": a.restart_at,
+    out = {"nodes_mib": NODES, "killed_mib": NODES[1], "fault": None if a.control else a.fault,
+           "kill_at": a.kill_at, "restart_at": a.restart_at,
            "requests": a.requests, "clients": a.clients, "rounds": a.rounds, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=2))

@@ -230,6 +230,7 @@ class Ingress:
         refused: tuple[Head, bytes] | None = None  # the last 429 or 503
         arrived = time.monotonic()
         retried: str | None = None  # the lost nodes, once the request was sent on
+        misdirected = 0  # 421s from a replica of another node
         while True:
             plain = replace(plain, exclude=plain.exclude | self._lost.now(), whole=not stream)
             replies = self.nodes.options(stream=True).handle.remote(plain)
@@ -272,6 +273,9 @@ class Ingress:
                 continue
             head, rest = first if isinstance(first, tuple) else (first, replies)
             self._actors[head.actor] = head.node
+            if head.status == 421 and plain.node is not None and misdirected < 2:
+                misdirected += 1  # another replica took a call meant for one node (Serve swaps them): again
+                continue
             if head.status not in RETRIED or model is None or began:  # one that ran is not sent on
                 return await _relay(head, rest, model, retried, self._lost_under_stream)
             try:
@@ -434,10 +438,11 @@ class Ingress:
         per_node = await self._ask_all(NodeRequest("GET", "/models"))
         where = sorted(n for n, r in per_node.items() for e in r.get("data", [])
                        if (e["id"] == model or model in e.get("aliases", ())) and e["status"]["value"] == "loaded")
-        if len(where) != 1:
-            said = f"loaded on nodes {', '.join(where)}" if where else "not loaded on any node"
-            raise ApiError(409, f"a slot action acts on one node's engine: model '{model}' is {said}; name the "
-                                f"node with ?node=", code="node_required", param="node")
+        if not where:  # loaded nowhere: the node the model goes to (as any request for it), never another after
+            return await self._respond(replace(plain, model=model), model, repeats=False)
+        if len(where) > 1:
+            raise ApiError(409, f"a slot action acts on one node's engine: model '{model}' is loaded on nodes "
+                                f"{', '.join(where)}; name one with ?node=", code="node_required", param="node")
         return await self._respond(replace(plain, node=where[0], model=model), None)
 
 

@@ -12,12 +12,19 @@ themselves as they do under ``serve``.  Every model is measured when the replica
 starts, so its statistics carry each model's bytes before any request, and the
 worker of a model's only device set is started then (router/workers/measure.py), so the
 first request finds it.
+
+With ``PYLLMROUTER_RUN_LOG`` set (a directory), the replica appends a line to
+``<dir>/<node>.log`` for each request that carries ``X-Request-Id``: "started" where it
+took a slot of its model, "answered" with the status where its reply began, each written
+at once (a node killed later keeps what it wrote): which node ran what, for counting
+runs per request across nodes (bench/ray_bench.py --kill-node).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from typing import Any, AsyncIterator
 from urllib.parse import urlencode
@@ -50,6 +57,9 @@ class NodeRouter:
         self._lifespan = None
         self._started = asyncio.Lock()
         self._readings = 0  # statistics read so far (record_routing_stats)
+        log_dir = os.environ.get("PYLLMROUTER_RUN_LOG")
+        self._run_log = os.open(os.path.join(log_dir, f"{self.node}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                                0o644) if log_dir else None
         threading.Thread(target=self._measure_all, name="measure", daemon=True).start()
 
     def _measure_all(self) -> None:
@@ -102,10 +112,17 @@ class NodeRouter:
 
         said = False
 
+        rid = next((v for k, v in request.headers if k.lower() == "x-request-id"), None)
+
+        def ran(what: str) -> None:  # the run log's line, written at once (one write: whole, appended)
+            if self._run_log is not None and rid:
+                os.write(self._run_log, f"{rid}\t{what}\t{self.node}\n".encode())
+
         def running() -> None:  # the request runs (it holds a slot): said once, before its status
             nonlocal said
             if not said:
                 said = True
+                ran("started")
                 messages.put_nowait(Started(self.node))
 
         scope["extensions"] = {RELAYED: Relayed(request.waited, running)}
@@ -135,6 +152,7 @@ class NodeRouter:
                 elif message["type"] == "http.response.start":
                     headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"])
                     head = Head(message["status"], headers, self.node, self.actor)
+                    ran(f"answered {head.status}")
                     if not request.whole:
                         yield head
                 elif message.get("body"):

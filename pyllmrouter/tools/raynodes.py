@@ -10,14 +10,17 @@ import os
 import signal
 from typing import Any
 
-__all__ = ["add_node", "kill_node", "process_tree"]
+__all__ = ["add_node", "kill_node", "stop_node", "process_tree"]
 
 
-def add_node(cluster: Any, mib: int, cache: os.PathLike | str) -> Any:
+def add_node(cluster: Any, mib: int, cache: os.PathLike | str, run_log: os.PathLike | str | None = None) -> Any:
     """A node started in ``cluster`` (as ``ray start`` would): one CPU, the resource that
-    marks it for a replica, one emulated device of ``mib`` MiB, the probe cache ``cache``."""
-    return cluster.add_node(num_cpus=1, resources={"pyllmrouter": 1}, env_vars={
-        "PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB", "PYLLMROUTER_CACHE": str(cache)})
+    marks it for a replica, one emulated device of ``mib`` MiB, the probe cache ``cache``;
+    ``run_log``: the directory its replica logs the requests it ran to (replica.py)."""
+    env = {"PYLLMROUTER_EMULATE_DEVICES": f"GPU0={mib}MiB", "PYLLMROUTER_CACHE": str(cache)}
+    if run_log is not None:
+        env["PYLLMROUTER_RUN_LOG"] = str(run_log)
+    return cluster.add_node(num_cpus=1, resources={"pyllmrouter": 1}, env_vars=env)
 
 
 def process_tree(pid: int) -> list[int]:
@@ -40,15 +43,21 @@ def process_tree(pid: int) -> list[int]:
     return tree
 
 
-def kill_node(node: Any) -> int:
+def kill_node(node: Any, sig: int = signal.SIGKILL) -> int:
     """SIGKILL ``node``'s raylet (a ``Cluster.add_node`` result) and every process under
-    it, all at once; the number of processes killed."""
+    it, all at once (``sig``: another signal); the number of processes signalled."""
     pids = [p for info in node.all_processes["raylet"] for p in process_tree(info.process.pid)]
     killed = 0
     for pid in pids:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, sig)
             killed += 1
         except ProcessLookupError:
             pass
     return killed
+
+
+def stop_node(node: Any) -> int:
+    """A node that goes silent, as a hung machine or a cut link does: its raylet and every
+    process under it SIGSTOPped (no connection is reset: calls to it simply get no answer)."""
+    return kill_node(node, signal.SIGSTOP)
