@@ -26,7 +26,7 @@ set(SERVER_SOURCES
   server-stream.cpp server-tools.cpp server-mcp.cpp server-schema.cpp server-models.cpp)
 list(TRANSFORM SERVER_SOURCES PREPEND "${LS}/tools/server/")
 
-# One change to llama.cpp's engine, the only one: a request whose caller has gone stops within
+# Two changes to llama.cpp's engine.  The first: a request whose caller has gone stops within
 # 50 ms.  A handler waiting for its results looks at its should_stop only when its wait for a
 # result times out, after a whole second (HTTP_POLLING_SECONDS), and every other request's
 # result restarts that second: under load a stopped request was never looked at and ran to its
@@ -45,6 +45,18 @@ if(AT_ENTRY EQUAL -1 OR AT_WAIT EQUAL -1)
 endif()
 string(REPLACE "${QUEUE_ENTRY}" "${QUEUE_ENTRY}    // pyllmrouter (cmake/llama_engine.cmake): ends 50 ms after it began, whatever wakes it\n    const auto stop_check_at = std::chrono::steady_clock::now() +\n        std::min<std::chrono::steady_clock::duration>(std::chrono::milliseconds(50), std::chrono::seconds(timeout));\n" QUEUE_TEXT "${QUEUE_TEXT}")
 string(REPLACE "${QUEUE_WAIT}" "condition_results.wait_until(lock, stop_check_at);" QUEUE_TEXT "${QUEUE_TEXT}")
+# The second: a slot that frees puts back every deferred task, not one.  llama.cpp puts back one
+# (one for that slot first: a slot save, restore or erase), and a slot action frees no slot
+# when it ends, so a completion deferred behind it waited until some other task ended (for
+# ever, where none came): with one slot, a completion, a save of the slot and a second
+# completion left the second waiting (tests/test_engine_queue.py).  Every task goes back, in
+# its order, behind the one chosen; those whose slot is still busy are deferred again.
+set(DEFER_END "            queue_tasks_deferred.pop_front();\n        }\n    }\n    time_last_task = ggml_time_ms();")
+string(FIND "${QUEUE_TEXT}" "${DEFER_END}" AT_DEFER)
+if(AT_DEFER EQUAL -1)
+  message(FATAL_ERROR "pyllmrouter: ${QUEUE_SRC} no longer has the pop_deferred_task cmake/llama_engine.cmake changes")
+endif()
+string(REPLACE "${DEFER_END}" "            queue_tasks_deferred.pop_front();\n        }\n        // pyllmrouter (cmake/llama_engine.cmake): the other deferred tasks go back too, in order\n        for (auto it = queue_tasks_deferred.rbegin(); it != queue_tasks_deferred.rend(); ++it) {\n            queue_tasks.insert(queue_tasks.begin() + 1, std::move(*it));\n        }\n        queue_tasks_deferred.clear();\n    }\n    time_last_task = ggml_time_ms();" QUEUE_TEXT "${QUEUE_TEXT}")
 set(QUEUE_PATCHED "${CMAKE_CURRENT_BINARY_DIR}/engine-src/server-queue.cpp")
 file(WRITE "${QUEUE_PATCHED}.new" "${QUEUE_TEXT}")
 configure_file("${QUEUE_PATCHED}.new" "${QUEUE_PATCHED}" COPYONLY)  # rewritten only when it changes

@@ -247,11 +247,21 @@ class Ingress:
             except asyncio.CancelledError:  # the client left: the node stops the request
                 replies.cancel()
                 raise
-            except asyncio.TimeoutError:  # no replica took it: a stuck one, or none left (Serve queues)
+            except asyncio.TimeoutError:  # no replica took it: a silent node, a stuck replica, or none left
                 replies.cancel()
+                before = self._lost.now()
+                silent = await self._find_lost(time.monotonic()) - before
+                if silent and model is not None and plain.node is None and retried is None and repeats:
+                    # the node it went to does not answer a ping either: lost before it began here
+                    retried = ",".join(sorted(silent))
+                    _LOG.warning("no node took a request for '%s' within %g s; silent: %s: sent on", model,
+                                 ACCEPT_TIMEOUT, retried)
+                    plain = replace(plain, waited=time.monotonic() - arrived)
+                    continue
                 raise ApiError(504, f"no node took the request for '{model or plain.path}' within "
-                                    f"{ACCEPT_TIMEOUT:g} s: its replica does not answer", "server_error",
-                               "node_timeout") from None
+                                    f"{ACCEPT_TIMEOUT:g} s: its replica does not answer"
+                                    + (f" (silent: {', '.join(sorted(silent))})" if silent else ""),
+                               "server_error", "node_timeout") from None
             except StopAsyncIteration:  # the node's reply ended before it began
                 raise ApiError(502, f"the node serving '{model or plain.path}' ended its reply before it began",
                                "server_error", "node_died") from None
@@ -273,9 +283,12 @@ class Ingress:
                 continue
             head, rest = first if isinstance(first, tuple) else (first, replies)
             self._actors[head.actor] = head.node
-            if head.status == 421 and plain.node is not None and misdirected < 2:
-                misdirected += 1  # another replica took a call meant for one node (Serve swaps them): again
-                continue
+            if head.status == 421 and plain.node is not None:
+                if misdirected < 2:
+                    misdirected += 1  # another replica took a call meant for one node (Serve swaps them): again
+                    continue
+                raise ApiError(502, f"node {plain.node} has no replica that takes requests now (lost, or not "
+                                    f"placed yet)", "server_error", "node_died")
             if head.status not in RETRIED or model is None or began:  # one that ran is not sent on
                 return await _relay(head, rest, model, retried, self._lost_under_stream)
             try:
