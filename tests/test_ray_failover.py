@@ -172,6 +172,41 @@ def test_a_slot_action_goes_to_the_one_node_where_its_model_is_loaded(cluster):
         _where(client)["b"] == [nowhere.headers["x-pyllmrouter-node"]], nowhere.text
 
 
+def test_a_request_that_may_have_run_is_not_tried_on_another_node_after_a_503(cluster):
+    """A conversation's request queued in a's engine behind a stream; the node's worker dies
+    under both: its 503 may come after the engine had the request, so it is the client's
+    answer, from that node, and no other node runs the request."""
+    _, client, _, _ = cluster
+    r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})
+    x = r.headers["x-pyllmrouter-node"]
+    results: dict = {}
+
+    def send(key: str, body: dict, headers: dict) -> None:
+        with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+            results[key] = (r.status_code, dict(r.headers), b"".join(r.iter_raw()))
+
+    long = threading.Thread(target=send, args=("stream", {"model": "a", "prompt": "hi", "max_tokens": 6000,
+                                                          "ignore_eos": True, "stream": True}, {}))
+    long.start()
+    deadline = time.monotonic() + 30
+    while _in_flight(client, x, "a") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    turn = threading.Thread(target=send, args=("turn", {"model": "a", "prompt": "hi", "max_tokens": 4},
+                                               {"x-conversation-id": "c-503"}))
+    turn.start()
+    while _in_flight(client, x, "a") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _in_flight(client, x, "a") == 2
+    worker = next(w["pid"] for w in client.get("/devices", params={"node": x}).json()["workers"]
+                  if w["devices"] == ["GPU0"])
+    os.kill(worker, signal.SIGKILL)
+    turn.join(60)
+    long.join(60)
+    status, headers, _ = results["turn"]
+    assert status == 503 and headers["x-pyllmrouter-node"] == x and "x-pyllmrouter-retried" not in headers, \
+        (status, headers)
+
+
 def test_a_replica_is_silent_after_two_readings_missed_at_their_longest():
     assert failover.silent_after(1.0) == 2 * (1.0 + 5.0)  # Serve gives a reading up after 5 s
     assert failover.silent_after(10.0) == 2 * (10.0 + 10.0)

@@ -64,7 +64,7 @@ def kind_of(e: BaseException) -> str:
         return APP
     if "ActorUnavailableError" in names:
         return UNSURE
-    if any(n in names for n in _DEAD):
+    if any(n in names for n in _DEAD) or type(e).__name__ == "RayActorError":  # a bare one: the actor died
         return LOST
     return TRANSIENT
 

@@ -48,9 +48,11 @@ NODE_RESOURCE = "pyllmrouter"  # the custom resource that marks a node for one r
 FAN_OUT = ("/models", "/v1/models", "/devices", "/events")
 # a node's refusals of a request it has not begun: tried on another node (each node once)
 RETRIED = frozenset({507, 429, 503})
+NOTHING_RAN = frozenset({507, 429})  # refusals that leave nothing run: any request is tried elsewhere
 ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
 ACCEPT_TIMEOUT = 10.0  # seconds a node's replica has to take a request (its Accepted): none, 504
 ENGINE_POSTS = frozenset(p for p in ENGINE_POST if "{" not in p)
+OLLAMA_LISTS = ("/api/tags", "/api/ps")
 RE_PLACE_PERIOD = 5.0  # seconds between two looks for models evicted lately that fit free elsewhere
 PING_TIMEOUT = 2.0  # seconds a node has to answer, after a call to some node failed
 # pings a node gets while another node's replica answers them: Serve hands a chosen replica
@@ -138,7 +140,11 @@ class Ingress:
 
     async def _re_place(self, seen: dict[str, int], pending: dict[str, None]) -> None:
         for node, reply in (await self._ask_all(NodeRequest("GET", "/events"))).items():
+            if "error" in reply:
+                continue  # not read this round: its events are read next time
             events = [e for e in reply.get("data", ()) if isinstance(e, dict)]
+            if node in seen and max([0] + [e.get("seq", 0) for e in events]) < seen[node]:
+                seen[node] = 0  # its replica started again (its count too): all it tells is news
             if node in seen:  # a node's first reading is its history, not news
                 for e in events:
                     if e.get("event") == "evict" and e.get("seq", 0) > seen[node]:
@@ -201,6 +207,8 @@ class Ingress:
         else:  # as a node's app reads it: a JSON body's (or a multipart form's) "model", else ?model=
             ctype = headers.get("content-type", "")
             model = model_named(ctype, body, dict(query))  # 400 for a body that is not JSON
+            if model is None and path.startswith("/api/") and isinstance(data := json.loads(body or b"{}"), dict):
+                model = data.get("name") if isinstance(data.get("name"), str) and data.get("name") else None
             data = {} if ctype.lower().startswith("multipart/") else json.loads(body or b"{}")
             data = data if isinstance(data, dict) else {}
             # Ollama's chat and generate stream unless told not to
@@ -208,6 +216,14 @@ class Ingress:
                                                     and data.get("stream") is not False)
         if model is None and method == "GET" and path in ("/props", "/metrics"):
             return JSONResponse({"role": "router", "cluster": True, "nodes": sorted(node_ids())})
+        if model is None and method == "GET" and path in OLLAMA_LISTS:  # every node's list, each name once
+            per_node = await self._ask_all(plain)
+            listed = [m for _, r in sorted(per_node.items()) for m in r.get("models", ())]
+            if path == "/api/tags":  # a model is listed once; a loaded one (ps) once a node it is loaded on
+                listed = list({m.get("name"): m for m in listed}.values())
+            return JSONResponse({"models": listed})
+        if model is None and method == "GET" and path == "/api/version":
+            return await self._respond(replace(plain, node=sorted(node_ids())[0]), None)
         if model is None:
             raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
         if method == "POST" and path.startswith("/slots/"):
@@ -247,21 +263,11 @@ class Ingress:
             except asyncio.CancelledError:  # the client left: the node stops the request
                 replies.cancel()
                 raise
-            except asyncio.TimeoutError:  # no replica took it: a silent node, a stuck replica, or none left
-                replies.cancel()
-                before = self._lost.now()
-                silent = await self._find_lost(time.monotonic()) - before
-                if silent and model is not None and plain.node is None and retried is None and repeats:
-                    # the node it went to does not answer a ping either: lost before it began here
-                    retried = ",".join(sorted(silent))
-                    _LOG.warning("no node took a request for '%s' within %g s; silent: %s: sent on", model,
-                                 ACCEPT_TIMEOUT, retried)
-                    plain = replace(plain, waited=time.monotonic() - arrived)
-                    continue
+            except asyncio.TimeoutError:  # no replica took it: a stuck one, none left, or a backlog past its limit
+                replies.cancel()  # not a loss: a ping would queue behind the same backlog and misfire
                 raise ApiError(504, f"no node took the request for '{model or plain.path}' within "
-                                    f"{ACCEPT_TIMEOUT:g} s: its replica does not answer"
-                                    + (f" (silent: {', '.join(sorted(silent))})" if silent else ""),
-                               "server_error", "node_timeout") from None
+                                    f"{ACCEPT_TIMEOUT:g} s: its replica does not answer, or has more requests "
+                                    f"than it takes at once", "server_error", "node_timeout") from None
             except StopAsyncIteration:  # the node's reply ended before it began
                 raise ApiError(502, f"the node serving '{model or plain.path}' ended its reply before it began",
                                "server_error", "node_died") from None
@@ -289,7 +295,9 @@ class Ingress:
                     continue
                 raise ApiError(502, f"node {plain.node} has no replica that takes requests now (lost, or not "
                                     f"placed yet)", "server_error", "node_died")
-            if head.status not in RETRIED or model is None or began:  # one that ran is not sent on
+            # a refusal before anything ran (507: never fits there; 429: its queue is full) is tried
+            # elsewhere; a 503 may come after the engine had it (its worker died): repeatable ones only
+            if head.status not in (RETRIED if repeats else NOTHING_RAN) or model is None or began:
                 return await _relay(head, rest, model, retried, self._lost_under_stream)
             try:
                 data = rest if isinstance(rest, bytes) else b"".join([c async for c in rest])
