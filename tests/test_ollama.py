@@ -297,10 +297,10 @@ def test_keep_alive_0_with_no_prompt_unloads_once_the_requests_in_flight_end(cli
 
 def test_a_request_without_keep_alive_puts_the_models_own_idle_time_back_whatever_its_api(client, server):
     r, _ = server
-    client.chat(model="llama", messages=HI, options={"num_predict": 1}, keep_alive=-1)
-    assert r.status()["models"]["llama"]["ttl"] is None
+    client.chat(model="llama", messages=HI, options={"num_predict": 1}, keep_alive="90m")
+    assert r.status()["models"]["llama"]["ttl"] == 5400
     r.chat("llama", HI, max_tokens=1)  # the OpenAI endpoint's request, through the Python API
-    assert r.status()["models"]["llama"]["ttl"] is None is next(c for c in r.models() if c.name == "llama").ttl
+    assert r.status()["models"]["llama"]["ttl"] == next(c for c in r.models() if c.name == "llama").ttl != 5400
 
 
 def test_a_persistent_model_keeps_its_own_idle_time(client, server):

@@ -207,10 +207,10 @@ class Ingress:
         else:  # as a node's app reads it: a JSON body's (or a multipart form's) "model", else ?model=
             ctype = headers.get("content-type", "")
             model = model_named(ctype, body, dict(query))  # 400 for a body that is not JSON
-            if model is None and path.startswith("/api/") and isinstance(data := json.loads(body or b"{}"), dict):
-                model = data.get("name") if isinstance(data.get("name"), str) and data.get("name") else None
-            data = {} if ctype.lower().startswith("multipart/") else json.loads(body or b"{}")
+            data = {} if ctype.lower().startswith("multipart/") else json.loads(body or b"{}")  # read: valid
             data = data if isinstance(data, dict) else {}
+            if model is None and path.startswith("/api/") and isinstance(data.get("name"), str) and data["name"]:
+                model = data["name"]  # Ollama's bodies name it so too
             # Ollama's chat and generate stream unless told not to
             stream = data.get("stream") is True or (path in ("/api/chat", "/api/generate")
                                                     and data.get("stream") is not False)

@@ -41,8 +41,8 @@ from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage, ollama, page
 from pyllmrouter.server.errors import ApiError, error_response, from_router_error
 from pyllmrouter.router.services.tools import Services
-from pyllmrouter.server.body import (BODY_METHODS, engine_body, json_object, json_value, model_in, read_or_refuse,
-                                    replay)
+from pyllmrouter.server.body import (BODY_METHODS, departed, engine_body, json_object, json_value, model_in,
+                                    read_or_refuse, replay)
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Refusal
 from pyllmrouter.server.connection import HANDOVER, Handover, HttpProtocol
@@ -223,7 +223,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         try:
             out = await router.aserve(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
                                       connection, autoload=_autoload(query.get("autoload")),
-                                      gone=lambda: _departed(receive))
+                                      gone=lambda: departed(receive))
         except asyncio.CancelledError:
             if began:
                 handed_back(model, endpoint, t0, handover, None, None)
@@ -437,13 +437,7 @@ def _autoload(value: str | None) -> bool | None:
 
 async def _disconnected(request: Request) -> None:
     """Returns once the client has closed its connection (the body is read by then)."""
-    await _departed(request.receive)
-
-
-async def _departed(receive) -> None:
-    """Returns once ``receive`` says the client has closed its connection."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    await departed(request.receive)
 
 
 def has_valid_key(headers: dict[str, str], keys: tuple[str, ...]) -> bool:

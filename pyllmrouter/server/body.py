@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable
 from pyllmrouter.server.errors import ApiError, error_response
 
 __all__ = ["BODY_METHODS", "TooLarge", "read_body", "read_or_refuse", "replay", "form", "engine_body", "json_value",
-           "json_object", "model_in", "model_named"]
+           "json_object", "model_in", "model_named", "departed"]
 
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
@@ -144,3 +144,9 @@ def model_named(content_type: str, raw: bytes, query: dict[str, str]) -> str | N
     """The model a POST names, as ``engine_post`` reads it: a JSON body's (or a multipart
     form's) "model", else ?model= (400 for a body that is neither)."""
     return model_in(engine_body(content_type, raw)[2], query)
+
+
+async def departed(receive) -> None:
+    """Returns once ``receive`` says the client has closed its connection."""
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -40,6 +40,7 @@ from pyllmrouter import gguf_header
 from pyllmrouter.errors import RouterError, UnknownModel
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import ollama_wire as wire
+from pyllmrouter.server.body import departed
 from pyllmrouter.server.errors import ApiError, from_router_error
 from pyllmrouter.server.ollama_wire import OllamaError
 
@@ -119,7 +120,9 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             raise OllamaError(400, "the request body must be a JSON object")
         return data
 
-    def resolve(data: dict[str, Any]) -> str:
+    def resolve(data: dict[str, Any], missing: Any = OllamaError) -> Any:
+        """The listed model a request names (as given, then without ":latest"); none:
+        404, or ``missing`` where it is not OllamaError."""
         name = data.get("model") or data.get("name")
         if not isinstance(name, str) or not name:
             raise OllamaError(400, "model is required")
@@ -127,7 +130,9 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             listed = router.scheduler.canonical(candidate)
             if listed is not None:
                 return listed
-        raise OllamaError(404, f"model '{name}' not found")
+        if missing is OllamaError:
+            raise OllamaError(404, f"model '{name}' not found")
+        return missing
 
     async def header(path: str) -> tuple[dict[str, Any], int]:
         st = os.stat(path)
@@ -136,17 +141,16 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             headers_cache[key] = await asyncio.to_thread(gguf_header.metadata, path)
         return headers_cache[key]
 
-    def digest(path: str) -> str:
-        st = os.stat(path)  # an id of the file as it is (no need to read gigabytes): path, size and time
-        return hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
 
     async def describe(name: str) -> dict[str, Any]:
         cfg = router.scheduler.configs()[name]
         path = cfg.spec.path
         kv, parameters = await header(path)
         st = os.stat(path)
+        # an id of the file as it is (no need to read gigabytes): its path, size and time
+        digest = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
         return {"name": wire.ollama_name(name), "model": wire.ollama_name(name),
-                "modified_at": wire.timestamp(st.st_mtime), "size": st.st_size, "digest": digest(path),
+                "modified_at": wire.timestamp(st.st_mtime), "size": st.st_size, "digest": digest,
                 "details": wire.details(kv, parameters)}
 
     async def take(model: str, path: str, body: dict[str, Any], keep: float | None, gone) -> tuple[Any, Any]:
@@ -211,8 +215,7 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             out.update(done=True, done_reason=reason)
             return JSONResponse(out)
         extra = warnings(ignored, num_ctx, model)
-        gone = _watcher(request)
-        reply, chunks = await take(model, path, body, keep, gone)
+        reply, chunks = await take(model, path, body, keep, lambda: departed(request.receive))
         translator = wire.Translator(kind, path, data.get("model") or model, time.time)
         if reply.status >= 400:
             if chunks is not None:
@@ -240,7 +243,7 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             await load_only(model, keep)
             return JSONResponse({"embedding": []} if legacy else {"model": data.get("model") or model,
                                                                     "embeddings": []})
-        reply, _ = await take(model, "/v1/embeddings", body, keep, _watcher(request))
+        reply, _ = await take(model, "/v1/embeddings", body, keep, lambda: departed(request.receive))
         if reply.status == 501:  # llama.cpp's "start it with --embeddings": this router's word for it
             raise OllamaError(400, f"{_engine_error(reply.status, reply.body).message} (model '{model}' is "
                                    f"not served for embeddings: embedding = true in its preset)")
@@ -325,8 +328,7 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
         name = data.get("model") or data.get("name")
         if not isinstance(name, str) or not name:
             raise OllamaError(400, "model is required")
-        listed = next((router.scheduler.canonical(c) for c in wire.listed_candidates(name)
-                       if router.scheduler.canonical(c) is not None), None)
+        listed = resolve({"model": name}, missing=None)
         if listed is None:
             try:
                 await asyncio.to_thread(router.pull, name)
@@ -382,13 +384,6 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
 
     return {"/api/chat": handled(chat), "/api/generate": handled(generate), "/api/embed": handled(embed_new),
             "/api/embeddings": handled(embed_legacy)}
-
-
-def _watcher(request: Request):
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    return gone
 
 
 async def _ndjson(chunks, translator: wire.Translator, t0: float) -> AsyncIterator[bytes]:

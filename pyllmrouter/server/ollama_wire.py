@@ -214,13 +214,18 @@ def chat_request(req: dict[str, Any], model: str, stream: bool) -> tuple[str, di
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             raise OllamaError(400, "tools must be a list of objects")
         body["tools"] = tools
+    return _templated(req, body, stream), body, ignored, num_ctx
+
+
+def _templated(req: dict[str, Any], body: dict[str, Any], stream: bool) -> str:
+    """``body`` (messages set) completed for /v1/chat/completions: format, think, usage."""
     fmt = _format(req.get("format"))
     if fmt is not None:
         body["response_format"] = fmt
     body.update(_think(req.get("think")))
     if stream:
         body["stream_options"] = {"include_usage": True}
-    return "/v1/chat/completions", body, ignored, num_ctx
+    return "/v1/chat/completions"
 
 
 def generate_request(req: dict[str, Any], model: str,
@@ -234,7 +239,7 @@ def generate_request(req: dict[str, Any], model: str,
     body, ignored, num_ctx = _common(req, model, stream)
     if req.get("template"):
         ignored.append("template")
-    fmt = _format(req.get("format"))
+    fmt = _format(req.get("format"))  # checked for every form of the request
     if suffix:
         body.update(input_prefix=prompt, input_suffix=suffix)
         return "/infill", body, ignored, num_ctx
@@ -248,12 +253,7 @@ def generate_request(req: dict[str, Any], model: str,
     messages = [{"role": "system", "content": req["system"]}] if req.get("system") else []
     messages.append({"role": "user", "content": _content(prompt, req.get("images"))})
     body["messages"] = messages
-    if fmt is not None:
-        body["response_format"] = fmt
-    body.update(_think(req.get("think")))
-    if stream:
-        body["stream_options"] = {"include_usage": True}
-    return "/v1/chat/completions", body, ignored, num_ctx
+    return _templated(req, body, stream), body, ignored, num_ctx
 
 
 def embed_request(req: dict[str, Any], model: str, legacy: bool) -> dict[str, Any]:
