@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import csv
 import json
 import math

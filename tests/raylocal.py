@@ -18,7 +18,9 @@ def deployed(directory: Path, tiny: dict, models: dict[str, tuple[str, int]], si
              queue_timeout: int) -> Iterator[tuple]:
     """A head and one node per size (one emulated device of that many MiB each, the probe
     cache shared), ``models`` (name: (tiny model, context), one slot each) deployed by
-    ``pyllmrouter ray``: (cluster, port, nodes, start_node(mib) for a node started again)."""
+    ``pyllmrouter ray``: (cluster, port, nodes, start_node(mib) for a node started again).
+    Each node's replica logs the requests it ran (those with an X-Request-Id) to
+    ``directory/runs`` (replica.py)."""
     from ray.cluster_utils import Cluster
 
     from pyllmrouter import cli
@@ -28,8 +30,10 @@ def deployed(directory: Path, tiny: dict, models: dict[str, tuple[str, int]], si
                               for name, (kind, ctx) in models.items()))
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
 
+    (directory / "runs").mkdir(exist_ok=True)
+
     def start_node(mib: int):
-        return add_node(c, mib, directory / "cache")
+        return add_node(c, mib, directory / "cache", run_log=directory / "runs")
 
     nodes = [start_node(mib) for mib in sizes_mib]
     ray.init(address=c.address)

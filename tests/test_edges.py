@@ -11,7 +11,6 @@ import os
 import pwd
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest

@@ -17,7 +17,6 @@ from pyllmrouter.devices import Device
 from pyllmrouter.router.book import Book
 from pyllmrouter.router.policy import queueing, replicas
 from pyllmrouter.router.policy.state import State
-from pyllmrouter.router.records import Fate
 from pyllmrouter.router.registry import Registry
 
 SPEC = ModelSpec("/nowhere/m.gguf")

@@ -20,8 +20,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pyllmrouter.ray import failover  # noqa: E402
-from pyllmrouter.tools.raynodes import kill_node  # noqa: E402
+from pyllmrouter.ray import failover, relay  # noqa: E402
+from pyllmrouter.tools.raynodes import kill_node, process_tree  # noqa: E402
 from raylocal import deployed  # noqa: E402
 
 pytestmark = [pytest.mark.slow]  # a Ray cluster, Serve and worker processes
@@ -32,8 +32,13 @@ MODELS = {"a": ("tiny-llama", 2048), "b": ("tiny-moe", 2048), "big": ("tiny-llam
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny, tmp_path_factory):
-    with deployed(tmp_path_factory.mktemp("ray-failover"), tiny, MODELS, [NODE_MIB] * 3,
+def ray_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ray-failover")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny, ray_dir):
+    with deployed(ray_dir, tiny, MODELS, [NODE_MIB] * 3,
                   queue_timeout=120) as (c, port, nodes, start_node, _):
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=180)
         _wait_measured(client, {n.node_id for n in nodes})
@@ -65,6 +70,11 @@ def _in_flight(client: httpx.Client, node: str, model: str) -> int:
     return next(m["in_flight"] for m in view["data"] if m["id"] == model)
 
 
+def _waiting(client: httpx.Client, node: str, model: str) -> int:
+    view = client.get("/models", params={"node": node}).json()
+    return next(m["waiting"]["requests"] for m in view["data"] if m["id"] == model)
+
+
 def _where(client: httpx.Client) -> dict[str, list[str]]:
     return {m["id"]: m["loaded_on"] for m in client.get("/models").json()["data"]}
 
@@ -75,8 +85,8 @@ def _events(text: str) -> list[dict]:
 
 def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
     """On the killed node: a stream under way (it ends with an error event), a whole
-    request running (502, it ran there), requests queued in a's engine behind the stream
-    (whole and streamed) and a load in progress (big: the node's worker is stopped first,
+    request running (502, it ran there), requests waiting for a's one slot behind the
+    stream (whole and streamed) and a load in progress (big: the node's worker is stopped first,
     so the load cannot end before the kill).  Those that had not begun are
     answered by another node, sent on once, and the first within 10 s of the kill."""
     c, client, nodes, _ = cluster
@@ -124,9 +134,11 @@ def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
     for t in threads[2:]:
         t.start()
     deadline = time.monotonic() + 30
-    while (_in_flight(client, x, "a") < 5 or _state(client, x, "big") != "loading") and time.monotonic() < deadline:
+    # the four behind the stream wait for a's slot at x's router (a request that may be sent on
+    # never waits in an engine's queue, where it would take its slot unseen)
+    while (_waiting(client, x, "a") < 4 or _state(client, x, "big") != "loading") and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert _state(client, x, "big") == "loading" and _in_flight(client, x, "a") == 5
+    assert _state(client, x, "big") == "loading" and _in_flight(client, x, "a") == 1 and _waiting(client, x, "a") == 4
     # a load asked of x as well (it joins the one under way there): not repeatable, never sent on
     threads.append(threading.Thread(target=send, args=("explicit-load", {"model": "big"}, None, "/models/load")))
     threads[-1].start()
@@ -321,6 +333,71 @@ def test_a_replica_that_stops_answering_its_statistics_is_left_out(cluster):
     try:
         time.sleep(silent + 1)
         r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2}, timeout=30)
-        assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] != y, r.headers
+        assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] != y, (r.headers, r.text)
     finally:
         os.kill(replica, signal.SIGCONT)
+
+
+def _ran(ray_dir, rid: str) -> dict[str, set[str]]:
+    """{"started": nodes, "answered": nodes} of request ``rid``, from the replicas' run logs."""
+    out: dict[str, set[str]] = {"started": set(), "answered": set()}
+    for f in (ray_dir / "runs").glob("*.log"):
+        for line in f.read_text().splitlines():
+            r, what, node = line.split("\t")
+            if r == rid:
+                out["started" if what == "started" else "answered"].add(node)
+    return out
+
+
+def test_a_silent_node_runs_nothing_it_had_not_claimed(cluster, ray_dir):
+    """A node's replica and workers stopped (a host that hangs: no reset, and Ray says
+    nothing for a minute) with a whole request running there and one waiting for the
+    same slot.  Within relay.SILENT seconds: the running one is a 504 that says it was
+    running there, the waiting one is answered by another node.  When the node resumes,
+    its claim of the waiting one is refused by the ledger: each ran on one node."""
+    _, client, _, _ = cluster
+    assert client.post("/models/unload", json={"model": "a"}).status_code == 200  # loaded on one node only:
+    r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})
+    x = r.headers["x-pyllmrouter-node"]  # where both requests go
+    assert _where(client)["a"] == [x]
+    results: dict = {}
+
+    def send(rid: str, body: dict) -> None:
+        r = client.post("/v1/completions", json=body, headers={"x-request-id": rid}, timeout=120)
+        results[rid] = (r.status_code, dict(r.headers), r.text, time.monotonic())
+
+    running = threading.Thread(target=send, args=("silent-running", {"model": "a", "prompt": "hi",
+                                                                      "max_tokens": 6000, "ignore_eos": True}))
+    running.start()
+    deadline = time.monotonic() + 30
+    while _in_flight(client, x, "a") < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    waiting = threading.Thread(target=send, args=("silent-waiting", {"model": "a", "prompt": "hi", "max_tokens": 2}))
+    waiting.start()
+    while _waiting(client, x, "a") < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _in_flight(client, x, "a") == 1 and _waiting(client, x, "a") == 1
+    worker = client.get("/devices", params={"node": x}).json()["workers"][0]["pid"]
+    with open(f"/proc/{worker}/stat") as f:
+        replica = int(f.read().rsplit(")", 1)[1].split()[1])  # the worker's parent: the node's replica
+    tree = process_tree(replica)
+    stopped_at = time.monotonic()
+    for pid in tree:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        running.join(60)
+        waiting.join(60)
+    finally:
+        for pid in tree:
+            os.kill(pid, signal.SIGCONT)
+    status, headers, text, at = results["silent-running"]
+    assert status == 504 and "stopped answering" in text and "running there" in text, (status, text)
+    assert at - stopped_at < relay.SILENT + 5
+    status, headers, text, at = results["silent-waiting"]
+    assert status == 200 and headers["x-pyllmrouter-node"] != x and headers["x-pyllmrouter-retried"] == x, \
+        (status, headers, text)
+    time.sleep(5)  # the node resumed: what it still had of the two ends there
+    assert _ran(ray_dir, "silent-running")["started"] == {x}
+    waited = _ran(ray_dir, "silent-waiting")
+    assert waited["started"] == {headers["x-pyllmrouter-node"]} and waited["answered"] <= waited["started"], waited
+    assert _in_flight(client, x, "a") == 0 and _waiting(client, x, "a") == 0

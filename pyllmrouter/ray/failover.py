@@ -12,7 +12,8 @@ out (pure: no Ray, no clock of its own).
                  pinged; one whose replica does not answer within 2 s is LOST, else TRANSIENT
       LOST       the actor or its node dead (ActorDiedError, NodeDiedError, WorkerCrashedError):
       ├─ REPEATABLE (inference on a model: repeating it is unobservable) and not begun
-      │  (no Started: it took no slot there; none of its reply came)
+      │  (its node had not claimed its ticket in the ingress's ledger, which now refuses
+      │  any claim of it: ledger.py; no Started; none of its reply came)
       │     └─ sent to another node, once, with the seconds it waited (its place in line)
       │        lost again: 502 node_died
       ├─ begun (Started: it held a slot, stream or whole), or not repeatable (a load, a pull,
@@ -28,9 +29,11 @@ The classes (``repeatable``), written in docs/ARCHITECTURE.md:
                  /slots/{id} (save, restore, erase: one node's engine), /lora-adapters,
                  /props, a request of a conversation (it writes the conversation's stream)
 
-What stays open: a Started in transit when the node dies reads as not begun, so a
-repeatable request may run on the lost node and on the next (the lost node's run reaches
-no client; only its compute is spent twice).
+A Started in transit when the node dies does not read as not begun: "begun" is the
+ledger's answer (a node runs a request only after its claim came back, and the ingress
+sends it on only after its abandon found no claim), so a request runs on one node at
+most.  A node silent for relay.SILENT seconds (a stopped host: Ray says nothing for a
+minute) is held out and its requests decided alike.
 
 A lost node is left out of every request for ``hold`` seconds: longer than Ray takes
 to mark a killed node dead (its GCS misses five health checks, about 15 s), after which

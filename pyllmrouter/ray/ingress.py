@@ -11,7 +11,11 @@ The ingress listens on its address itself (uvicorn in the replica's event loop),
 Serve's direct ingress does: Serve's HTTP proxy would be one more hop, and its routing
 sees a header, not the model in the body.  A node that dies under a request ends it
 with a clear error: 502 before the reply started, an SSE error event after; only a
-repeatable request that had not begun is sent to another node (failover.py).
+repeatable request that had not begun is sent to another node (failover.py), and it
+runs on one node at most: a node runs it only once it has claimed its ticket in this
+ingress's ledger, and it is sent on only once the ledger says no node had (ledger.py).
+A node that sends nothing (not even its Beat) for relay.SILENT seconds is silent:
+held out, as a lost one is.
 ``?node=ID`` sends a request to one node; a slot action (POST /slots/{id}) goes to the
 one node where its model is loaded (or the one ``?node=`` names), never elsewhere.
 Nodes held out after a failure are still asked by the cluster's views (marked ``held``)
@@ -25,18 +29,22 @@ import json
 import logging
 import socket
 import time
+import uuid
 from dataclasses import replace
 from typing import Any
 
 import ray
 import uvicorn
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from pyllmrouter.ray import cluster, failover, policy
-from pyllmrouter.ray.messages import Accepted, Head, NodeRequest, Started
+from pyllmrouter.ray.ledger import Ledger
+from pyllmrouter.ray.messages import Accepted, Beat, Head, NodeRequest, Started
+from pyllmrouter.ray.relay import Silent, chunks_of, fate, lost_message, next_item, node_named, relay
 from pyllmrouter.server.app import DEFAULT_HEADERS, ENGINE_POST, HTTP_PROTOCOL, guard_error
 from pyllmrouter.server.body import json_object, model_named
 from pyllmrouter.server.body import read_or_refuse, replay
@@ -50,7 +58,7 @@ FAN_OUT = ("/models", "/v1/models", "/devices", "/events")
 RETRIED = frozenset({507, 429, 503})
 NOTHING_RAN = frozenset({507, 429})  # refusals that leave nothing run: any request is tried elsewhere
 ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
-ACCEPT_TIMEOUT = 10.0  # seconds a node's replica has to take a request (its Accepted): none, 504
+ACCEPT_TIMEOUT = 10.0  # seconds a node's replica has to take a request (its Accepted): none, silent
 ENGINE_POSTS = frozenset(p for p in ENGINE_POST if "{" not in p)
 OLLAMA_LISTS = ("/api/tags", "/api/ps")
 RE_PLACE_PERIOD = 5.0  # seconds between two looks for models evicted lately that fit free elsewhere
@@ -72,6 +80,8 @@ class Ingress:
         self._lost = failover.LostNodes(time.monotonic)  # this event loop's only
         self._probing: tuple[float, asyncio.Future | None] = (0.0, None)  # the last round of pings: when, what
         self._actors: dict[str, str] = {}  # a replica's actor id -> its node, as its replies say
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self._ledger = ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=here).remote()  # dies with this
         self.api_key, self.max_body = api_key, max_body
         try:  # bound here: a port in use is this constructor's error (uvicorn would exit the process)
             listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -215,7 +225,7 @@ class Ingress:
             stream = data.get("stream") is True or (path in ("/api/chat", "/api/generate")
                                                     and data.get("stream") is not False)
         if model is None and method == "GET" and path in ("/props", "/metrics"):
-            return JSONResponse({"role": "router", "cluster": True, "nodes": sorted(node_ids())})
+            return JSONResponse({"role": "router", "cluster": True, "nodes": sorted(await asyncio.to_thread(node_ids))})
         if model is None and method == "GET" and path in OLLAMA_LISTS:  # every node's list, each name once
             per_node = await self._ask_all(plain)
             listed = [m for _, r in sorted(per_node.items()) for m in r.get("models", ())]
@@ -223,7 +233,7 @@ class Ingress:
                 listed = list({m.get("name"): m for m in listed}.values())
             return JSONResponse({"models": listed})
         if model is None and method == "GET" and path == "/api/version":
-            return await self._respond(replace(plain, node=sorted(node_ids())[0]), None)
+            return await self._respond(replace(plain, node=min(await asyncio.to_thread(node_ids))), None)
         if model is None:
             raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
         if method == "POST" and path.startswith("/slots/"):
@@ -238,41 +248,51 @@ class Ingress:
         cannot serve it now) is left out of the next attempt, each node once, until every
         node has refused: then 507 with each node's figures where every one said 507, else
         the last refusal as that node gave it.  A node lost before its reply began
-        (failover.py) is left out and the request sent to another, once, with the seconds
-        it waited, where it is ``repeats`` (failover.repeatable).  A request that does not
-        ask for a stream takes its reply in one piece (Started, then one message, not one
-        per chunk)."""
+        (failover.py), or silent (no item for relay.SILENT seconds; no replica took the
+        request within ACCEPT_TIMEOUT), is left out and the request sent to another, once,
+        with the seconds it waited, where it is ``repeats`` (failover.repeatable) and no
+        node had claimed its ticket (ray/ledger.py: the abandon that says so also forbids
+        a later claim).  A request that does not ask for a stream takes its reply in one
+        piece (Started, then one message, not one per chunk)."""
         refusals: dict[str, Any] = {}
         refused: tuple[Head, bytes] | None = None  # the last 429 or 503
         arrived = time.monotonic()
         retried: str | None = None  # the lost nodes, once the request was sent on
         misdirected = 0  # 421s from a replica of another node
+        # runs only once its node claimed it in the ledger: lost or silent, it is sent on only if none had
+        ticketed = repeats and model is not None and plain.node is None and plain.method == "POST"
         while True:
-            plain = replace(plain, exclude=plain.exclude | self._lost.now(), whole=not stream)
+            ticket = uuid.uuid4().hex if ticketed else None  # each attempt its own
+            plain = replace(plain, exclude=plain.exclude | self._lost.now(), whole=not stream, ticket=ticket,
+                            ledger=self._ledger if ticketed else None)
             replies = self.nodes.options(stream=True).handle.remote(plain)
-            began, at = False, None  # Started seen; the node that took it (its Accepted)
+            began, at = False, None  # Started seen (or the ledger says claimed); the node that took it
+            headed = False
             try:
-                first = await asyncio.wait_for(replies.__anext__(), ACCEPT_TIMEOUT)
+                first = await next_item(replies, ACCEPT_TIMEOUT)
                 if isinstance(first, Accepted):
                     at = first.node
                     self._actors[first.actor] = first.node
-                    first = await replies.__anext__()
+                    first = await next_item(replies)
                 while isinstance(first, Started):
                     began = True
-                    first = await replies.__anext__()
+                    first = await next_item(replies)
+                headed = True
             except asyncio.CancelledError:  # the client left: the node stops the request
                 replies.cancel()
                 raise
-            except asyncio.TimeoutError:  # no replica took it: a stuck one, none left, or a backlog past its limit
-                replies.cancel()  # not a loss: a ping would queue behind the same backlog and misfire
-                raise ApiError(504, f"no node took the request for '{model or plain.path}' within "
-                                    f"{ACCEPT_TIMEOUT:g} s: its replica does not answer, or has more requests "
-                                    f"than it takes at once", "server_error", "node_timeout") from None
+            except Silent:  # no replica took it in time, or the one that did stopped answering
+                replies.cancel()
+                began = began or await self._given_up(ticket)
+                retried = self._after_silence(plain, model, began, retried, repeats, at)
+                plain = replace(plain, waited=time.monotonic() - arrived)
+                continue
             except StopAsyncIteration:  # the node's reply ended before it began
                 raise ApiError(502, f"the node serving '{model or plain.path}' ended its reply before it began",
                                "server_error", "node_died") from None
             except (RayError, RayServeException) as e:
                 replies.cancel()  # a node only unreachable for a while stops it too
+                began = began or await self._given_up(ticket)
                 kind = failover.kind_of(e)
                 if kind == failover.UNSURE:  # unreachable: lost if its node does not answer a ping
                     kind = await self._confirmed(e, at)
@@ -281,12 +301,17 @@ class Ingress:
                     raise ApiError(500, f"the node serving '{model or plain.path}' failed the request: "
                                         f"{type(cause).__name__}: {cause}", "server_error") from None
                 if kind == failover.TRANSIENT:  # not a loss: the node stays in, the client tries again
-                    raise ApiError(503, f"{_node_named(at)} serving '{model or plain.path}' is unavailable for "
-                                        f"now ({type(e).__name__}): {_fate(began, repeats, at)}", "server_error",
+                    raise ApiError(503, f"{node_named(at)} serving '{model or plain.path}' is unavailable for "
+                                        f"now ({type(e).__name__}): {fate(began, repeats, at)}", "server_error",
                                    "node_unavailable", headers={"Retry-After": "5"}) from None
                 retried = await self._sent_on(plain, model, e, began, retried, repeats, at)
                 plain = replace(plain, waited=time.monotonic() - arrived)
                 continue
+            finally:
+                if ticket is not None:  # nothing asks about its claim any more; one never made is refused
+                    if not headed:
+                        self._ledger.abandon.remote(ticket)
+                    self._ledger.settle.remote(ticket)
             head, rest = first if isinstance(first, tuple) else (first, replies)
             self._actors[head.actor] = head.node
             if head.status == 421 and plain.node is not None:
@@ -296,20 +321,23 @@ class Ingress:
                 raise ApiError(502, f"node {plain.node} has no replica that takes requests now (lost, or not "
                                     f"placed yet)", "server_error", "node_died")
             # a refusal before anything ran (507: never fits there; 429: its queue is full) is tried
-            # elsewhere; a 503 may come after the engine had it (its worker died): repeatable ones only
-            if head.status not in (RETRIED if repeats else NOTHING_RAN) or model is None or began:
-                return await _relay(head, rest, model, retried, self._lost_under_stream)
+            # elsewhere; a 503 may come after the engine had it (its worker died): repeatable ones only;
+            # a request for one node is that node's answer
+            if head.status not in (RETRIED if repeats else NOTHING_RAN) or model is None or began \
+                    or plain.node is not None:
+                return await relay(head, rest, model, retried, self._lost_under_stream)
             try:
-                data = rest if isinstance(rest, bytes) else b"".join([c async for c in rest])
-            except (RayError, RayServeException):  # the node lost while it said why it refused: it stands
+                data = rest if isinstance(rest, bytes) else b"".join([c async for c in chunks_of(rest)])
+            except (RayError, RayServeException, Silent):  # the node lost while it said why it refused: it stands
                 data = b""
             repeated = head.node in refusals  # the request router had no other node left
             if head.status == 507:
                 refusals[head.node] = json.loads(data or b"{}")
             else:
                 refusals[head.node], refused = None, (head, data)
-            if repeated or set(node_ids()) - self._lost.now() <= set(refusals):
-                held = set(node_ids()) & self._lost.now() - set(refusals)
+            alive = set(await asyncio.to_thread(node_ids))  # (Ray's GCS asked: not in the event loop)
+            if repeated or alive - self._lost.now() <= set(refusals):
+                held = alive & self._lost.now() - set(refusals)
                 if refused is None and held:  # a node held out may hold it: not a permanent 507
                     raise ApiError(503, f"model '{model}' fits on no node that answers now; node(s) "
                                         f"{', '.join(sorted(held))}, held out after a failure for up to "
@@ -317,7 +345,7 @@ class Ingress:
                                    headers={"Retry-After": str(int(failover.HOLD))})
                 if refused is None:
                     return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
-                return await _relay(*refused, model, retried)
+                return await relay(*refused, model, retried)
             plain = replace(plain, exclude=plain.exclude | {head.node})
 
     async def _confirmed(self, e: BaseException, at: str | None) -> str:
@@ -330,10 +358,41 @@ class Ingress:
             return failover.LOST
         return failover.TRANSIENT
 
+    async def _given_up(self, ticket: str | None) -> bool:
+        """The attempt ``ticket`` given up in the ledger: True where its node had claimed it
+        (it may have run there), or the ledger does not say; False where no node had (none
+        will now).  No ticket: False (a request that is not sent on, or a read)."""
+        if ticket is None:
+            return False
+        try:
+            return bool(await asyncio.wait_for(self._ledger.abandon.remote(ticket), ASK_TIMEOUT))
+        except (asyncio.TimeoutError, RayError):
+            return True
+
+    def _after_silence(self, plain: NodeRequest, model: str | None, began: bool, retried: str | None,
+                       repeats: bool, at: str | None) -> str:
+        """A call with no item for its deadline: no replica took it (``at`` None), or the
+        node that did (``at``, held out now) stopped answering.  Sent on (the nodes for its
+        header) where it had not begun and may be repeated, once; else 504, saying whether
+        it may have run there."""
+        if at is not None:
+            self._lost.add({at})
+        for_model = model is not None and plain.node is None
+        if failover.after_loss(began, retried is not None, for_model, repeats) == failover.RETRY:
+            _LOG.warning("%s did not answer a request for '%s' in time: sent on", node_named(at), model)
+            return at or "unknown"
+        what = model or plain.path
+        if at is None:
+            raise ApiError(504, f"no node took the request for '{what}' within {ACCEPT_TIMEOUT:g} s: its "
+                                f"replica does not answer, or has more requests than it takes at once "
+                                f"({fate(began, repeats, at)})", "server_error", "node_timeout")
+        raise ApiError(504, f"{node_named(at)} serving '{what}' stopped answering ({fate(began, repeats, at)})",
+                       "server_error", "node_timeout")
+
     def _lost_under_stream(self, e: BaseException, node: str) -> None:
         """A stream's node failed after its status: left out where it is lost (unreachable:
         the nodes are pinged, and left out if they do not answer)."""
-        kind = failover.kind_of(e)
+        kind = failover.LOST if isinstance(e, Silent) else failover.kind_of(e)
         if kind == failover.LOST:
             self._lost.add({node})
         elif kind == failover.UNSURE:
@@ -355,7 +414,7 @@ class Ingress:
         at = at or (next(iter(named)) if len(named) == 1 else None)
         for_model = model is not None and plain.node is None  # a question for one node is not sent on
         if failover.after_loss(began, retried is not None, for_model, repeats) == failover.FAIL:
-            raise ApiError(502, _lost_message(model or plain.path, e, began, retried, repeats, at), "server_error",
+            raise ApiError(502, lost_message(model or plain.path, e, began, retried, repeats, at), "server_error",
                            "node_died")
         lost = ",".join(sorted(named)) or "unknown"
         _LOG.warning("a node was lost before it answered a request for '%s' (lost: %s): sent on", model, lost)
@@ -415,16 +474,21 @@ class Ingress:
             for _ in range(2):  # 421: another replica took it (Serve gave it a request routed at once); again
                 replies = self.nodes.options(stream=True).handle.remote(replace(plain, node=node))
                 head = await replies.__anext__()
-                while isinstance(head, (Accepted, Started)):  # a management question's reply: its Head next
+                while isinstance(head, (Accepted, Started, Beat)):  # a management question's reply: its Head next
                     head = await replies.__anext__()
-                data = b"".join([c async for c in replies])
+                data = b"".join([c async for c in chunks_of(replies)])
                 if head.status != 421:
                     break
-            return json.loads(data) if head.status == 200 else {"error": data.decode(errors="replace")}
+            if head.status == 200:
+                try:
+                    return json.loads(data)
+                except ValueError:
+                    pass
+            return {"error": data.decode(errors="replace")}
 
         answers: dict[str, Any] = {}
         lost = self._lost.now()
-        for node in node_ids():  # a node held out is asked too (briefly): alive, its models stay visible
+        for node in await asyncio.to_thread(node_ids):  # one held out is asked too (briefly): its models stay visible
             try:
                 answers[node] = await asyncio.wait_for(one(node), PING_TIMEOUT if node in lost else ASK_TIMEOUT)
             except (asyncio.TimeoutError, RayError, RayServeException) as e:
@@ -470,62 +534,3 @@ class Ingress:
 def node_ids() -> list[str]:
     """The alive nodes that carry a replica's resource."""
     return [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE)]
-
-
-def _node_named(node: str | None) -> str:
-    return f"node {node}" if node else "the node"
-
-
-def _fate(began: bool, repeats: bool, node: str | None) -> str:
-    """What a client may assume of a request a node failed under."""
-    if began:
-        return "the request was running there"
-    if not repeats:
-        return (f"the request may have run on {_node_named(node)} (it is not sent to another node: running it "
-                f"twice could be seen)")
-    return "the request did not start there"
-
-
-def _lost_message(what: str, e: BaseException, began: bool, retried: str | None, repeats: bool,
-                  node: str | None) -> str:
-    why = f"{_node_named(node)} serving '{what}' died: {type(e).__name__}"
-    if retried and not began:
-        return f"{why} (the request was sent on once already, after node {retried} was lost)"
-    return f"{why} ({_fate(began, repeats, node)})"
-
-
-async def _relay(head: Head, replies, model: str | None, retried: str | None = None,
-                 lost: Any = None) -> Response:
-    """The node's reply (``replies``: its body, or the rest of its chunks): whole (a node
-    that dies before its end gives 502), or as an event stream (a node that dies ends it
-    with an error event).  ``retried``: the nodes lost before this one took the request
-    (the x-pyllmrouter-retried header); ``lost(error, node)``: told of a failure under way."""
-    headers = {k: v for k, v in head.headers if k.lower() not in ("content-length",)}
-    headers["x-pyllmrouter-node"] = head.node
-    if retried is not None:
-        headers["x-pyllmrouter-retried"] = retried
-    died = f"the node serving '{model}' died" if model else "the node died"
-    if isinstance(replies, bytes):
-        return Response(replies, status_code=head.status, headers=headers)
-    if not headers.get("content-type", "").startswith("text/event-stream"):
-        try:
-            data = b"".join([c async for c in replies])
-        except (RayError, RayServeException) as e:
-            if lost is not None:
-                lost(e, head.node)
-            raise ApiError(502, f"{died}: {type(e).__name__}", "server_error", "node_died") from None
-        return Response(data, status_code=head.status, headers=headers)
-
-    async def chunks():
-        try:
-            async for chunk in replies:
-                yield chunk
-        except (RayError, RayServeException) as e:
-            if lost is not None:
-                lost(e, head.node)
-            error = {"error": {"message": f"{died}: {type(e).__name__}", "type": "server_error", "code": 502}}
-            yield b"data: " + json.dumps(error).encode() + b"\n\n"
-        finally:
-            replies.cancel()
-
-    return StreamingResponse(chunks(), status_code=head.status, headers=headers)

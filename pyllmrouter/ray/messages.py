@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["NodeRequest", "Accepted", "Head", "Started"]
+__all__ = ["NodeRequest", "Accepted", "Head", "Started", "Beat", "BEAT"]
+
+BEAT = 2.0  # seconds between two Beats of a reply that has nothing else to say
 
 
 @dataclass(frozen=True)
@@ -16,7 +19,10 @@ class NodeRequest:
     nodes that refused the model already, or were lost; ``whole``: the reply comes in one
     piece, after a ``Started`` where it runs (it took a slot of its model as it took the
     model; one queued in the engine behind others has none); ``waited``: seconds the
-    request waited on a node lost before it began to answer (it keeps its place in line)."""
+    request waited on a node lost before it began to answer (it keeps its place in line);
+    ``ticket`` and ``ledger``: a request the ingress may send to another node (repeatable)
+    runs only once the node has claimed its ticket in the ingress's ledger (an actor
+    handle: ray/ledger.py), with a slot of its model free; each attempt has its own."""
 
     method: str
     path: str
@@ -28,6 +34,8 @@ class NodeRequest:
     exclude: frozenset[str] = field(default_factory=frozenset)
     whole: bool = False
     waited: float = 0.0
+    ticket: str | None = None
+    ledger: Any = None
 
 
 @dataclass(frozen=True)
@@ -43,10 +51,17 @@ class Accepted:
 @dataclass(frozen=True)
 class Started:
     """The request runs on ``node``: it took a free slot of its model (a stream's or a whole
-    reply's, before its status).  Lost now, it is not sent elsewhere, its generation was
-    under way."""
+    reply's, before its status), and for a ticket, the node claimed it in the ledger.  Lost
+    now, it is not sent elsewhere, its generation was under way."""
 
     node: str
+
+
+@dataclass(frozen=True)
+class Beat:
+    """The node's replica is alive and still has the request: sent every ``BEAT`` seconds
+    in which the reply has nothing else to send (waiting for a model or a slot, a long
+    prompt, a whole reply's generation).  None for a while: the node is silent."""
 
 
 @dataclass(frozen=True)

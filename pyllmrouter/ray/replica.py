@@ -3,7 +3,9 @@
     ingress ──NodeRequest──▶ NodeRouter.handle ──ASGI──▶ create_app(Router): the same
             ◀── Head, bytes, bytes...  ◀────────────────  code as ``pyllmrouter serve``
             ◀── Accepted first (this node and replica have it), Started once it holds a slot
-                of its model (streams and whole replies), then Head, bytes... or (Head, body)
+                of its model (streams and whole replies) and, for a ticket, claimed it in the
+                ingress's ledger (ray/ledger.py), then Head, bytes... or (Head, body); a Beat
+                every BEAT seconds with nothing else to send
 
 The replica's Router owns every device of its node.  It is built from the same
 arguments as ``pyllmrouter serve`` (and the same LLAMA_ARG_* / PYLLMROUTER_*
@@ -34,13 +36,15 @@ import ray
 from pyllmrouter.config import MiB
 from pyllmrouter.errors import RouterError
 from pyllmrouter.ray import failover
-from pyllmrouter.ray.messages import Accepted, Head, NodeRequest, Started
+from pyllmrouter.ray.messages import BEAT, Accepted, Beat, Head, NodeRequest, Started
 from pyllmrouter.ray.policy import node_stats
 from pyllmrouter.server.app import create_app
 from pyllmrouter.server.relayed import RELAYED, Relayed
 from pyllmrouter.server.run import parse_serve_args, router_from_args
 
-__all__ = ["NodeRouter"]
+__all__ = ["NodeRouter", "CLAIM_TIMEOUT"]
+
+CLAIM_TIMEOUT = 10.0  # seconds the ledger has to answer a claim: none, the request does not run
 
 
 class NodeRouter:
@@ -109,23 +113,23 @@ class NodeRouter:
             "client": ("ray", 0), "server": ("pyllmrouter", 0),
         }
         messages: asyncio.Queue = asyncio.Queue()
-
-        said = False
-
         rid = next((v for k, v in request.headers if k.lower() == "x-request-id"), None)
 
         def ran(what: str) -> None:  # the run log's line, written at once (one write: whole, appended)
             if self._run_log is not None and rid:
                 os.write(self._run_log, f"{rid}\t{what}\t{self.node}\n".encode())
 
-        def running() -> None:  # the request runs (it holds a slot): said once, before its status
-            nonlocal said
-            if not said:
-                said = True
+        async def running() -> bool:  # a slot held: may it run here? (the ledger says; ray/ledger.py)
+            try:
+                claimed = await asyncio.wait_for(request.ledger.claim.remote(request.ticket), CLAIM_TIMEOUT)
+            except (asyncio.TimeoutError, ray.exceptions.RayError):
+                return False  # unknown: it does not run (the ingress takes it for run: it is not sent on)
+            if claimed:
                 ran("started")
                 messages.put_nowait(Started(self.node))
+            return bool(claimed)
 
-        scope["extensions"] = {RELAYED: Relayed(request.waited, running)}
+        scope["extensions"] = {RELAYED: Relayed(request.waited, running if request.ticket is not None else None)}
         left = asyncio.Event()
         body_given = False
 
@@ -146,8 +150,8 @@ class NodeRouter:
         task = asyncio.get_running_loop().create_task(run())
         head, body = None, []
         try:
-            while (message := await messages.get()) is not None:
-                if isinstance(message, Started):
+            while (message := await _next(messages)) is not None:
+                if isinstance(message, (Started, Beat)):
                     yield message
                 elif message["type"] == "http.response.start":
                     headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"])
@@ -172,3 +176,11 @@ class NodeRouter:
         router = getattr(self, "router", None)
         if router is not None:
             router.close()
+
+
+async def _next(messages: asyncio.Queue) -> Any:
+    """The app's next message, or a Beat where it has none for BEAT seconds."""
+    try:
+        return await asyncio.wait_for(messages.get(), BEAT)
+    except asyncio.TimeoutError:
+        return Beat()

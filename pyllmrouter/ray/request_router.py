@@ -14,8 +14,8 @@ reading a second) has stopped answering them: each reading carries a count, ``se
 so a live one changes every period.  It is left out while any other replica answers.
 The seconds are this router's own (monotonic), from when it first saw that reading: no
 host's clock is compared with another's, so a node whose clock is behind is not taken
-for silent (a reading first seen after a quiet spell, no request routed meanwhile, is
-given its ``silent_after`` from then).  The ingress leaves out a node whose calls fail
+for silent.  A reading is seen as Serve brings it (``update_replicas``), whether or not
+a request is routed meanwhile.  The ingress leaves out a node whose calls fail
 at once (failover.py)."""
 
 from __future__ import annotations
@@ -62,14 +62,26 @@ class MemoryAwareRouter(RequestRouter):
         # node left out already: one of them again, so the ingress sees the refusal repeat)
         return ranks or [live or candidate_replicas]
 
-    def _silent(self, replica: RunningReplica) -> bool:
-        """Whether ``replica``'s statistics have not changed for the seconds they state."""
-        stats, now = replica.routing_stats or {}, time.monotonic()
-        seq, rid = stats.get("seq"), replica.replica_id.unique_id
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        """Serve's news of the replicas (their statistics with it): each new reading is
+        heard now, whether or not a request is routed meanwhile."""
+        super().update_replicas(replicas)
+        for r in replicas:
+            self._hear(r)
+
+    def _hear(self, replica: RunningReplica) -> tuple[Any, float]:
+        """(``replica``'s reading's ``seq``, when this router first saw it)."""
+        seq, rid = (replica.routing_stats or {}).get("seq"), replica.replica_id.unique_id
         last = self._heard.get(rid)
         if last is None or last[0] != seq:
-            self._heard[rid] = last = (seq, now)
-        return seq is not None and now - last[1] > stats.get("silent_after", float("inf"))
+            self._heard[rid] = last = (seq, time.monotonic())
+        return last
+
+    def _silent(self, replica: RunningReplica) -> bool:
+        """Whether ``replica``'s statistics have not changed for the seconds they state."""
+        seq, since = self._hear(replica)
+        return seq is not None and time.monotonic() - since > (replica.routing_stats or {}).get(
+            "silent_after", float("inf"))
 
     def _stats(self, replica: RunningReplica) -> dict:
         if not replica.routing_stats:

@@ -297,18 +297,31 @@ class Router(Methods):
                 raise RequestTimeout(model, timeout) from None
             raise
 
+    async def _may_run(self, lease: Lease, running: Callable[[], Awaitable[bool]]) -> bool:
+        """``running()``, under ``lease``: released where it says no, or fails."""
+        try:
+            if await running():
+                return True
+        except BaseException:
+            self._sched.release(lease)
+            raise
+        self._sched.release(lease)
+        return False
+
     async def _alease(self, model: str, timeout: float | None, autoload: bool | None,
                       gone: Callable[[], Awaitable[Any]] | None,
-                      prefer: str | None = None, waited: float = 0.0) -> "tuple[Lease, asyncio.Future | None]":
+                      prefer: str | None = None, waited: float = 0.0,
+                      slot: bool = False) -> "tuple[Lease, asyncio.Future | None]":
         """The model's lease, taken in the event loop where it can be now, else waited for
         with the caller's departure watched (a task: made only for a wait).  The watch comes
-        back with the lease, for the caller to go on with or to cancel."""
+        back with the lease, for the caller to go on with or to cancel.  ``slot``: with one
+        of the instance's slots free (Scheduler.lease)."""
         watch = None
         try:
-            lease = self._sched.try_lease(model, prefer)
+            lease = self._sched.try_lease(model, prefer, slot)
             if lease is None:
                 watch = departure(gone)
-                lease = await self._await_lease(model, timeout, autoload, watch, prefer, waited)
+                lease = await self._await_lease(model, timeout, autoload, watch, prefer, waited, slot)
             if self.options.debug_fake_timing > 0:
                 try:  # busy on the model meanwhile (the lease is held)
                     await asyncio.sleep(self.options.debug_fake_timing)
@@ -342,26 +355,27 @@ class Router(Methods):
                      leased: Callable[[str], None] | None = None,
                      prefer: str | None = None, wait: float | None = None,
                      raise_for_status: bool = True, waited: float = 0.0,
-                     running: Callable[[], None] | None = None) -> "tuple[HttpReply, Stream | None]":
+                     running: Callable[[], Awaitable[bool]] | None = None) -> "tuple[HttpReply, Stream | None]":
         """``acall`` as the HTTP server relays a client's request: ``gone()`` returns when the
         client disconnected (a wait for the model withdrawn: Withdrawn; a request in flight
         stopped); ``files``: a multipart request's files (its fields are ``body``, as JSON);
         ``leased`` gets the name of the instance that takes the request (the model's, or an
         extra one's); ``prefer``: the instance to take where it has a free slot (a
         conversation's last); ``waited``: seconds the request already waited on another
-        node (it keeps its place in line here); ``running`` is called where the lease found
-        one of the instance's slots free (the request runs at once, not queued in its
-        engine)."""
+        node (it keeps its place in line here); with ``running``, the lease waits for one of
+        the instance's slots to be free (the request runs at once, never queued in its
+        engine), then ``running()`` says whether it may run: False (its cluster's ingress
+        gave it up, ray/ledger.py) ends it, the lease released, with Withdrawn."""
         timeout = checked_seconds("timeout", timeout)
         wait = checked_seconds("wait", wait, zero=True)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._wait_within(model, deadline, timeout, wait) as bound:
-            lease, watch = await self._alease(model, bound, autoload, gone, prefer, waited)
+            lease, watch = await self._alease(model, bound, autoload, gone, prefer, waited, running is not None)
         try:
+            if running is not None and not await self._may_run(lease, running):
+                raise Withdrawn(model)
             if leased is not None:
                 leased(lease.name)
-            if running is not None and lease.slot:
-                running()
             ex = self._exchange(lease)
             ex.send(method, path, body_of(body), query, headers, files)
             first = await ex.afirst(deadline, timeout, watch, lambda: departure(gone))
@@ -464,12 +478,13 @@ class Router(Methods):
 
     async def _await_lease(self, model: str, timeout: float | None, autoload: bool | None,
                            watch: "asyncio.Future | None", prefer: str | None = None,
-                           waited: float = 0.0) -> Lease:
+                           waited: float = 0.0, slot: bool = False) -> Lease:
         """A lease waited for in a thread; withdrawn if the caller leaves meanwhile (a lease
         the thread took all the same is released when it returns)."""
         left = threading.Event()
         fut = asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self._sched.lease, model, timeout, autoload, left, prefer, waited=waited))
+            None, functools.partial(self._sched.lease, model, timeout, autoload, left, prefer, waited=waited,
+                                    slot=slot))
         try:
             return await unless_gone(asyncio.shield(fut), watch, model)
         except BaseException:

@@ -173,7 +173,8 @@ class Scheduler:
     # -- leases ----------------------------------------------------------------------------
 
     def lease(self, name: str, timeout: float | None = None, autoload: bool | None = None,
-              gone=None, prefer: str | None = None, loader: bool = False, waited: float = 0.0) -> Lease:
+              gone=None, prefer: str | None = None, loader: bool = False, waited: float = 0.0,
+              slot: bool = False) -> Lease:
         """Block until ``name`` is LOADED and take a lease on it.  Once ``gone`` is set
         (``withdraw``) the wait ends with Withdrawn: the ticket leaves the queue, and what
         it alone asked for (a load, a drain of a busy model) does not happen.  ``prefer``:
@@ -181,7 +182,9 @@ class Scheduler:
         ``loader``: the lease that loads the instance ``name`` itself (roster.grow): no
         queue limit refuses or counts it, and it drains nothing.  ``waited``: seconds the
         request waited on another node before (it keeps its place in line: Book.enqueue);
-        ``timeout`` counts from now."""
+        ``slot``: the lease is taken only with one of the instance's slots free, in the
+        order the requests came (the request runs at once, never queued in its engine:
+        a cluster's node says so before it runs, ray/ledger.py); ``timeout`` counts from now."""
         book = self._book
         timeout = self.options.queue_timeout if timeout is None else timeout
         autoload = self.options.autoload if autoload is None else autoload
@@ -207,7 +210,9 @@ class Scheduler:
                         raise Withdrawn(rec.name)
                     if rec.error_epoch > ticket.epoch:
                         raise LoadFailed(rec.name, rec.reason or "unknown reason")
-                    ready = self._ready_instance(rec, ticket, prefer) if rec.fate is None else None
+                    ready = self._ready_instance(rec, ticket, prefer, slot) if rec.fate is None else None
+                    if ready is not None and slot and book.first_waiting(ticket.rec) is not ticket:
+                        ready = None  # one waits for a slot before it: in the order they came
                     if ready is not None:
                         return self._take(ready, ticket)
                     to_load = rec.fate is None and rec.state is State.UNLOADED
@@ -248,9 +253,10 @@ class Scheduler:
         gone.set()
         self._book.notify()
 
-    def try_lease(self, name: str, prefer: str | None = None) -> Lease | None:
+    def try_lease(self, name: str, prefer: str | None = None, slot: bool = False) -> Lease | None:
         """A lease on ``name`` if it can be taken at once (LOADED, not draining for an
-        earlier waiter, not retiring), else None; never waits, never starts a load."""
+        earlier waiter, not retiring; with ``slot``, a slot free and no request waiting
+        for the model), else None; never waits, never starts a load."""
         book = self._book
         with book.locked():
             rec = book.resolve(name)
@@ -258,8 +264,10 @@ class Scheduler:
                 return None
             if self._queue_refusal(rec) is not None:
                 return None  # lease() says which limit
+            if slot and book.first_waiting(rec) is not None:
+                return None  # behind those waiting
             ticket = book.ticket(rec)
-            ready = self._ready_instance(rec, ticket, prefer)
+            ready = self._ready_instance(rec, ticket, prefer, slot)
             return self._take(ready, ticket) if ready is not None else None
 
     def _load_instance(self, rec: Record) -> None:
@@ -273,16 +281,18 @@ class Scheduler:
             self._roster.grow(rec.primary or rec, arriving=1)
         return self._book.take(rec, ticket)
 
-    def _ready_instance(self, rec: Record, ticket: Ticket, prefer: str | None = None) -> Record | None:
+    def _ready_instance(self, rec: Record, ticket: Ticket, prefer: str | None = None,
+                        slot: bool = False) -> Record | None:
         """The loaded instance of ``rec``'s model a request goes to (lock held): ``prefer``
         where it is one with a free slot (the instance that served the conversation last:
         its prompt is in that engine's cache), else the fewest in flight; None where none
-        can take it now.  A name that is an extra instance's (a resumable stream's owner)
-        is that instance alone."""
+        can take it now (with ``slot``: none has a slot free).  A name that is an extra
+        instance's (a resumable stream's owner) is that instance alone."""
         book = self._book
         candidates = [rec] if rec.primary is not None or ticket.loader else book.instances(rec)
         ready = {r.name: r for r in candidates
-                 if r.state is State.LOADED and r.fate is None and not r.gone and self._may_lease(r, ticket)}
+                 if r.state is State.LOADED and r.fate is None and not r.gone and self._may_lease(r, ticket)
+                 and (not slot or r.leases < r.slots())}
         last = ready.get(prefer) if prefer is not None else None
         if last is not None and last.leases < last.slots():
             return last

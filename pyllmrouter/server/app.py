@@ -46,7 +46,7 @@ from pyllmrouter.server.body import (BODY_METHODS, departed, engine_body, json_o
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Refusal
 from pyllmrouter.server.connection import HANDOVER, Handover, HttpProtocol
-from pyllmrouter.server.relayed import RELAYED, Relayed
+from pyllmrouter.server.relayed import relayed_of
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
@@ -136,7 +136,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         client's disconnect)."""
         t0 = time.perf_counter()
         endpoint, query, headers = _for_engine(request)
-        relayed: Relayed | None = request.scope.get("extensions", {}).get(RELAYED)
+        relayed = relayed_of(request.scope)
         try:
             reply, stream = await router.arelay(model, request.method, endpoint, raw, query,
                                                autoload=autoload_param(request) if autoload is None else autoload,

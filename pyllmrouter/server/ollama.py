@@ -43,6 +43,7 @@ from pyllmrouter.server import ollama_wire as wire
 from pyllmrouter.server.body import departed
 from pyllmrouter.server.errors import ApiError, from_router_error
 from pyllmrouter.server.ollama_wire import OllamaError
+from pyllmrouter.server.relayed import relayed_of
 
 __all__ = ["error", "mount"]
 
@@ -153,14 +154,19 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
                 "modified_at": wire.timestamp(st.st_mtime), "size": st.st_size, "digest": digest,
                 "details": wire.details(kv, parameters)}
 
-    async def take(model: str, path: str, body: dict[str, Any], keep: float | None, gone) -> tuple[Any, Any]:
-        """The engine's reply to ``body`` at ``path``; the model's idle time set as the request takes it."""
+    async def take(request: Request, model: str, path: str, body: dict[str, Any],
+                   keep: float | None) -> tuple[Any, Any]:
+        """The engine's reply to ``body`` at ``path``; the model's idle time set as the request
+        takes it (a cluster's node: as ``forward`` relays, server/relayed.py)."""
         def leased(_instance: str) -> None:
             router.scheduler.keep_alive(model, keep)
+        relayed = relayed_of(request.scope)
         try:
             return await router.arelay(model, "POST", path, json.dumps(body).encode(), {},
-                                       headers={"content-type": "application/json"}, gone=gone,
-                                       leased=leased, raise_for_status=False)
+                                       headers={"content-type": "application/json"},
+                                       gone=lambda: departed(request.receive), leased=leased, raise_for_status=False,
+                                       waited=relayed.waited if relayed is not None else 0.0,
+                                       running=relayed.running if relayed is not None else None)
         except RouterError as e:
             raise _router_error(e) from None
 
@@ -215,7 +221,7 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             out.update(done=True, done_reason=reason)
             return JSONResponse(out)
         extra = warnings(ignored, num_ctx, model)
-        reply, chunks = await take(model, path, body, keep, lambda: departed(request.receive))
+        reply, chunks = await take(request, model, path, body, keep)
         translator = wire.Translator(kind, path, data.get("model") or model, time.time)
         if reply.status >= 400:
             if chunks is not None:
@@ -243,7 +249,7 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             await load_only(model, keep)
             return JSONResponse({"embedding": []} if legacy else {"model": data.get("model") or model,
                                                                     "embeddings": []})
-        reply, _ = await take(model, "/v1/embeddings", body, keep, lambda: departed(request.receive))
+        reply, _ = await take(request, model, "/v1/embeddings", body, keep)
         if reply.status == 501:  # llama.cpp's "start it with --embeddings": this router's word for it
             raise OllamaError(400, f"{_engine_error(reply.status, reply.body).message} (model '{model}' is "
                                    f"not served for embeddings: embedding = true in its preset)")

@@ -2,17 +2,18 @@
 
 The replica puts a ``Relayed`` in the ASGI scope's extensions under ``RELAYED``: the
 seconds the request already waited (it went to a node that was lost before it began to
-answer, and keeps its place in line here), and what to call where the request takes one
-of its model's slots as it takes the model (it runs here at once: lost now, it is not
-sent elsewhere).  Only the
-replica sets it: no header a client sends can."""
+answer, and keeps its place in line here), and, for a request the ingress may send to
+another node (a repeatable one: ray/failover.py), what to await once it holds a free
+slot of its model, before it runs: True, it runs here (the cluster's ledger says this
+node claimed it: lost now, it is not sent elsewhere); False, the ingress gave it up (it
+never runs here).  Only the replica sets it: no header a client sends can."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
-__all__ = ["RELAYED", "Relayed"]
+__all__ = ["RELAYED", "Relayed", "relayed_of"]
 
 RELAYED = "pyllmrouter.relayed"  # the ASGI scope extension's name
 
@@ -20,4 +21,9 @@ RELAYED = "pyllmrouter.relayed"  # the ASGI scope extension's name
 @dataclass(frozen=True)
 class Relayed:
     waited: float  # seconds, before this node had the request
-    running: Callable[[], None]  # called once, where the request runs at once
+    running: Callable[[], Awaitable[bool]] | None = None  # awaited once, with a slot held
+
+
+def relayed_of(scope: dict) -> Relayed | None:
+    """The ``Relayed`` of a request's ASGI scope: None for one a client sent here."""
+    return scope.get("extensions", {}).get(RELAYED)

@@ -1,0 +1,90 @@
+"""A request a cluster's node runs only once it holds a free slot and its claim came back
+(Router.arelay's ``running``, server/relayed.py): it waits for a slot at the router, in
+the order requests came, never in its engine's queue; a claim refused ends it with its
+lease released and nothing sent to the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from pyllmrouter import ModelConfig, ModelSpec, Router
+from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.errors import Withdrawn
+
+pytestmark = pytest.mark.slow
+
+LONG = json.dumps({"prompt": "hi", "max_tokens": 100000, "stream": True}).encode()  # the story: until closed
+SHORT = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
+
+
+def _router(path) -> Router:
+    models = [ModelConfig("a", ModelSpec(path, ("-np", "1"), n_ctx=2048))]
+    return Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0)
+
+
+async def _until(check, what: str, timeout: float = 60) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+def test_a_relayed_request_waits_for_a_free_slot_then_claims_in_arrival_order(story):
+    with _router(story) as r:
+        r.load("a")
+        order: list[str] = []
+        seen_leases: list[int] = []
+
+        def claim(name: str):
+            async def running() -> bool:
+                seen_leases.append(r.status()["models"]["a"]["leases"])
+                order.append(name)
+                return True
+            return running
+
+        async def relayed(name: str, body: bytes, until: asyncio.Event | None = None) -> int:
+            reply, stream = await r.arelay("a", "POST", "/v1/completions", body, running=claim(name))
+            if until is not None:
+                await until.wait()
+                await stream.aclose()
+            return reply.status
+
+        async def scenario():
+            end = asyncio.Event()
+            first = asyncio.ensure_future(relayed("first", LONG, end))
+            await _until(lambda: order == ["first"], "the first claim")
+            second = asyncio.ensure_future(relayed("second", SHORT))
+            await _until(lambda: r.status()["models"]["a"]["waiting"]["requests"] == 1, "the second waiting")
+            third = asyncio.ensure_future(relayed("third", SHORT))
+            await _until(lambda: r.status()["models"]["a"]["waiting"]["requests"] == 2, "the third waiting")
+            # neither holds a lease (none queued in the engine) nor has claimed, while the slot is busy
+            await asyncio.sleep(0.5)
+            assert r.status()["models"]["a"]["leases"] == 1 and order == ["first"]
+            end.set()  # the story's stream closed: its slot frees
+            return await asyncio.gather(first, second, third)
+
+        assert asyncio.run(scenario()) == [200, 200, 200]
+        assert order == ["first", "second", "third"]
+        assert seen_leases == [1, 1, 1]  # each claimed holding the one slot, alone
+
+
+def test_a_refused_claim_runs_nothing_and_releases_its_lease(tiny):
+    with _router(tiny["tiny-llama"]) as r:
+        r.load("a")
+        async def refused() -> bool:
+            return False
+
+        async def scenario():
+            with pytest.raises(Withdrawn):
+                await r.arelay("a", "POST", "/v1/completions", SHORT, running=refused)
+
+        asyncio.run(scenario())
+        assert r.status()["models"]["a"]["leases"] == 0
+        reply, _ = r.call("a", "GET", "/slots")  # the engine never had it: its slot has taken no task
+        slots = json.loads(reply.body)
+        assert slots and not any("id_task" in s for s in slots), slots
+        r.call("a", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})  # (the check can fail: a task shows)
+        assert any("id_task" in s for s in json.loads(r.call("a", "GET", "/slots")[0].body))
