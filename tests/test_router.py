@@ -487,8 +487,8 @@ def test_a_worker_that_dies_between_lease_and_send_is_worker_died_not_a_crash(sp
         r.load("a")
         take = r.scheduler.try_lease
 
-        def lease_then_die(name, prefer=None):
-            lease = take(name, prefer)
+        def lease_then_die(name, prefer=None, slot=False):
+            lease = take(name, prefer, slot)
             os.kill(r.status()["workers"][0]["pid"], signal.SIGKILL)
             deadline = time.monotonic() + 10
             while r.status()["models"]["a"]["state"] == "loaded" and time.monotonic() < deadline:
