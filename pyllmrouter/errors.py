@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
-    "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "RequestFailed",
+    "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "Unclaimed", "RequestFailed",
     "RouterClosed", "NotLoaded", "Withdrawn", "ModelRemoved", "Busy", "QueueFull", "RequestTimeout",
 ]
 
@@ -87,6 +87,16 @@ class Busy(RouterError):
 
 class WorkerDied(RouterError):
     """The worker process ended while requests were in flight."""
+
+
+class Unclaimed(RouterError):
+    """A cluster's request that its node may not run: the ingress's ledger gave it to
+    another node, or did not answer (ray/ledger.py).  It did not run: try it again."""
+
+    def __init__(self, name: str):
+        super().__init__(f"model {name!r}: the cluster's ledger did not let this node run the request "
+                         f"(it was given up, or the ledger did not answer); it did not run here")
+        self.name = name
 
 
 class RequestFailed(RouterError):

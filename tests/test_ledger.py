@@ -23,29 +23,36 @@ NODES = ("n0", "n1", "n2")
 
 def test_a_claim_and_an_abandon_decide_once_the_first_wins():
     c = Claims()
-    assert c.claim("t1") is True and c.abandon("t1") is True  # claimed first: it may have run
-    assert c.abandon("t2") is False and c.claim("t2") is False  # given up first: it never runs
-    c.settle("t1")
-    c.settle("t2")
-    assert c.claim("t2") is False  # settling keeps a given-up ticket refused
-    assert len(c) == 1
+    assert c.claim(1) is True and c.abandon(1) is True  # claimed first: it may have run
+    assert c.abandon(2) is False and c.claim(2) is False  # given up first: it never runs
+    assert c.claim(3) is True and c.claim(3) is False  # claimed once
+    c.settle(1)
+    c.settle(2)
+    assert c.claim(2) is False  # settling keeps a given-up ticket refused
+    c.settle(4)  # over before any claim (a claim that comes late): refused
+    assert c.claim(4) is False
 
 
-def test_only_the_latest_given_up_tickets_are_kept():
+def test_a_ticket_let_go_and_every_earlier_one_are_refused():
     c = Claims(kept=2)
-    for t in ("a", "b", "c"):
+    for t in (5, 3, 7):
         c.abandon(t)
-    assert len(c) == 2 and c.claim("a") is True and c.claim("c") is False
+    assert len(c) == 2
+    assert c.claim(5) is False  # let go (the oldest given up): refused all the same
+    assert c.claim(4) is False  # never seen, but under the highest let go: refused
+    assert c.claim(3) is False and c.claim(7) is False  # still kept
+    assert c.claim(8) is True
 
 
 class Cluster(RuleBasedStateMachine):
-    """One request at a time, sent by the ingress to a node, each attempt its own ticket."""
+    """One request at a time, sent by the ingress to a node, each attempt its own ticket
+    (a ledger that keeps two given-up tickets: letting them go is searched too)."""
 
     use_ledger = True
 
     def __init__(self):
         super().__init__()
-        self.claims = Claims()
+        self.claims = Claims(kept=2)
         self.runs: dict[int, set[str]] = {}  # request -> nodes it ran on
         self.request = 0
         self.stale = None
@@ -59,7 +66,9 @@ class Cluster(RuleBasedStateMachine):
 
     def _attempt(self, exclude):
         self.attempts = getattr(self, "attempts", 0) + 1
-        self.ticket = f"{self.request}.{self.attempts}"
+        self.ticket = self.attempts  # the ingress's count
+        self.ticket_request = getattr(self, "ticket_request", {})
+        self.ticket_request[self.ticket] = self.request
         self.node = next(n for n in NODES if n != exclude)
         self.claim_sent = False  # the node asked the ledger
         self.pending_claim = False  # its question on its way (an older attempt's: the_lost_node_resumes)
@@ -124,8 +133,7 @@ class Cluster(RuleBasedStateMachine):
         if answer is None:
             answer = self.claims.claim(ticket) if self.use_ledger else True
         if answer:
-            request = int(ticket.split(".")[0])
-            self.runs[request].add(node)
+            self.runs[self.ticket_request[ticket]].add(node)
 
     @precondition(lambda self: not self.decided and self.started_seen)
     @rule()

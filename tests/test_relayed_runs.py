@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from pyllmrouter import ModelConfig, ModelSpec, Router
+from pyllmrouter import ModelConfig, ModelSpec, Router, probe
 from pyllmrouter.devices import EmulatedInventory
-from pyllmrouter.errors import Withdrawn
+from pyllmrouter.errors import Unclaimed
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def test_a_refused_claim_runs_nothing_and_releases_its_lease(tiny):
             return False
 
         async def scenario():
-            with pytest.raises(Withdrawn):
+            with pytest.raises(Unclaimed):
                 await r.arelay("a", "POST", "/v1/completions", SHORT, running=refused)
 
         asyncio.run(scenario())
@@ -88,3 +88,43 @@ def test_a_refused_claim_runs_nothing_and_releases_its_lease(tiny):
         assert slots and not any("id_task" in s for s in slots), slots
         r.call("a", "POST", "/v1/completions", {"prompt": "hi", "max_tokens": 2})  # (the check can fail: a task shows)
         assert any("id_task" in s for s in json.loads(r.call("a", "GET", "/slots")[0].body))
+
+
+def test_a_wait_for_a_slot_starts_another_instance_and_has_no_queue_timeout(story):
+    """A model with ``replicas = 2``: a relayed request that finds the one slot taken
+    starts the second instance and runs there; with one instance only, it waits past the
+    queue timeout (as in its engine's queue) and runs once the slot frees."""
+    spec = ModelSpec(story, ("-np", "1", "-c", "2048"))
+    one = probe(spec).total
+    inventory = EmulatedInventory({"GPU0": one + one // 2, "GPU1": one + one // 2})
+
+    async def yes() -> bool:
+        return True
+
+    with Router([ModelConfig("m", spec, replicas=2)], inventory=inventory, margin=0) as r:
+        r.load("m")
+
+        async def grown():
+            _, first = await r.arelay("m", "POST", "/v1/completions", LONG, running=yes)
+            taken: list[str] = []
+            second = asyncio.ensure_future(r.arelay("m", "POST", "/v1/completions", SHORT, running=yes,
+                                                    leased=taken.append))
+            reply, _ = await asyncio.wait_for(second, 120)  # the first still holds m's slot
+            await first.aclose()
+            return reply.status, taken
+
+        assert asyncio.run(grown()) == (200, ["m#2"])
+
+    with Router([ModelConfig("m", spec)], inventory=inventory, margin=0, queue_timeout=1) as r:
+        r.load("m")
+
+        async def waited():
+            _, first = await r.arelay("m", "POST", "/v1/completions", LONG, running=yes)
+            second = asyncio.ensure_future(r.arelay("m", "POST", "/v1/completions", SHORT, running=yes))
+            await asyncio.sleep(3)  # three queue timeouts
+            assert not second.done() and r.status()["models"]["m"]["waiting"]["why"] == "waiting for a free slot"
+            await first.aclose()
+            reply, _ = await asyncio.wait_for(second, 60)
+            return reply.status
+
+        assert asyncio.run(waited()) == 200

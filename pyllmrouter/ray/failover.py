@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import Callable
 
 __all__ = ["HOLD", "RETRY", "FAIL", "LOST", "TRANSIENT", "UNSURE", "APP", "after_loss", "kind_of", "repeatable",
-           "LostNodes", "stats_timeout", "silent_after"]
+           "LostNodes", "stats_timeout", "silent_after", "takes_slot"]
 
 HOLD = 30.0  # seconds a lost node is left out
 RETRY, FAIL = "retry", "fail"
@@ -57,6 +57,7 @@ _DEAD = ("ActorDiedError", "NodeDiedError", "WorkerCrashedError", "LocalRayletDi
 # a model's POSTs that change nothing but the reply (inference); the rest write somewhere
 _WRITES = ("/slots/", "/lora-adapters", "/props", "/v1/chat/completions/control")
 _OLLAMA = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
+_NO_SLOT = frozenset({"/tokenize", "/detokenize", "/apply-template"})
 
 
 def kind_of(e: BaseException) -> str:
@@ -82,6 +83,14 @@ def repeatable(method: str, path: str, headers: dict[str, str], engine_posts: fr
     if path.startswith(_WRITES) or path in _WRITES:
         return False
     return path in engine_posts or path in _OLLAMA
+
+
+def takes_slot(path: str) -> bool:
+    """Whether a model's POST at ``path`` runs in one of its engine's slots (a generation, an
+    embedding...): the node claims such a request before it runs (ledger.py).  Counting and
+    template endpoints take none: they are not held back behind generations (repeating them
+    is unobservable and costs next to nothing)."""
+    return not (path in _NO_SLOT or path.endswith(("/input_tokens", "/count_tokens")))
 
 
 def stats_timeout(period: float) -> float:

@@ -28,15 +28,15 @@ import asyncio
 import json
 import logging
 import socket
+import itertools
 import time
-import uuid
 from dataclasses import replace
 from typing import Any
 
 import ray
 import uvicorn
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError
 from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -61,6 +61,7 @@ ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
 ACCEPT_TIMEOUT = 10.0  # seconds a node's replica has to take a request (its Accepted): none, silent
 ENGINE_POSTS = frozenset(p for p in ENGINE_POST if "{" not in p)
 OLLAMA_LISTS = ("/api/tags", "/api/ps")
+OLLAMA_INFERENCE = ("/api/chat", "/api/generate", "/api/embed", "/api/embeddings")
 RE_PLACE_PERIOD = 5.0  # seconds between two looks for models evicted lately that fit free elsewhere
 PING_TIMEOUT = 2.0  # seconds a node has to answer, after a call to some node failed
 # pings a node gets while another node's replica answers them: Serve hands a chosen replica
@@ -80,8 +81,8 @@ class Ingress:
         self._lost = failover.LostNodes(time.monotonic)  # this event loop's only
         self._probing: tuple[float, asyncio.Future | None] = (0.0, None)  # the last round of pings: when, what
         self._actors: dict[str, str] = {}  # a replica's actor id -> its node, as its replies say
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self._ledger = ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=here).remote()  # dies with this
+        self._ledger = _new_ledger()  # this event loop's; the actor dies with this process
+        self._tickets = itertools.count(1)  # each attempt's ticket (ledger.py)
         self.api_key, self.max_body = api_key, max_body
         try:  # bound here: a port in use is this constructor's error (uvicorn would exit the process)
             listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -143,10 +144,22 @@ class Ingress:
         pending: dict[str, None] = {}  # models evicted and not loaded since, the latest last (this loop's only)
         while not self._server.should_exit:  # set as Serve stops this replica (__del__)
             await asyncio.sleep(RE_PLACE_PERIOD)
+            await self._keep_ledger()
             try:
                 await self._re_place(seen, pending)
             except Exception as e:  # noqa: BLE001 - the next round tries again
                 _LOG.warning("re-placing evicted models failed: %s: %s", type(e).__name__, e)
+
+    async def _keep_ledger(self) -> None:
+        """A ledger found dead is replaced: the claims sent to it fail (their requests do not
+        run: 503, sent on), the next tickets go to the new one."""
+        try:
+            await asyncio.wait_for(self._ledger.size.remote(), ASK_TIMEOUT)
+        except RayActorError:
+            _LOG.warning("the ledger died: a new one takes the next requests' claims")
+            self._ledger = _new_ledger()
+        except (asyncio.TimeoutError, RayError):
+            pass  # slow, not dead: claims wait or fail closed meanwhile
 
     async def _re_place(self, seen: dict[str, int], pending: dict[str, None]) -> None:
         for node, reply in (await self._ask_all(NodeRequest("GET", "/events"))).items():
@@ -213,7 +226,7 @@ class Ingress:
         if method == "POST" and path == "/models/unload":
             return await self._unload(plain)
         if method == "GET":
-            model, stream = dict(query).get("model"), False
+            model, stream, data = dict(query).get("model"), False, {}
         else:  # as a node's app reads it: a JSON body's (or a multipart form's) "model", else ?model=
             ctype = headers.get("content-type", "")
             model = model_named(ctype, body, dict(query))  # 400 for a body that is not JSON
@@ -239,6 +252,8 @@ class Ingress:
         if method == "POST" and path.startswith("/slots/"):
             return await self._slot_action(plain, model)
         repeats = failover.repeatable(method, path, headers, ENGINE_POSTS)
+        if path in OLLAMA_INFERENCE and not any(data.get(k) for k in ("messages", "prompt", "input", "suffix")):
+            repeats = False  # Ollama's load (or with keep_alive 0, unload): no prompt
         return await self._respond(replace(plain, model=model), model, stream=stream, repeats=repeats)
 
     async def _respond(self, plain: NodeRequest, model: str | None, stream: bool = True,
@@ -260,9 +275,10 @@ class Ingress:
         retried: str | None = None  # the lost nodes, once the request was sent on
         misdirected = 0  # 421s from a replica of another node
         # runs only once its node claimed it in the ledger: lost or silent, it is sent on only if none had
-        ticketed = repeats and model is not None and plain.node is None and plain.method == "POST"
+        ticketed = repeats and model is not None and plain.node is None and plain.method == "POST" \
+            and failover.takes_slot(plain.path)
         while True:
-            ticket = uuid.uuid4().hex if ticketed else None  # each attempt its own
+            ticket = next(self._tickets) if ticketed else None  # each attempt its own
             plain = replace(plain, exclude=plain.exclude | self._lost.now(), whole=not stream, ticket=ticket,
                             ledger=self._ledger if ticketed else None)
             replies = self.nodes.options(stream=True).handle.remote(plain)
@@ -346,7 +362,7 @@ class Ingress:
                 if refused is None:
                     return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
                 return await relay(*refused, model, retried)
-            plain = replace(plain, exclude=plain.exclude | {head.node})
+            plain = replace(plain, exclude=plain.exclude | {head.node}, waited=time.monotonic() - arrived)
 
     async def _confirmed(self, e: BaseException, at: str | None) -> str:
         """LOST where the node of a call that found its replica unreachable (``at``, or the
@@ -358,7 +374,7 @@ class Ingress:
             return failover.LOST
         return failover.TRANSIENT
 
-    async def _given_up(self, ticket: str | None) -> bool:
+    async def _given_up(self, ticket: int | None) -> bool:
         """The attempt ``ticket`` given up in the ledger: True where its node had claimed it
         (it may have run there), or the ledger does not say; False where no node had (none
         will now).  No ticket: False (a request that is not sent on, or a read)."""
@@ -529,6 +545,12 @@ class Ingress:
             raise ApiError(409, f"a slot action acts on one node's engine: model '{model}' is loaded on nodes "
                                 f"{', '.join(where)}; name one with ?node=", code="node_required", param="node")
         return await self._respond(replace(plain, node=where[0], model=model), None)
+
+
+def _new_ledger():
+    """A Ledger actor on this node (the ingress's): it lives and dies with the ingress."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return ray.remote(Ledger).options(num_cpus=0, scheduling_strategy=here).remote()
 
 
 def node_ids() -> list[str]:

@@ -9,14 +9,16 @@
     ingress: its call over (the reply's head came, or it failed) ──▶ settle(ticket)
 
 The invariant (``Claims``): a ticket is claimed or abandoned, whichever comes first, and
-never both.  A node runs a request only after its claim came back True; the ingress sends
+never both; a ticket is claimed once.  A node runs a request only after its claim came back True; the ingress sends
 a request on only after its abandon came back unclaimed.  So a request runs on one node
 at most, whatever is lost in transit: a Started that never arrived, a node that stops
 and resumes, a claim whose answer was lost (the node does not run it; the ingress takes
 it for run: a 502 that says "may have run", never a second run).
 
 One Ledger (a small Ray actor) per ingress, on the ingress's node: it lives and dies
-with the ingress, whose clients are the only ones its tickets serve.  ``Claims`` is the
+with the ingress, whose clients are the only ones its tickets serve.  A ledger found
+dead is replaced (the ingress asks it every few seconds); a claim sent to the dead one
+fails, and a request whose claim fails does not run (503: the ingress sends it on).  ``Claims`` is the
 pure state; the actor only calls it.
 """
 
@@ -30,36 +32,44 @@ ABANDONED_KEPT = 1 << 16  # tickets given up that a late claim is still refused 
 
 
 class Claims:
-    """Claimed and abandoned tickets.  ``claim`` and ``abandon`` each decide once, for
-    both sides: the first of the two wins."""
+    """Claimed and given-up tickets (the ingress numbers them, one count: a later attempt
+    has a higher number).  ``claim`` and ``abandon`` each decide once, for both sides: the
+    first of the two wins.  Only the latest ``kept`` given-up tickets are kept; any ticket
+    at or under the highest one let go is refused a claim (fail closed: a request waiting
+    that long runs nowhere rather than twice)."""
 
     def __init__(self, kept: int = ABANDONED_KEPT):
-        self._claimed: set[str] = set()
-        self._abandoned: OrderedDict[str, None] = OrderedDict()
+        self._claimed: set[int] = set()
+        self._abandoned: OrderedDict[int, None] = OrderedDict()
         self._kept = kept
+        self._floor = -1  # the highest given-up ticket let go
 
-    def claim(self, ticket: str) -> bool:
-        """A node asks to run ``ticket``'s request: True (it runs) unless it was given up."""
-        if ticket in self._abandoned:
+    def claim(self, ticket: int) -> bool:
+        """A node asks to run ``ticket``'s request: True (it runs) unless it was given up or
+        claimed already."""
+        if ticket <= self._floor or ticket in self._abandoned or ticket in self._claimed:
             return False
         self._claimed.add(ticket)
         return True
 
-    def abandon(self, ticket: str) -> bool:
+    def abandon(self, ticket: int) -> bool:
         """The ingress gives ``ticket`` up: True where a node had claimed it (it may have
         run: not to be sent on), False where none had (no node will run it now)."""
         if ticket in self._claimed:
             return True
         self._abandoned[ticket] = None
-        self._abandoned.move_to_end(ticket)
         while len(self._abandoned) > self._kept:
-            self._abandoned.popitem(last=False)
+            gone, _ = self._abandoned.popitem(last=False)
+            self._floor = max(self._floor, gone)
         return False
 
-    def settle(self, ticket: str) -> None:
+    def settle(self, ticket: int) -> None:
         """The ingress's call for ``ticket`` is over (its reply began, or it ended): nothing
-        will ask about its claim again."""
-        self._claimed.discard(ticket)
+        asks about its claim any more, and a claim that comes now is refused."""
+        if ticket in self._claimed:
+            self._claimed.discard(ticket)
+        elif ticket > self._floor:
+            self.abandon(ticket)
 
     def __len__(self) -> int:
         return len(self._claimed) + len(self._abandoned)
@@ -72,13 +82,13 @@ class Ledger:
     def __init__(self) -> None:
         self._claims = Claims()
 
-    def claim(self, ticket: str) -> bool:
+    def claim(self, ticket: int) -> bool:
         return self._claims.claim(ticket)
 
-    def abandon(self, ticket: str) -> bool:
+    def abandon(self, ticket: int) -> bool:
         return self._claims.abandon(ticket)
 
-    def settle(self, ticket: str) -> None:
+    def settle(self, ticket: int) -> None:
         self._claims.settle(ticket)
 
     def size(self) -> int:

@@ -181,6 +181,7 @@ class NodeRouter:
 async def _next(messages: asyncio.Queue) -> Any:
     """The app's next message, or a Beat where it has none for BEAT seconds."""
     try:
-        return await asyncio.wait_for(messages.get(), BEAT)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(BEAT):  # no task of its own (wait_for makes one a message)
+            return await messages.get()
+    except TimeoutError:
         return Beat()

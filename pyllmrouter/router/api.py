@@ -30,7 +30,7 @@ from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
 from pyllmrouter.engine_args import check_specs
 from pyllmrouter.router.registry import API
-from pyllmrouter.errors import QueueTimeout, RequestTimeout, RouterError, UnknownModel, Withdrawn
+from pyllmrouter.errors import QueueTimeout, RequestTimeout, RouterError, Unclaimed, UnknownModel, Withdrawn
 from pyllmrouter.router.exchange import Exchange, departure
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.router.services.conversations import Conversations
@@ -365,7 +365,7 @@ class Router(Methods):
         node (it keeps its place in line here); with ``running``, the lease waits for one of
         the instance's slots to be free (the request runs at once, never queued in its
         engine), then ``running()`` says whether it may run: False (its cluster's ingress
-        gave it up, ray/ledger.py) ends it, the lease released, with Withdrawn."""
+        gave it up, ray/ledger.py) ends it, the lease released, with Unclaimed."""
         timeout = checked_seconds("timeout", timeout)
         wait = checked_seconds("wait", wait, zero=True)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -373,7 +373,7 @@ class Router(Methods):
             lease, watch = await self._alease(model, bound, autoload, gone, prefer, waited, running is not None)
         try:
             if running is not None and not await self._may_run(lease, running):
-                raise Withdrawn(model)
+                raise Unclaimed(model)
             if leased is not None:
                 leased(lease.name)
             ex = self._exchange(lease)

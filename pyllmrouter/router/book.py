@@ -67,7 +67,7 @@ class Book:
         self._registry = Registry(self.devices)
         self._queue: list[Ticket] = []
         self._queue_version = 0  # changes whenever a ticket joins, leaves or follows a new record
-        self._firsts: tuple[int, dict[int, Ticket]] = (-1, {})  # (version, id(record) -> its first ticket)
+        self._firsts: tuple[int, dict[int, tuple[Ticket | None, Ticket | None]]] = (-1, {})  # first_waiting
         self._seq = itertools.count(1)
         self._closed = False
         self._spilling = False  # kept states are leaving RAM for host memory a load wants
@@ -228,13 +228,13 @@ class Book:
 
     # -- the queue ----------------------------------------------------------------------
 
-    def enqueue(self, rec: Record, loader: bool = False, waited: float = 0.0, asked: str = "") -> Ticket:
-        """A waiting request for ``rec`` (by the name ``asked``) joins the queue (``loader``:
-        an instance's load).  ``waited``: seconds it waited elsewhere before (a request another
-        node took and lost): it counts as arrived then, and goes before those since."""
+    def enqueue(self, rec: Record, loader: bool = False, waited: float = 0.0, asked: str = "", slot=False) -> Ticket:
+        """A waiting request for ``rec`` (by the name ``asked``; ``loader``: an instance's load;
+        ``slot``: Scheduler.lease's) joins the queue.  ``waited``: seconds it waited elsewhere
+        (a request another node took and lost): it counts as arrived then, before those since."""
         with self._cond:
             ticket = Ticket(rec, next(self._seq), rec.error_epoch, time.monotonic() - max(0.0, waited), loader=loader,
-                            asked=asked)
+                            asked=asked, slot=slot)
             at = len(self._queue)
             while at and self._queue[at - 1].created > ticket.created:
                 at -= 1
@@ -242,18 +242,18 @@ class Book:
             self._queue_version += 1
             return ticket
 
-    def first_waiting(self, rec: Record) -> Ticket | None:
-        """The earliest waiting request for ``rec``: the one that drives its load (within one
-        model arrival order is rank order: one priority, aged alike).  Read once per change of
-        the queue, however many of its waiters ask."""
+    def first_waiting(self, rec: Record, slot: bool = False) -> Ticket | None:
+        """The earliest waiting request for ``rec`` (``slot``: for a free slot of it), in arrival
+        order, which within one model is rank order.  Read once per change of the queue."""
         with self._cond:
             version, firsts = self._firsts
             if version != self._queue_version:
                 firsts = {}
                 for t in self._queue:
-                    firsts.setdefault(id(t.rec), t)
+                    first, first_slot = firsts.get(id(t.rec), (None, None))
+                    firsts[id(t.rec)] = (first or t, first_slot or (t if t.slot else None))
                 self._firsts = (self._queue_version, firsts)
-            return firsts.get(id(rec))
+            return firsts.get(id(rec), (None, None))[slot]
 
     def ticket(self, rec: Record) -> Ticket:
         """A request's place, for one that takes a lease at once (not queued)."""

@@ -159,6 +159,7 @@ class Ticket:
     # limit and refused by none, drains nothing, takes that instance only
     loader: bool = False
     asked: str = ""  # the name the request gave (a name or an alias): a removed model's waiter follows it
+    slot: bool = False  # it takes a lease only with a slot free, in arrival order (Scheduler.lease)
 
     @property
     def name(self) -> str:

@@ -183,8 +183,10 @@ class Scheduler:
         queue limit refuses or counts it, and it drains nothing.  ``waited``: seconds the
         request waited on another node before (it keeps its place in line: Book.enqueue);
         ``slot``: the lease is taken only with one of the instance's slots free, in the
-        order the requests came (the request runs at once, never queued in its engine:
-        a cluster's node says so before it runs, ray/ledger.py); ``timeout`` counts from now."""
+        order such requests came (the request runs at once, never queued in its engine:
+        a cluster's node says so before it runs, ray/ledger.py); a wait for a slot of the
+        loaded model has no limit (as a wait in its engine's queue), and may start another
+        instance of it (``replicas``); ``timeout`` counts from now."""
         book = self._book
         timeout = self.options.queue_timeout if timeout is None else timeout
         autoload = self.options.autoload if autoload is None else autoload
@@ -197,7 +199,7 @@ class Scheduler:
             refused = None if loader else self._queue_refusal(rec)
             if refused is not None:
                 raise QueueFull(rec.name, refused.scope, refused.limit, refused.waiting)
-            ticket = book.enqueue(rec, loader, waited, name)
+            ticket = book.enqueue(rec, loader, waited, name, slot)
         deadline = time.monotonic() + timeout
         reading: tuple[Any, dict[str, int]] | None = None  # (the Book's mark, free memory), since the last wait
         try:
@@ -211,7 +213,7 @@ class Scheduler:
                     if rec.error_epoch > ticket.epoch:
                         raise LoadFailed(rec.name, rec.reason or "unknown reason")
                     ready = self._ready_instance(rec, ticket, prefer, slot) if rec.fate is None else None
-                    if ready is not None and slot and book.first_waiting(ticket.rec) is not ticket:
+                    if ready is not None and slot and book.first_waiting(ticket.rec, slot=True) is not ticket:
                         ready = None  # one waits for a slot before it: in the order they came
                     if ready is not None:
                         return self._take(ready, ticket)
@@ -229,6 +231,12 @@ class Scheduler:
                         why = "waiting" if rec.fate is None else "waiting for its new configuration"
                         if to_load:
                             why = admission.BEHIND if behind else self._admit(rec, ticket, reading[1])
+                        # for a free slot of the loaded model: its engine's queue kept here, with no
+                        # limit in time (as the engine's); another instance where it may have one
+                        for_slot = slot and not to_load and rec.fate is None and rec.state is State.LOADED
+                        if for_slot:
+                            why, deadline = "waiting for a free slot", time.monotonic() + timeout
+                            self._roster.grow(rec.primary or rec, arriving=1)
                         book.note(ticket, why)
                         remaining = deadline - time.monotonic()
                         if remaining <= 0:
@@ -254,9 +262,8 @@ class Scheduler:
         self._book.notify()
 
     def try_lease(self, name: str, prefer: str | None = None, slot: bool = False) -> Lease | None:
-        """A lease on ``name`` if it can be taken at once (LOADED, not draining for an
-        earlier waiter, not retiring; with ``slot``, a slot free and no request waiting
-        for the model), else None; never waits, never starts a load."""
+        """A lease on ``name`` if it can be taken at once (LOADED, not draining for an earlier
+        waiter, not retiring; ``slot``: as ``lease``), else None; never waits nor loads."""
         book = self._book
         with book.locked():
             rec = book.resolve(name)
@@ -264,8 +271,8 @@ class Scheduler:
                 return None
             if self._queue_refusal(rec) is not None:
                 return None  # lease() says which limit
-            if slot and book.first_waiting(rec) is not None:
-                return None  # behind those waiting
+            if slot and book.first_waiting(rec, slot=True) is not None:
+                return None  # behind those waiting for a slot
             ticket = book.ticket(rec)
             ready = self._ready_instance(rec, ticket, prefer, slot)
             return self._take(ready, ticket) if ready is not None else None
@@ -286,8 +293,8 @@ class Scheduler:
         """The loaded instance of ``rec``'s model a request goes to (lock held): ``prefer``
         where it is one with a free slot (the instance that served the conversation last:
         its prompt is in that engine's cache), else the fewest in flight; None where none
-        can take it now (with ``slot``: none has a slot free).  A name that is an extra
-        instance's (a resumable stream's owner) is that instance alone."""
+        can take it now (``slot``: none has a slot free).  An extra instance's name (a
+        resumable stream's owner) is that instance alone."""
         book = self._book
         candidates = [rec] if rec.primary is not None or ticket.loader else book.instances(rec)
         ready = {r.name: r for r in candidates

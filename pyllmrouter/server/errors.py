@@ -7,7 +7,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from pyllmrouter.errors import (Busy, LoadFailed, ModelRemoved, NeverFits, NotLoaded, QueueFull, QueueTimeout,
-                                RequestFailed, RouterClosed, UnknownModel, WorkerDied, Withdrawn)
+                                RequestFailed, RouterClosed, Unclaimed, UnknownModel, WorkerDied, Withdrawn)
 
 __all__ = ["ApiError", "error_response", "from_router_error"]
 
@@ -47,7 +47,7 @@ def from_router_error(e: Exception) -> ApiError:
                         extra={"limit": e.limit, "waiting": e.waiting})
     if isinstance(e, Busy):
         return ApiError(429, str(e), "rate_limit_error", "busy", headers={"Retry-After": "5"})
-    if isinstance(e, (WorkerDied, RouterClosed)):
+    if isinstance(e, (WorkerDied, RouterClosed, Unclaimed)):
         return ApiError(503, str(e), "server_error", "unavailable", headers={"Retry-After": "1"})
     if isinstance(e, LoadFailed):
         return ApiError(500, str(e), "server_error", "load_failed")
