@@ -66,6 +66,8 @@ class MemoryAwareRouter(RequestRouter):
         """Serve's news of the replicas (their statistics with it): each new reading is
         heard now, whether or not a request is routed meanwhile."""
         super().update_replicas(replicas)
+        current = {r.replica_id.unique_id for r in replicas}
+        self._heard = {rid: h for rid, h in self._heard.items() if rid in current}  # gone replicas forgotten
         for r in replicas:
             self._hear(r)
 
