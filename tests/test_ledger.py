@@ -44,6 +44,18 @@ def test_a_ticket_let_go_and_every_earlier_one_are_refused():
     assert c.claim(8) is True
 
 
+def test_no_ticket_still_in_flight_is_refused_however_many_are_given_up():
+    """Ticket 1 waits (for a slot) while 2..9 end unclaimed: the floor stays under 1, the
+    ledger keeps more than its limit meanwhile, and lets them go once 1 is over."""
+    c = Claims(kept=2)
+    for t in range(2, 10):
+        c.settle(t, low=1)
+    assert c.claim(1) is True and len(c) == 8 + 1
+    c.settle(1, low=10)
+    c.abandon(10, low=11)
+    assert len(c) == 2 and c.claim(9) is False and c.claim(11) is True
+
+
 class Cluster(RuleBasedStateMachine):
     """One request at a time, sent by the ingress to a node, each attempt its own ticket
     (a ledger that keeps two given-up tickets: letting them go is searched too)."""
@@ -55,7 +67,7 @@ class Cluster(RuleBasedStateMachine):
         self.claims = Claims(kept=2)
         self.runs: dict[int, set[str]] = {}  # request -> nodes it ran on
         self.request = 0
-        self.stale = None
+        self.stale: list = []  # attempts of nodes taken for lost, which may still act
         self._send_new()
 
     def _send_new(self):
@@ -119,17 +131,17 @@ class Cluster(RuleBasedStateMachine):
             stale = (self.ticket, self.node, self.claim_answer)
             self.retried = True
             self._attempt(self.node)
-            self.stale = stale  # the lost node may still act on its attempt
+            self.stale.append(stale)  # the lost node may still act on its attempt
         else:
             self._send_new()
 
-    @precondition(lambda self: self.stale is not None)
-    @rule()
-    def the_lost_node_resumes(self):
-        """A node taken for lost (stopped, not dead) goes on with its old attempt: it claims
-        if it had not, and runs where the ledger says yes."""
-        ticket, node, answer = self.stale
-        self.stale = None
+    @precondition(lambda self: self.stale)
+    @rule(data=st.data())
+    def the_lost_node_resumes(self, data):
+        """A node taken for lost (stopped, not dead) goes on with an old attempt, however
+        many tickets were given up since: it claims if it had not, and runs where the
+        ledger says yes."""
+        ticket, node, answer = self.stale.pop(data.draw(st.integers(0, len(self.stale) - 1)))
         if answer is None:
             answer = self.claims.claim(ticket) if self.use_ledger else True
         if answer:

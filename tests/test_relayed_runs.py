@@ -17,6 +17,7 @@ from pyllmrouter.errors import Unclaimed
 pytestmark = pytest.mark.slow
 
 LONG = json.dumps({"prompt": "hi", "max_tokens": 100000, "stream": True}).encode()  # the story: until closed
+WAITERS = 6
 SHORT = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
 
 
@@ -56,19 +57,19 @@ def test_a_relayed_request_waits_for_a_free_slot_then_claims_in_arrival_order(st
             end = asyncio.Event()
             first = asyncio.ensure_future(relayed("first", LONG, end))
             await _until(lambda: order == ["first"], "the first claim")
-            second = asyncio.ensure_future(relayed("second", SHORT))
-            await _until(lambda: r.status()["models"]["a"]["waiting"]["requests"] == 1, "the second waiting")
-            third = asyncio.ensure_future(relayed("third", SHORT))
-            await _until(lambda: r.status()["models"]["a"]["waiting"]["requests"] == 2, "the third waiting")
-            # neither holds a lease (none queued in the engine) nor has claimed, while the slot is busy
+            later = []
+            for i in range(WAITERS):
+                later.append(asyncio.ensure_future(relayed(f"w{i}", SHORT)))
+                await _until(lambda i=i: r.status()["models"]["a"]["waiting"]["requests"] == i + 1, f"w{i} waiting")
+            # none holds a lease (none queued in the engine) nor has claimed, while the slot is busy
             await asyncio.sleep(0.5)
             assert r.status()["models"]["a"]["leases"] == 1 and order == ["first"]
             end.set()  # the story's stream closed: its slot frees
-            return await asyncio.gather(first, second, third)
+            return await asyncio.gather(first, *later)
 
-        assert asyncio.run(scenario()) == [200, 200, 200]
-        assert order == ["first", "second", "third"]
-        assert seen_leases == [1, 1, 1]  # each claimed holding the one slot, alone
+        assert asyncio.run(scenario()) == [200] * (WAITERS + 1)
+        assert order == ["first"] + [f"w{i}" for i in range(WAITERS)]
+        assert seen_leases == [1] * (WAITERS + 1)  # each claimed holding the one slot, alone
 
 
 def test_a_refused_claim_runs_nothing_and_releases_its_lease(tiny):

@@ -25,10 +25,10 @@ and by an unload; their absence never turns into a 507.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
-import itertools
 import time
 from dataclasses import replace
 from typing import Any
@@ -36,7 +36,7 @@ from typing import Any
 import ray
 import uvicorn
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import ActorDiedError, RayError
 from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -61,7 +61,9 @@ ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
 ACCEPT_TIMEOUT = 10.0  # seconds a node's replica has to take a request (its Accepted): none, silent
 ENGINE_POSTS = frozenset(p for p in ENGINE_POST if "{" not in p)
 OLLAMA_LISTS = ("/api/tags", "/api/ps")
-OLLAMA_INFERENCE = ("/api/chat", "/api/generate", "/api/embed", "/api/embeddings")
+# what an Ollama request prompts with: none, the request only loads (or unloads) its model
+OLLAMA_PROMPT = {"/api/chat": ("messages",), "/api/generate": ("prompt", "suffix"), "/api/embed": ("input",),
+                 "/api/embeddings": ("prompt",)}
 RE_PLACE_PERIOD = 5.0  # seconds between two looks for models evicted lately that fit free elsewhere
 PING_TIMEOUT = 2.0  # seconds a node has to answer, after a call to some node failed
 # pings a node gets while another node's replica answers them: Serve hands a chosen replica
@@ -82,7 +84,8 @@ class Ingress:
         self._probing: tuple[float, asyncio.Future | None] = (0.0, None)  # the last round of pings: when, what
         self._actors: dict[str, str] = {}  # a replica's actor id -> its node, as its replies say
         self._ledger = _new_ledger()  # this event loop's; the actor dies with this process
-        self._tickets = itertools.count(1)  # each attempt's ticket (ledger.py)
+        self._issued = 0  # the last attempt's ticket (ledger.py): each attempt its own, in order
+        self._in_flight: dict[int, None] = {}  # tickets whose call is under way, lowest first
         self.api_key, self.max_body = api_key, max_body
         try:  # bound here: a port in use is this constructor's error (uvicorn would exit the process)
             listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -144,8 +147,8 @@ class Ingress:
         pending: dict[str, None] = {}  # models evicted and not loaded since, the latest last (this loop's only)
         while not self._server.should_exit:  # set as Serve stops this replica (__del__)
             await asyncio.sleep(RE_PLACE_PERIOD)
-            await self._keep_ledger()
             try:
+                await self._keep_ledger()
                 await self._re_place(seen, pending)
             except Exception as e:  # noqa: BLE001 - the next round tries again
                 _LOG.warning("re-placing evicted models failed: %s: %s", type(e).__name__, e)
@@ -155,11 +158,13 @@ class Ingress:
         run: 503, sent on), the next tickets go to the new one."""
         try:
             await asyncio.wait_for(self._ledger.size.remote(), ASK_TIMEOUT)
-        except RayActorError:
+        except ActorDiedError:  # dead for good (unreachable for now is not: it may still grant claims)
             _LOG.warning("the ledger died: a new one takes the next requests' claims")
-            self._ledger = _new_ledger()
+            old, self._ledger = self._ledger, _new_ledger()
+            with contextlib.suppress(Exception):  # (dead: nothing to stop)
+                ray.kill(old)
         except (asyncio.TimeoutError, RayError):
-            pass  # slow, not dead: claims wait or fail closed meanwhile
+            pass  # slow or unreachable, not dead: its requests keep it (they are judged by it alone)
 
     async def _re_place(self, seen: dict[str, int], pending: dict[str, None]) -> None:
         for node, reply in (await self._ask_all(NodeRequest("GET", "/events"))).items():
@@ -252,8 +257,8 @@ class Ingress:
         if method == "POST" and path.startswith("/slots/"):
             return await self._slot_action(plain, model)
         repeats = failover.repeatable(method, path, headers, ENGINE_POSTS)
-        if path in OLLAMA_INFERENCE and not any(data.get(k) for k in ("messages", "prompt", "input", "suffix")):
-            repeats = False  # Ollama's load (or with keep_alive 0, unload): no prompt
+        if path in OLLAMA_PROMPT and not any(data.get(k) not in (None, "", []) for k in OLLAMA_PROMPT[path]):
+            repeats = False  # Ollama's load (or with keep_alive 0, unload): no prompt (server/ollama.py)
         return await self._respond(replace(plain, model=model), model, stream=stream, repeats=repeats)
 
     async def _respond(self, plain: NodeRequest, model: str | None, stream: bool = True,
@@ -278,9 +283,12 @@ class Ingress:
         ticketed = repeats and model is not None and plain.node is None and plain.method == "POST" \
             and failover.takes_slot(plain.path)
         while True:
-            ticket = next(self._tickets) if ticketed else None  # each attempt its own
+            ticket = None
+            if ticketed:
+                self._issued = ticket = self._issued + 1
+                self._in_flight[ticket] = None
             plain = replace(plain, exclude=plain.exclude | self._lost.now(), whole=not stream, ticket=ticket,
-                            ledger=self._ledger if ticketed else None)
+                            ledger=self._ledger if ticketed else None)  # its ledger for good
             replies = self.nodes.options(stream=True).handle.remote(plain)
             began, at = False, None  # Started seen (or the ledger says claimed); the node that took it
             headed = False
@@ -299,7 +307,7 @@ class Ingress:
                 raise
             except Silent:  # no replica took it in time, or the one that did stopped answering
                 replies.cancel()
-                began = began or await self._given_up(ticket)
+                began = began or await self._given_up(plain)
                 retried = self._after_silence(plain, model, began, retried, repeats, at)
                 plain = replace(plain, waited=time.monotonic() - arrived)
                 continue
@@ -308,7 +316,7 @@ class Ingress:
                                "server_error", "node_died") from None
             except (RayError, RayServeException) as e:
                 replies.cancel()  # a node only unreachable for a while stops it too
-                began = began or await self._given_up(ticket)
+                began = began or await self._given_up(plain)
                 kind = failover.kind_of(e)
                 if kind == failover.UNSURE:  # unreachable: lost if its node does not answer a ping
                     kind = await self._confirmed(e, at)
@@ -325,9 +333,10 @@ class Ingress:
                 continue
             finally:
                 if ticket is not None:  # nothing asks about its claim any more; one never made is refused
+                    self._in_flight.pop(ticket, None)
                     if not headed:
-                        self._ledger.abandon.remote(ticket)
-                    self._ledger.settle.remote(ticket)
+                        plain.ledger.abandon.remote(ticket, self._low())
+                    plain.ledger.settle.remote(ticket, self._low())
             head, rest = first if isinstance(first, tuple) else (first, replies)
             self._actors[head.actor] = head.node
             if head.status == 421 and plain.node is not None:
@@ -374,14 +383,18 @@ class Ingress:
             return failover.LOST
         return failover.TRANSIENT
 
-    async def _given_up(self, ticket: int | None) -> bool:
-        """The attempt ``ticket`` given up in the ledger: True where its node had claimed it
-        (it may have run there), or the ledger does not say; False where no node had (none
-        will now).  No ticket: False (a request that is not sent on, or a read)."""
-        if ticket is None:
+    def _low(self) -> int:
+        """The lowest ticket still in flight (tickets are issued in order), else the next."""
+        return next(iter(self._in_flight), self._issued + 1)
+
+    async def _given_up(self, plain: NodeRequest) -> bool:
+        """The attempt ``plain`` given up in its own ledger: True where its node had claimed
+        it (it may have run there), or the ledger does not say; False where no node had
+        (none will now).  No ticket: False (a request that is not sent on, or a read)."""
+        if plain.ticket is None:
             return False
         try:
-            return bool(await asyncio.wait_for(self._ledger.abandon.remote(ticket), ASK_TIMEOUT))
+            return bool(await asyncio.wait_for(plain.ledger.abandon.remote(plain.ticket, self._low()), ASK_TIMEOUT))
         except (asyncio.TimeoutError, RayError):
             return True
 
