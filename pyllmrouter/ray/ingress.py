@@ -522,6 +522,8 @@ class Ingress:
                 answers[node] = await asyncio.wait_for(one(node), PING_TIMEOUT if node in lost else ASK_TIMEOUT)
             except (asyncio.TimeoutError, RayError, RayServeException) as e:
                 answers[node] = {"error": f"node did not answer: {type(e).__name__}"}
+                if isinstance(e, asyncio.TimeoutError) and node not in lost:
+                    self._lost.add({node})  # silent (a hold over, not back): held again, asked briefly
             if node in lost:
                 answers[node] = {**answers[node], "held": True}
         return answers
