@@ -358,10 +358,11 @@ def test_a_silent_node_runs_nothing_it_had_not_claimed(cluster, ray_dir):
     running there, the waiting one is answered by another node.  When the node resumes,
     its claim of the waiting one is refused by the ledger: each ran on one node."""
     _, client, _, _ = cluster
-    assert client.post("/models/unload", json={"model": "a"}).status_code == 200  # loaded on one node only:
-    r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2})
+    # big: a context long enough for a generation that outlasts the setup (a's ends in 0.4 s)
+    assert client.post("/models/unload", json={"model": "big"}).status_code == 200  # loaded on one node only:
+    r = client.post("/v1/completions", json={"model": "big", "prompt": "hi", "max_tokens": 2})
     x = r.headers["x-pyllmrouter-node"]  # where both requests go
-    assert _where(client)["a"] == [x]
+    assert _where(client)["big"] == [x]
     results: dict = {}
 
     def send(rid: str, body: dict) -> None:
@@ -369,21 +370,21 @@ def test_a_silent_node_runs_nothing_it_had_not_claimed(cluster, ray_dir):
         results[rid] = (r.status_code, dict(r.headers), r.text, time.monotonic())
 
     worker = next(w["pid"] for w in client.get("/devices", params={"node": x}).json()["workers"]
-                  if w["devices"] == ["GPU0"] and w["alive"] and not w["stopping"])  # a's
+                  if w["devices"] == ["GPU0"] and w["alive"] and not w["stopping"])
     with open(f"/proc/{worker}/stat") as f:
         replica = int(f.read().rsplit(")", 1)[1].split()[1])  # the worker's parent: the node's replica
-    os.kill(worker, signal.SIGSTOP)  # the running request stays under way (its worker's heartbeat: 5 s)
-    running = threading.Thread(target=send, args=("silent-running", {"model": "a", "prompt": "hi",
-                                                                      "max_tokens": 6000, "ignore_eos": True}))
+    running = threading.Thread(target=send, args=("silent-running", {"model": "big", "prompt": "hi",
+                                                                      "max_tokens": 30000, "ignore_eos": True}))
     running.start()
-    deadline = time.monotonic() + 4
-    while _in_flight(client, x, "a") < 1 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while _in_flight(client, x, "big") < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    waiting = threading.Thread(target=send, args=("silent-waiting", {"model": "a", "prompt": "hi", "max_tokens": 2}))
+    waiting = threading.Thread(target=send, args=("silent-waiting", {"model": "big", "prompt": "hi",
+                                                                      "max_tokens": 2}))
     waiting.start()
-    while _waiting(client, x, "a") < 1 and time.monotonic() < deadline:
+    while _waiting(client, x, "big") < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _in_flight(client, x, "a") == 1 and _waiting(client, x, "a") == 1
+    assert _in_flight(client, x, "big") == 1 and _waiting(client, x, "big") == 1
     tree = process_tree(replica)
     stopped_at = time.monotonic()
     for pid in tree:
@@ -404,4 +405,4 @@ def test_a_silent_node_runs_nothing_it_had_not_claimed(cluster, ray_dir):
     assert _ran(ray_dir, "silent-running")["started"] == {x}
     waited = _ran(ray_dir, "silent-waiting")
     assert waited["started"] == {headers["x-pyllmrouter-node"]} and waited["answered"] <= waited["started"], waited
-    assert _in_flight(client, x, "a") == 0 and _waiting(client, x, "a") == 0
+    assert _in_flight(client, x, "big") == 0 and _waiting(client, x, "big") == 0
