@@ -124,7 +124,7 @@ class NodeRouter:
             try:
                 claimed = await asyncio.wait_for(request.ledger.claim.remote(request.ticket), CLAIM_TIMEOUT)
             except (asyncio.TimeoutError, ray.exceptions.RayError):
-                return False  # unknown: it does not run (the ingress takes it for run: it is not sent on)
+                return False  # unknown: it does not run here (Unclaimed, 503: the ingress may send it on)
             if claimed:
                 ran("started")
                 messages.put_nowait(Started(self.node))
