@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import textwrap
 import pytest
 from hypothesis import settings
 
+from pyllmrouter.router.services import events
 from pyllmrouter.tools import scripted, tinymodels
 from pyllmrouter.tools.loopback import RpcServers, rpc_server_binary
 
@@ -64,6 +66,31 @@ def _empty_llama_cache(_session_llama_cache, tmp_path_factory, monkeypatch):
     yield
     left = sorted(p.name for p in _session_llama_cache.iterdir())
     assert not left, f"this test left {left} in the llama.cpp cache other tests list"
+
+
+class _Kept(logging.Handler):
+    """Keeps the records of one logger (an event listener's error, say)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(autouse=True)
+def _no_listener_fails():
+    """An event listener that raises is dropped by the bus with its traceback logged: under
+    the tests that fails the test (a check made in a listener must never stop unseen)."""
+    kept = _Kept()
+    events.LOG.addHandler(kept)
+    try:
+        yield kept
+    finally:
+        events.LOG.removeHandler(kept)
+    if kept.records:
+        pytest.fail("an event listener raised:\n" + "\n".join(logging.Formatter().format(r) for r in kept.records))
 
 
 @pytest.fixture(scope="session")

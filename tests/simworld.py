@@ -7,8 +7,13 @@ registry and kept-state store are the real ones; only what this machine lacks is
                        each thread's last reading is remembered (what a decision saw); what a
                        process holds on each GPU, as NVML tells it
     SimWorld.launch    the Scheduler's ``launch``: SimWorker handles
-    SimWorker          a worker process: its overhead allocated when it starts (a GPU context);
-                       Ping and Probe answered at once; LoadModel and UnloadModel wait for the
+    SimWorker          a worker process: its overhead allocated when it starts (a GPU context,
+                       its process on the host), short of room its start fails; the router
+                       learns it only from the worker (its Ready, and what the device says
+                       the process holds), as from a real one; a probe's short-lived worker
+                       allocates the same.  Ping, Probe and Fit answered at once (a model
+                       marked ``fits`` is fitted by keeping a part of its GPU bytes: the
+                       largest that fits the grant); LoadModel and UnloadModel wait for the
                        test, which moves them on:
                          step_load    the load allocates part of what is left (a real load
                                       allocates as it goes); short of room it fails as
@@ -17,7 +22,9 @@ registry and kept-state store are the real ones; only what this machine lacks is
                                       its worker instead)
                          fail_load    the load fails (a bad tensor)
                          finish_unload the model's bytes freed, a slot state saved where the
-                                      router asked and its budget allows, Unloaded
+                                      router asked and its budget allows, Unloaded (``lag``:
+                                      its bytes freed only later, ``frees_land``, as a
+                                      device's reading can lag an unload's reply)
                          crash        the process dies: everything it held freed at once, the
                                       router told, its calls failed (mid-save: a part of a file
                                       left in the kept-state directory, as a real death leaves)
@@ -31,6 +38,7 @@ router admitted what the device could not hold) and recorded.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -60,6 +68,10 @@ class SimModel:
     host: int = 8
     bad: bool = False  # its probe fails (a corrupt file)
     crashy: bool = False  # its load kills its worker
+    fits: bool = False  # llama-server's fit is on for it: a part of its GPU bytes can go (SHARE)
+
+
+SHARE = "--sim-share"  # a fitted spec's argument: the percent of its GPU bytes kept
 
 
 @dataclass
@@ -98,6 +110,8 @@ class SimWorld:
         self.activity = 0  # bumped by every call, reply and change (the test waits for it to settle)
         self.unexplained: list[str] = []  # allocations that failed where the books said there was room
         self.book_view: Callable[[], tuple[dict[str, int], int]] | None = None  # () -> (held, margin)
+        self.book_lock: Callable[[], Any] | None = None  # the Book's lock (a worker's start is checked under it)
+        self.lagging: dict[int, dict[str, int]] = {}  # pid -> bytes an unload said it freed, not freed yet
         self._pids = itertools.count(1000)
         self._ids = itertools.count(1)
         self._gate: threading.Event | None = None  # armed: the next reading is held back
@@ -152,10 +166,26 @@ class SimWorld:
         if self.book_view is None:
             return
         held, margin = self.book_view()
+        lag = self._lag()
         for d in short:
-            if self.other[d] + held.get(d, 0) + margin <= self.total[d]:
+            if self.other[d] + lag.get(d, 0) + held.get(d, 0) + margin <= self.total[d]:
                 self.unexplained.append(f"{what} on {d}: other {self.other[d]}, held {held.get(d, 0)}, margin "
                                         f"{margin}, total {self.total[d]}, in use {self.used()[d]}")
+
+    def _lag(self) -> dict[str, int]:
+        """Bytes unloads said they freed that the devices still hold (no longer the router's)."""
+        out: dict[str, int] = {}
+        for held in self.lagging.values():
+            for d, n in held.items():
+                out[d] = out.get(d, 0) + n
+        return out
+
+    def frees_land(self) -> None:
+        """What unloads freed late is freed now."""
+        with self.lock:
+            for pid, held in self.lagging.items():
+                self.release(pid, held)
+            self.lagging = {}
 
     def release(self, pid: int, bytes_: dict[str, int]) -> None:
         with self.lock:
@@ -174,7 +204,8 @@ class SimWorld:
     def reading(self) -> dict[str, int]:
         with self.lock:
             free = {d: self.total[d] - n for d, n in self.used().items()}
-            self.readings[threading.get_ident()] = dict(self.other)
+            lag = self._lag()  # not the router's any more: as another program's, to the reading
+            self.readings[threading.get_ident()] = {d: n + lag.get(d, 0) for d, n in self.other.items()}
             gate, self._gate = self._gate, None
         if gate is not None:  # this reading is held back while the world moves on
             me = threading.get_ident()
@@ -210,9 +241,13 @@ class SimWorld:
             gate.set()
 
     def seen_by(self, thread: int) -> dict[str, int]:
-        """The other programs' bytes at ``thread``'s last reading."""
+        """The other programs' bytes (and frees not landed yet) at ``thread``'s last reading."""
         with self.lock:
             return dict(self.readings.get(thread, self.other))
+
+    def worker_cost(self, devices: frozenset[str]) -> dict[str, int]:
+        """What a worker of ``devices`` truly holds before any model."""
+        return {HOST: self.host_overhead, **{d: self.overhead for d in devices if d != HOST}}
 
     # -- processes ------------------------------------------------------------------------
 
@@ -224,13 +259,30 @@ class SimWorld:
 
     def estimate(self, spec: ModelSpec, device_set: frozenset[str]) -> MemoryEstimate:
         model = self.models[spec.path]
+        args = list(spec.args)
+        kept = int(args.pop(args.index(SHARE) + 1)) if SHARE in args else 100  # a fit's share of its GPU bytes
+        args = [a for a in args if a != SHARE]
+        gpu = model.gpu * kept // 100
         gpus = sorted(d for d in device_set if d != HOST) or [HOST]
-        share, rest = divmod(model.gpu + 16 * len(spec.args), len(gpus))
+        share, rest = divmod(gpu + 16 * len(args), len(gpus))
         buffers = [BufferUse(f"SIM_{d}", d, d == HOST, model=share + (rest if i == 0 else 0))
                    for i, d in enumerate(gpus)]
-        buffers.append(BufferUse("CPU", HOST, True, model=model.host))
+        buffers.append(BufferUse("CPU", HOST, True, model=model.host + model.gpu - gpu))
         facts = ModelFacts("llama", "sim", 2, 512, 64, 2, 0, 32, 1000, model.gpu, model.gpu)
-        return MemoryEstimate(spec, facts, tuple(buffers), 512, 1, {"n_parallel": 1, "fit": False, "n_ctx": 512})
+        params = {"n_parallel": 1, "fit": model.fits, "ctx_auto": model.fits, "n_ctx": 512}
+        return MemoryEstimate(spec, facts, tuple(buffers), 512, 1, params)
+
+    def fit(self, msg: Fit, worker: "SimWorker") -> Any:
+        """The largest share of the model's GPU bytes whose bytes fit the grant (the worker's
+        host grant is what its GPUs may take: Measurer.fit), or no fit."""
+        for kept in (75, 50, 25):
+            spec = msg.spec.replace(args=(*msg.spec.args, SHARE, str(kept)))
+            est = self.estimate(spec, worker.devices)
+            gpus = sum(n for d, n in est.per_device().items() if d != HOST)
+            if gpus <= msg.grants.get(HOST, 0):
+                return Result(msg.req_id, {"spec": spec.to_dict(), "per_device": est.per_device(), "layers": {},
+                                           "experts_on_host": 0, "to_host": [], "n_ctx": 512})
+        return Failed(msg.req_id, ErrorKind.NO_FIT, f"no fit into {msg.grants} (simulated)")
 
     def receive(self, worker: "SimWorker", msg: Any, pending: Pending) -> None:
         with self.lock:
@@ -253,7 +305,10 @@ class SimWorld:
                 else:
                     self.unloads.append(SimUnload(worker, msg, pending))
             elif isinstance(msg, Fit):
-                self.reply(worker, pending, Failed(msg.req_id, ErrorKind.NO_FIT, "no fit (simulated)"))
+                if self.models[msg.spec.path].fits:
+                    self.reply(worker, pending, self.fit(msg, worker))
+                else:
+                    self.reply(worker, pending, Failed(msg.req_id, ErrorKind.NO_FIT, "no fit (simulated)"))
             elif isinstance(msg, Call):
                 self.reply(worker, pending, Result(msg.req_id, HttpReply(200, "application/json", {}, b"{}")))
 
@@ -298,11 +353,17 @@ class SimWorld:
         with self.lock:
             self._end_load(load, Failed(load.msg.req_id, ErrorKind.LOAD_FAILED, "bad tensor data (simulated)"))
 
-    def finish_unload(self, unload: SimUnload, save: bool) -> None:
+    def finish_unload(self, unload: SimUnload, save: bool, lag: bool = False) -> None:
         with self.lock:
             self.unloads.remove(unload)
             msg, worker = unload.msg, unload.worker
-            self.release(worker.pid, worker.models.pop(msg.name, {}))
+            freed = worker.models.pop(msg.name, {})
+            if lag:  # freed after the reply: the device shows them a while longer
+                late = self.lagging.setdefault(worker.pid, {})
+                for d, n in freed.items():
+                    late[d] = late.get(d, 0) + n
+            else:
+                self.release(worker.pid, freed)
             kept = ()
             if save and msg.keep and (msg.budget or 0) >= STATE_BYTES:
                 keep_dir = Path(msg.directory) if msg.directory else self._keep_dir(worker, msg.name)
@@ -332,6 +393,7 @@ class SimWorld:
             self.loads = [x for x in self.loads if x.worker is not worker]
             self.unloads = [x for x in self.unloads if x.worker is not worker]
             self.ours.pop(worker.pid, None)
+            self.lagging.pop(worker.pid, None)
             self.activity += 1
 
 
@@ -346,6 +408,7 @@ class SimWorker:
         self.pid: int | None = None
         self.overhead: dict[str, int] = {}
         self.alive = False
+        self.gone = False  # ended, the router not told yet (vanish)
         self.death = ""
         self.conduit = None
         self.pending: dict[int, Pending] = {}
@@ -356,13 +419,11 @@ class SimWorker:
     def start(self, timeout: float = 120.0) -> None:
         world = self.world
         self.pid = world.new_pid()
-        # a probe worker (short-lived) is counted nowhere by the router: it allocates nothing here
-        probe = self.name.startswith("probe-")
-        cost = {} if probe else {HOST: world.host_overhead,
-                                 **{d: world.overhead for d in self.devices if d != HOST}}
-        if not world.alloc(self.pid, cost, f"worker {self.name} start"):
-            raise WorkerDied(f"worker {self.name} could not start: out of memory")
-        self.overhead = {HOST: world.host_overhead} if not probe else {}
+        cost = world.worker_cost(self.devices)  # a probe's short-lived worker's too
+        with world.book_lock() if world.book_lock is not None else contextlib.nullcontext():
+            if not world.alloc(self.pid, cost, f"worker {self.name} start", explain=world.book_lock is not None):
+                raise WorkerDied(f"worker {self.name} could not start: out of memory")
+        self.overhead = {HOST: world.host_overhead}  # what its Ready says: its process
         self.alive = True
         with world.lock:
             world.workers.append(self)
@@ -413,6 +474,13 @@ class SimWorker:
     def kill(self) -> None:
         self.die()
 
+    def vanish(self) -> None:
+        """The process ends, the router not told yet (``die`` tells it, as a reader's EOF)."""
+        self.gone = True
+
+    def exited(self) -> bool:
+        return self.gone or not self.alive
+
     def wait_dead(self, timeout: float) -> bool:
         return not self.alive
 
@@ -453,7 +521,7 @@ class _Inventory:
             return {d: n for d, n in w.ours.get(pid, {}).items() if d != HOST and n}
 
     def worker_overhead(self, device_set: frozenset[str]) -> dict[str, int]:
-        return {d: self._world.overhead for d in device_set if d != HOST}
+        return {}  # not known before a worker runs: measured (process_usage), as a real GPU's
 
     def to_local(self, device_set: frozenset[str]) -> dict[str, str]:
         return {}

@@ -27,6 +27,7 @@ from pyllmrouter.errors import LoadFailed, NeverFits, NotLoaded, QueueTimeout
 from pyllmrouter.router.policy.state import State
 from pyllmrouter.router.policy.admission import SETTLING
 from pyllmrouter.router.scheduler import Scheduler
+from pyllmrouter.router.workers.costs import WorkerCosts
 from pyllmrouter.router.workers.keep import identity
 from simworld import SimModel, SimWorld
 from test_edges import Stream, chat, state
@@ -106,11 +107,15 @@ def sim(tmp: Path, models: dict[str, tuple[SimModel, tuple[str, ...] | None, int
     opts = RouterOptions(**{"margin": 20, "queue_timeout": 5, "turn": 0.4, "worker_idle_timeout": -1,
                             "heartbeat": 0, "kv_keep_ram": 60, **options})
     configs = [ModelConfig(n, ModelSpec(paths[n]), devices=devs, replicas=k) for n, (_, devs, k) in models.items()]
-    sched = Scheduler(configs, world.devices, opts, launch=world.launch)
+    sched = Scheduler(configs, world.devices, opts, launch=world.launch, costs=WorkerCosts(world.devices, None, COSTS))
     if sched.keep is not None:
         world.ram_dir = sched.keep.ram_dir
     world.book_view = lambda: (sched.book.held(), 20)
+    world.book_lock = sched.book.locked
     return sched, world
+
+
+COSTS = {"sim": 80, "host/sim": 50, "host/cpu": 50}  # a worker's estimate before one ran (truth: 60 and 40)
 
 
 def until(predicate, what: str, timeout: float = 10.0):
@@ -145,6 +150,24 @@ def load_now(sched: Scheduler, world: SimWorld, name: str):
         with sched.book.locked():
             world.finish_load(load)
     return asking.done().lease
+
+
+def served(sched: Scheduler, world: SimWorld, name: str, timeout: float = 10.0):
+    """``name`` leased, every unload and load in the world carried out meanwhile (evictions
+    for it included); its lease, or the error it met raised."""
+    asking = Asking(sched, name, timeout)
+    deadline = time.monotonic() + timeout
+    while asking.thread.is_alive() and time.monotonic() < deadline:
+        for u in list(world.unloads):
+            world.finish_unload(u, False)
+        for load in list(world.loads):
+            with sched.book.locked():
+                world.finish_load(load)
+        time.sleep(0.01)
+    asking.done()
+    if asking.error is not None:
+        raise asking.error
+    return asking.lease
 
 
 def test_a_reading_of_free_memory_taken_before_a_load_settled_is_taken_again(tmp_path):
@@ -333,17 +356,22 @@ def test_a_probe_starts_its_worker_only_where_the_worker_fits(tmp_path):
 
 
 def test_measuring_ahead_starts_a_worker_only_where_it_fits(tmp_path):
-    """``measure`` (a replica measures every model as it starts) probes a model of one device
-    set in that set's worker only where the worker fits now, else in a short-lived one
-    (before: the worker started whatever the room, G0 held 1000 of 980)."""
+    """``measure`` (a replica measures every model as it starts) probes a model only where the
+    workers the probe starts fit now: beside the busy x, G0 has room for neither b's set's
+    worker nor a short-lived one, so nothing starts (before: the set's worker started
+    whatever the room, G0 held 1000 of 980; then a short-lived one, counted nowhere); a
+    request for b, once x is idle, evicts x for them."""
     sched, world = sim(tmp_path, {"x": (SimModel(880), ("G0",), 1), "b": (SimModel(100), ("G0", "G1"), 1)})
     try:
         busy = load_now(sched, world, "x")
+        started = len(world.workers)
         sched.measure("b")
-        assert sched.book.named("b").requirements is not None
-        assert sched.book.workers.get(frozenset({"G0", "G1"})) is None
+        time.sleep(0.2)
+        assert sched.book.named("b").requirements is None and len(world.workers) == started
         sched.check_invariant()
         sched.release(busy)
+        sched.release(served(sched, world, "b"))
+        assert sched.book.named("b").requirements is not None and not world.unexplained
     finally:
         sched.close()
 
@@ -358,7 +386,7 @@ def test_a_workers_reservation_is_each_jobs_own(tmp_path):
         with sched.book.locked():
             first, second = workers.reserve(ds, {"G0": 60}), workers.reserve(ds, {"G0": 60})
         assert workers.starting() == [{"G0": 60}]
-        workers.unreserve(ds, first)
+        workers.unreserve(first)
         assert workers.starting() == [{"G0": 60}]  # the second still counts on it
         workers.ensure(ds)  # the worker runs: its own bytes in the reservation's place
         assert workers.starting() == []
@@ -366,9 +394,9 @@ def test_a_workers_reservation_is_each_jobs_own(tmp_path):
         world.crash(worker, mid_save=False)
         with sched.book.locked():
             later = workers.reserve(ds, {"G0": 60})
-        workers.unreserve(ds, second)  # late, from before the worker ran: no effect
+        workers.unreserve(second)  # late, from before the worker ran: no effect
         assert workers.starting() == [{"G0": 60}]
-        workers.unreserve(ds, later)
+        workers.unreserve(later)
         assert workers.starting() == []
     finally:
         sched.close()
@@ -777,3 +805,72 @@ def test_with_autoload_off_a_request_that_waited_through_an_unload_does_not_load
         assert result == {"outcome": "NotLoaded"}
         assert state(r, "a") == "unloaded"
         assert [w for _, w, n, _ in r.scheduler.events if n == "a"].count("load") == 1
+
+
+# -- a worker's own bytes: counted before it starts, freed with its last model ----------------
+
+
+def test_a_new_device_sets_first_worker_is_admitted_with_its_own_bytes(tmp_path):
+    """GPU0 holds an idle model and little else; a model of a new device set (GPU0 and GPU1)
+    comes, whose worker opens a context on both: its worker is admitted on its estimate,
+    evicting the idle model for it, never started where the device has no room for it
+    (before: its probe started the worker whatever room GPU0 had, and the start failed, or
+    GPU0 went past what the router counted)."""
+    sched, world = sim(tmp_path, {"a": (SimModel(500), ("G0",), 1), "b": (SimModel(200), ("G0", "G1"), 1)},
+                       {"G0": 400})
+    try:
+        sched.release(load_now(sched, world, "a"))  # G0: 400 other + 60 a's worker + 500 a = 960 of 1000
+        b = served(sched, world, "b")
+        assert b is not None, "b was not served"
+        events = [(ev.event, ev.model) for ev in sched.bus.recent()]
+        assert ("evicted", "a") in events, events
+        assert not world.unexplained, world.unexplained
+        assert not any("could not start" in str(ev.data) for ev in sched.bus.recent())
+        sched.check_invariant()
+        sched.release(b)
+    finally:
+        sched.close()
+
+
+def test_an_idle_models_worker_is_freed_with_it_for_a_host_model(tmp_path):
+    """P is idle on GPU0, its worker holding host memory; D, pinned to the host, fits once P
+    and its worker are gone: P is evicted and its worker stopped, and D is served (before:
+    eviction saw only P's own host bytes, and D waited for busy models nobody had)."""
+    sched, world = sim(tmp_path, {"p": (SimModel(300), ("G0",), 1), "d": (SimModel(100), ("CPU",), 1)},
+                       {HOST: 100}, host=308)
+    try:
+        sched.release(load_now(sched, world, "p"))  # host: 100 other + 40 p's worker + 8 p
+        d = served(sched, world, "d")  # 108 + its worker's 50 (estimated) do not fit beside p's worker
+        assert d is not None, "d was not served"
+        events = [(ev.event, ev.model) for ev in sched.bus.recent()]
+        assert ("evicted", "p") in events and any(e == "worker-stopping" for e, _ in events), events
+        assert not world.unexplained, world.unexplained
+        sched.check_invariant()
+        sched.release(d)
+    finally:
+        sched.close()
+
+
+
+def test_a_request_that_meets_a_dead_worker_waits_for_the_reload(tmp_path):
+    """The worker's process has ended and a request comes before the router has seen it (its
+    reader reads the EOF a few ms later): the request waits and is served by the model
+    loaded again, as one that came 10 ms later is (before: handed the dead worker, it
+    failed with WorkerDied)."""
+    sched, world = sim(tmp_path, {"a": (SimModel(100), ("G0",), 1)})
+    try:
+        sched.release(load_now(sched, world, "a"))
+        worker = world.workers[0]
+        worker.vanish()  # ended; the router not told yet
+        asking = Asking(sched, "a")
+        time.sleep(0.3)
+        assert asking.lease is None and asking.error is None, "handed a worker that had ended"
+        worker.die()  # the router told
+        until(lambda: world.loads, "a's load again")
+        with sched.book.locked():
+            world.finish_load(world.loads[0])
+        lease = asking.done().lease
+        assert lease is not None and lease.worker is not worker, asking.error
+        sched.release(lease)
+    finally:
+        sched.close()

@@ -4,14 +4,19 @@ GPUs and a host whose free memory moves as real devices' does: loads that alloca
 go, other programs that come and go, workers that die during a load, an unload or a save,
 readings of free memory that come late, clients that ask, hold, leave and give up, reloads
 that add, remove, change, rename and alias models, kept states, a model with replicas, a
-corrupt file and a file whose load kills its worker.
+model that loads fitted, a corrupt file and a file whose load kills its worker; workers whose
+cost the router learns only by starting one (its estimate before: a safe default), whose
+start fails short of room, probes' short-lived workers that allocate, and unloads whose
+bytes are freed after their reply.
 
 After every step, once the world is still:
   - the admission invariant held at every admission of the step (checked as it happened,
-    under the Book's lock): on every device, the other programs' bytes of the reading the
-    decision used + every byte the router holds (whole reservations of loads under way,
-    unloading models, workers, kept states) + a worker the load will start + the margin
-    <= total; and held <= capacity;
+    under the Book's lock, by a listener whose own error is a finding): on every device,
+    the other programs' bytes of the reading the decision used + every byte the router
+    holds (whole reservations of loads under way, unloading models, workers, kept states)
+    + what the worker the load starts truly costs beyond what is held for it + the margin
+    <= total; and held <= capacity (tests/test_scheduler_check.py breaks the rule on
+    purpose and sees this check fail);
   - no allocation failed where the router's books said there was room;
   - no lease leaked (the records' leases are the clients'), no record leaked (an extra
     instance nobody loads, a retiring model that has unloaded);
@@ -30,6 +35,7 @@ import os
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,23 +50,28 @@ from pyllmrouter.errors import RouterError
 from pyllmrouter.router.policy.placement import COUNT
 from pyllmrouter.router.policy.state import State
 from pyllmrouter.router.scheduler import Scheduler
+from pyllmrouter.router.workers.costs import WorkerCosts
 from simworld import SimModel, SimWorld
 
 GPUS = {"G0": 1000, "G1": 1000}
 HOST_BYTES = 1200
 MARGIN = 20
 OVERHEAD, HOST_OVERHEAD = 60, 40
+# what the router takes a worker to cost until it has started one (above the truth, as a safe
+# default is): per GPU, and on the host for a worker of GPUs or of the host alone
+DEFAULTS = {"sim": 80, "host/sim": 50, "host/cpu": 50}
 # the models' files: bytes on their GPUs (split evenly over a set of two) and 8 on the host
 FILES = {"p0": SimModel(300), "p1": SimModel(420), "p2": SimModel(550), "p3": SimModel(250),
-         "p4": SimModel(700), "bad": SimModel(100, bad=True), "crashy": SimModel(200, crashy=True)}
+         "p4": SimModel(700), "p5": SimModel(900, fits=True), "bad": SimModel(100, bad=True),
+         "crashy": SimModel(200, crashy=True)}
 # name -> (file, pinned devices, replicas)
 MODELS = {"m0": ("p0", None, 1), "m1": ("p1", None, 2), "m2": ("p2", None, 1), "m3": ("p3", ("G0",), 1),
-          "m4": ("p4", ("G0", "G1"), 1), "bad": ("bad", None, 1), "crashy": ("crashy", None, 1),
+          "m4": ("p4", ("G0", "G1"), 1), "m5": ("p5", None, 1), "bad": ("bad", None, 1), "crashy": ("crashy", None, 1),
           "old": ("p0", None, 1)}
 ALIASES = ("x", "y", "old")
 # what clients ask for: the models most often, and aliases, a corrupt file, a crashing load,
 # an extra instance's name and a name nobody has
-ASKED = ("m0", "m1", "m2", "m3", "m4") * 3 + ("bad", "crashy", "old", "x", "y", "m1#2", "nope")
+ASKED = ("m0", "m1", "m2", "m3", "m4") * 3 + ("m5", "bad", "crashy", "old", "x", "y", "m1#2", "nope")
 OTHERS = {HOST: 100, "G0": 200, "G1": 100}  # other programs at the start (a desktop, a browser)
 SLACK = 1.5  # seconds past its timeout a waiter may take to end (its 0.25 s wake-ups, two slow cores)
 STATS = os.environ.get("SCHEDULER_STATS")  # a file to append each sequence's counts to
@@ -106,16 +117,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.world = SimWorld(GPUS, HOST_BYTES, OVERHEAD, HOST_OVERHEAD, files, MARGIN)
         for device, n in OTHERS.items():
             self.world.other_program(device, n)
-        options = RouterOptions(margin=MARGIN, queue_timeout=5, turn=0.4, load_timeout=600, worker_idle_timeout=-1,
+        options = RouterOptions(margin=MARGIN, queue_timeout=5, turn=0.4, load_timeout=600, worker_idle_timeout=0.2,
                                 heartbeat=0, kv_keep_ram=60)
-        names = ("m0", "m1", "m2", "m3", "m4", "bad", "crashy")
+        names = ("m0", "m1", "m2", "m3", "m4", "m5", "bad", "crashy")
         self.expected = {n: self.pool.config(n, 0, ()) for n in names}
-        self.sched = Scheduler(list(self.expected.values()), self.world.devices, options, launch=self.world.launch)
+        costs = WorkerCosts(self.world.devices, None, DEFAULTS)  # learned here only by starting workers
+        self.sched = Scheduler(list(self.expected.values()), self.world.devices, options, launch=self.world.launch,
+                               costs=costs)
         self.book = self.sched.book
         self.world.ram_dir = self.sched.keep.ram_dir
         self.world.book_view = lambda: (self.book.held(), MARGIN)
+        self.world.book_lock = self.book.locked
         self.clients: list[Client] = []
         self.broken: list[str] = []  # what the checks made under the Book's lock found
+        self.checked = 0  # admissions checked
         self.book.bus.listen(self._on_event)
         self.unloading: list[threading.Thread] = []
         self.steps, self.reloaded = 0, 0  # steps so far, and at the last reload (reloads come now and then)
@@ -123,20 +138,39 @@ class SchedulerMachine(RuleBasedStateMachine):
     # -- the checks made as things happen ---------------------------------------------------
 
     def _on_event(self, ev) -> bool:
-        """At each admission (its Book's lock held, in the deciding thread): the invariant."""
+        """At each admission (its Book's lock held, in the deciding thread): the invariant.
+        Its own failure is a finding too (the bus would drop it and log it)."""
         if ev is None or ev.event != "load-start":
             return True
-        rec = self.book.named(ev.model)
+        try:
+            self._check_admission(ev.model)
+        except Exception:  # noqa: BLE001 - a check that cannot run is a finding, never silence
+            self.broken.append(f"the admission check of {ev.model} failed: {traceback.format_exc()}")
+        return True
+
+    def _coming(self, device_set: frozenset[str]) -> dict[str, int]:
+        """What the worker a load on ``device_set`` starts truly costs beyond what the router
+        holds for it now (nothing where it runs: its bytes are measured or estimated high)."""
+        workers = self.book.workers
+        if workers.get(device_set) is not None:
+            return {}
+        truth = self.world.worker_cost(device_set)
+        reserved, starts = workers.overhead_of(device_set)
+        held = {} if starts else reserved  # reserved already (a probe's, a fit's): held
+        return {d: max(0, n - held.get(d, 0)) for d, n in truth.items()}
+
+    def _check_admission(self, model: str) -> None:
+        rec = self.book.named(model)
         others = self.world.seen_by(threading.get_ident())
         held = self.book.held()
-        coming = self.book.workers.expected_overhead(rec.device_set)
-        for d in set(rec.need) - {COUNT}:  # the devices the admission gives bytes of
+        coming = self._coming(rec.device_set)
+        self.checked += 1
+        for d in (set(rec.need) | set(coming)) - {COUNT}:  # the devices the admission gives bytes of
             total = self.world.total[d]
             used = others[d] + held.get(d, 0) + coming.get(d, 0) + MARGIN
             if used > total:
-                self.broken.append(f"{ev.model} admitted on {rec.device_set}: {d} other {others[d]} + held "
+                self.broken.append(f"{model} admitted on {rec.device_set}: {d} other {others[d]} + held "
                                    f"{held.get(d, 0)} + coming worker {coming.get(d, 0)} + margin = {used} > {total}")
-        return True
 
     # -- settling ---------------------------------------------------------------------------
 
@@ -245,10 +279,15 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.world.fail_load(self.world.loads[i % len(self.world.loads)])
         self.settle()
 
-    @rule(i=st.integers(0, 50), save=st.booleans())
-    def unload_ends(self, i, save):
+    @rule(i=st.integers(0, 50), save=st.booleans(), lag=st.booleans())
+    def unload_ends(self, i, save, lag):
         if self.world.unloads:
-            self.world.finish_unload(self.world.unloads[i % len(self.world.unloads)], save)
+            self.world.finish_unload(self.world.unloads[i % len(self.world.unloads)], save, lag)
+        self.settle()
+
+    @rule()
+    def late_frees_land(self):
+        self.world.frees_land()
         self.settle()
 
     @rule(i=st.integers(0, 50), mid_save=st.booleans())
@@ -256,6 +295,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         alive = [w for w in self.world.workers if w.alive]
         if alive:
             self.world.crash(alive[i % len(alive)], mid_save)
+        self.settle()
+
+    @rule()
+    def idle_workers_stop(self):
+        """Workers empty for 0.2 s stop (the router's reaper): a set's next worker starts anew."""
+        self.sched.reap_workers()
         self.settle()
 
     @rule(device=st.sampled_from([HOST, *GPUS]), delta=st.sampled_from([-400, -150, 150, 400]))
@@ -401,9 +446,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         if STATS:  # what this sequence exercised, one JSON line (the README's wide run reports it)
             seen = collections.Counter(ev.event for ev in self.book.bus.recent())
             with open(STATS, "a") as f:
-                f.write(json.dumps({"steps": self.steps, "clients": len(self.clients),
+                f.write(json.dumps({"steps": self.steps, "clients": len(self.clients), "admissions": self.checked,
                                     "outcomes": collections.Counter(c.outcome for c in self.clients),
-                                    "events": seen}) + "\n")
+                                    "events": seen, "failed": collections.Counter(
+                                        str(ev.data.get("reason", ""))[:80] for ev in self.book.bus.recent()
+                                        if ev.event == "load-failed")}) + "\n")
         sched.close()
         self._tmp.cleanup()
 

@@ -504,9 +504,9 @@ class Book:
                     r.state is not State.LOADED and (r.worker is worker or r.device_set == worker.devices)
                     for r in records if holds_memory(r.state)):
                 return  # its bytes would pass for the worker's own
-            for device, used in usage.items():
-                models = sum(r.need.get(device, 0) for r in records if r.worker is worker and r.state is State.LOADED)
-                worker.overhead[device] = max(0, used - models)
+            loaded = [r for r in records if r.worker is worker and r.state is State.LOADED]
+            self.workers.learn(worker, {d: max(0, used - sum(r.need.get(d, 0) for r in loaded))
+                                        for d, used in usage.items()})
             self._settled_version += 1
 
     def stop_worker(self, worker: WorkerHandle, reason: str, **data: Any) -> None:

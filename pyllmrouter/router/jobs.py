@@ -86,10 +86,10 @@ class Jobs:
         finally:
             self._book.spill(False)
 
-    def probe(self, rec: Record, token: int | None = None, start: bool = True) -> None:
-        """``rec`` measured on each device set it may load on (``token``: its only set's worker
-        reserved for it, given back once the probe ends; ``start``: a probe on the model's only
-        set may start that set's worker, which the load will use)."""
+    def probe(self, rec: Record, token: int | None = None) -> None:
+        """``rec`` measured on each device set it may load on (``token``: the workers it starts
+        reserved for it, given back once the probe ends; a probe on the model's only set
+        starts that set's worker, which the load will use)."""
         book = self._book
         reqs: dict[frozenset[str], dict[str, int]] = {}
         parts: dict[frozenset[str], dict[str, dict]] = {}
@@ -99,15 +99,14 @@ class Jobs:
         try:
             for ds in candidates:
                 spec = worker_spec(rec.config.spec, ds, self._inventory.to_local(ds))
-                reqs[ds], parts[ds], params[ds] = self._measure.requirement(spec, ds,
-                                                                            only=start and len(candidates) == 1)
+                reqs[ds], parts[ds], params[ds] = self._measure.requirement(spec, ds, only=len(candidates) == 1)
                 if self._options.max_models:
                     reqs[ds][placement.COUNT] = 1
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
             error = e
         finally:
             if token is not None:  # the worker reserved for it (a no-op once it runs)
-                book.workers.unreserve(candidates[0], token)
+                book.workers.unreserve(token)
         with book.locked():
             if error is None:
                 book.probed(rec, reqs, parts, params)
@@ -126,7 +125,7 @@ class Jobs:
         except Exception as e:  # noqa: BLE001 - reported to every waiting request
             error = e
         finally:
-            book.workers.unreserve(ds, token)  # the worker reserved for it (a no-op once it runs)
+            book.workers.unreserve(token)  # the worker reserved for it (a no-op once it runs)
         with book.locked():
             if fitted is not None:
                 book.fitted(rec, ds, fitted)
@@ -156,7 +155,7 @@ class Jobs:
             try:
                 worker = book.workers.ensure(device_set)
             finally:
-                book.workers.unreserve(device_set, token)  # (a no-op once the worker runs)
+                book.workers.unreserve(token)  # (a no-op once the worker runs)
             if not self._still_fits(rec, attempt):
                 return
             cfg = rec.config

@@ -50,6 +50,7 @@ from pyllmrouter.router.policy.state import State, evictable, holds_memory
 from pyllmrouter.router.records import Fate, Lease, Record, Ticket
 from pyllmrouter.router.registry import tuned_only
 from pyllmrouter.router.roster import Roster
+from pyllmrouter.router.workers.costs import WorkerCosts
 from pyllmrouter.router.workers.keep import KeepStore
 from pyllmrouter.router.workers.measure import Measurer, worker_spec
 from pyllmrouter.router.workers.pool import Launch, WorkerHandle
@@ -67,9 +68,9 @@ def budget_note(budget: int | None) -> str:
 
 class Scheduler:
     def __init__(self, models: list[ModelConfig], inventory: Inventory, options: RouterOptions,
-                 launch: Launch = WorkerHandle):
+                 launch: Launch = WorkerHandle, costs: WorkerCosts | None = None):
         """``launch``: makes a worker's handle (a process of ours; the tests' simulated
-        world passes its own)."""
+        world passes its own); ``costs``: a worker's bytes before it runs (costs.py)."""
         self.options = options
         self.inventory = inventory
         devices = {d.name: d for d in inventory.devices()}
@@ -84,7 +85,7 @@ class Scheduler:
             ram = inventory.free().get(HOST, 0) // 8
         keep = KeepStore(ram, options.kv_keep_dir, options.kv_keep_disk) if ram > 0 else None
         self._book = book = Book(devices, options, lambda cond: WorkerSet(inventory, cond, self._on_worker_death,
-                                                                          self._worker_started, launch), keep)
+                                                                          self._worker_started, launch, costs), keep)
         for m in models:
             book.add(m)
         measure = Measurer(inventory, options.load_timeout, book.workers.running_for, book.workers.ensure,
@@ -134,8 +135,7 @@ class Scheduler:
 
     @property
     def events(self) -> list[tuple[float, str, str, str]]:
-        """What happened to the models lately, as (time, event, model, devices): loads,
-        evictions, unloads, failures, fits, spills, dead workers (the bus has more)."""
+        """What happened to the models lately, as (time, event, model, devices) (book.HISTORY)."""
         return [(e.t, e.event, e.model, e.devices) for e in self._book.bus.recent() if e.event in HISTORY]
 
     def resolve(self, name: str) -> Record:
@@ -297,9 +297,9 @@ class Scheduler:
         resumable stream's owner) is that instance alone."""
         book = self._book
         candidates = [rec] if rec.primary is not None or ticket.loader else book.instances(rec)
-        ready = {r.name: r for r in candidates
+        ready = {r.name: r for r in candidates  # (a worker dead but not yet seen to be: none)
                  if r.state is State.LOADED and r.fate is None and not r.gone and self._may_lease(r, ticket)
-                 and (not slot or r.leases < r.slots())}
+                 and (not slot or r.leases < r.slots()) and not r.worker.exited()}
         last = ready.get(prefer) if prefer is not None else None
         if last is not None and last.leases < last.slots():
             return last
@@ -466,6 +466,7 @@ class Scheduler:
             )
             for r in book.records() if holds_memory(r.state)
         ]
+        residents = placement.with_shares(residents, book.workers.owners(book.records(), book.candidates(ticket.rec)))
         # the states written in RAM: a reservation for an unload's states is that unload's, not
         # something a spill can free (counted there, a spill freed nothing and admission asked again)
         kept = book.keep.kept_ram() if book.keep is not None else 0
@@ -486,10 +487,10 @@ class Scheduler:
 
     def _request(self, rec: Record, ticket: Ticket) -> admission.Request:
         options, probe_worker = None, None
-        if rec.requirements is None and len(candidates := self._book.candidates(rec)) == 1:
-            worker, starts = self._book.workers.overhead_of(candidates[0])  # a probe starts its only set's worker
-            probe_worker = (candidates[0], worker) if starts and worker else None
-        if rec.requirements is not None:
+        if rec.requirements is None:
+            probe_worker = self._book.workers.probe_cost(self._book.candidates(rec), self._book.hosts_models,
+                                                         rec.name)
+        else:
             options = []
             for ds in self._book.candidates(rec):
                 local = self.inventory.to_local(ds)  # a fit can only move bytes off real devices
@@ -533,21 +534,20 @@ class Scheduler:
             book.notify()
 
     def measure(self, name: str) -> None:
-        """Probe ``name``'s bytes now (no load), unless measured or being measured.  A model of
-        one device set is probed in that set's worker (kept: the load will use it) where the
-        worker fits now, its bytes reserved until it runs; else in a short-lived one."""
+        """Probe ``name``'s bytes now (no load), unless measured, being measured, or the workers
+        it starts (reserved until they run) do not fit now: a request's admission probes then."""
         book = self._book
         free = self.read_free()
         with book.locked():
             rec = book.resolve(name)
             if rec.requirements is not None or rec.probing:
                 return
+            worker = self._request(rec, book.ticket(rec)).probe_worker
+            if worker is not None and (free[0] != book.mark() or placement.shortfall(worker[1], book.available(free[1]))):
+                return
             book.measuring(rec, probing=True)
-            request = self._request(rec, book.ticket(rec))
-            worker = request.probe_worker
-            fits = worker is None or (free[0] == book.mark() and not placement.shortfall(worker[1], book.available(free[1])))
-            token = book.workers.reserve(*worker) if worker is not None and fits else None
-        self._jobs.probe(rec, token, start=fits)
+            token = book.workers.reserve(*worker) if worker is not None else None
+        self._jobs.probe(rec, token)
 
     # -- explicit control -----------------------------------------------------------------------
 

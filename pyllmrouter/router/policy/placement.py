@@ -12,6 +12,8 @@ router asks; this module answers.
                                     (most headroom first), else the fewest evictions
     grant(devices, avail, res)      what a model may be given per device: available
                                     now plus what the evictable residents hold there
+    with_shares(res, workers)       each model's share of its worker's own bytes counted
+                                    as its own, where every model of that worker may go
 
 A limit on the number of loaded models is one more "device" whose capacity is
 that number and on which every model needs 1, so the same eviction rule serves.
@@ -22,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["Resident", "Plan", "Shortfall", "shortfall", "never_fits", "pick_victims", "choose", "grant", "COUNT"]
+__all__ = ["Resident", "Plan", "Shortfall", "shortfall", "never_fits", "pick_victims", "choose", "grant",
+           "with_shares", "COUNT"]
 
 COUNT = "#models"  # the pseudo-device of --models-max
 
@@ -69,6 +72,29 @@ def grant(devices: Iterable[str], available: Mapping[str, int], residents: Itera
             for d, n in r.need.items():
                 if d in out:
                     out[d] += n
+    return out
+
+
+def with_shares(residents: Sequence[Resident], workers: Mapping[str, tuple[str, Mapping[str, int]]]) -> list[Resident]:
+    """``residents`` with each model's share of its worker's own bytes added to its own
+    (``workers``: model name -> (its worker's name, the worker's bytes)), where every model of
+    that worker is evictable: the worker goes when its last model does, so evicting them
+    all frees its bytes too (the shares add up to them).  Elsewhere unchanged."""
+    members: dict[str, list[Resident]] = {}
+    for r in residents:
+        if r.name in workers:
+            members.setdefault(workers[r.name][0], []).append(r)
+    out = []
+    for r in residents:
+        group = members.get(workers[r.name][0]) if r.name in workers else None
+        if not group or not all(m.evictable for m in group):
+            out.append(r)
+            continue
+        need, first = dict(r.need), group[0] is r
+        for d, n in workers[r.name][1].items():
+            share, rest = divmod(n, len(group))
+            need[d] = need.get(d, 0) + share + (rest if first else 0)
+        out.append(Resident(r.name, need, r.last_used, r.evictable))
     return out
 
 

@@ -3,7 +3,8 @@
     scheduler (lock held) ──publish(event, model, devices, data)──▶ EventBus
         ├─ the ring of recent events (GET /events, status)
         └─ each listener's push(event): never blocks; a listener that cannot keep up says
-           so (push returns False) and is dropped
+           so (push returns False) and is dropped; one that raises is dropped too, its
+           error logged with its traceback (never silently: ``listener_failed``)
 
 Publishing happens under the scheduler's lock, so a listener's push must only hand
 the event over (an SSE client's is ``call_soon_threadsafe`` onto its own bounded
@@ -13,13 +14,16 @@ queue): a slow client never holds the scheduler.  Events are plain frozen data.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["Event", "EventBus"]
+__all__ = ["Event", "EventBus", "LOG"]
+
+LOG = logging.getLogger(__name__)  # a listener's error is logged here, with its traceback
 
 
 @dataclass(frozen=True)
@@ -83,8 +87,10 @@ class EventBus:
             return len(self._listeners)
 
 
-def _pushed(push: Callable[[Event], bool], ev: Event) -> bool:
+def _pushed(push: Callable[[Event], bool], ev: Event | None) -> bool:
     try:
         return push(ev) is not False
     except Exception:  # noqa: BLE001 - a listener that fails is dropped, the publisher goes on
+        LOG.exception("an event listener (%r) raised on %s: it is dropped", push,
+                      "the end of events" if ev is None else f"event {ev.event!r} of {ev.model!r}")
         return False

@@ -225,6 +225,11 @@ class WorkerHandle:
     def _alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
+    def exited(self) -> bool:
+        """Its process has ended, whether or not its reader has seen it yet (a request sent
+        now would meet a dead worker: it waits for the model's reload instead)."""
+        return self._process is not None and self._process.poll() is not None
+
     def send(self, msg: Any) -> None:
         """Queue ``msg`` for the writer thread (never blocks); WorkerDied if the worker is
         not running."""

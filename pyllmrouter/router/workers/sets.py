@@ -8,9 +8,12 @@
                    (stopped(w)): a model admitted in its room never meets its context
     get(ds), all(), forget(worker), take_all()   (the scheduler's lock held)
     overhead_of(ds) ──▶ the set's worker's bytes before any model, and whether a load there
-                   starts it (as the set's last worker measured it, or the inventory's)
+                   starts it (running: its own; not yet: its estimate, costs.py)
+    learn(w, measured) ──▶ a running worker's measured bytes: its own, and the estimate
+                   of the next worker of its kind
     reserve(ds, bytes) ──▶ held for a worker about to start (a load, probe or fit admitted
-                   with it), until it runs or fails to start (``starting``)
+                   with it), until it runs or fails to start (``starting``); a probe's
+                   short-lived workers are held the same way (``probe_cost``)
 
 An empty worker is a resident of admission (``resident``): it holds its overhead on its
 devices (a GPU context per device, and its own host memory), and admission may stop it
@@ -26,7 +29,11 @@ import threading
 from typing import Callable, Iterable
 
 from pyllmrouter.devices import Inventory
+from pyllmrouter.memory import cache_dir
 from pyllmrouter.router.policy import placement
+from pyllmrouter.router.policy.state import holds_memory
+from pyllmrouter.router.records import Record
+from pyllmrouter.router.workers.costs import WorkerCosts
 from pyllmrouter.router.workers.pool import Launch, WorkerHandle
 
 __all__ = ["WorkerSet", "worker_name", "WORKER"]
@@ -42,17 +49,18 @@ class WorkerSet:
     def __init__(self, inventory: Inventory, cond: threading.Condition,
                  on_death: Callable[[WorkerHandle], None],
                  on_start: Callable[[WorkerHandle], None] = lambda w: None,
-                 launch: Launch = WorkerHandle):
+                 launch: Launch = WorkerHandle, costs: WorkerCosts | None = None):
         """``on_death``: the worker's process ended (called from its reader thread);
         ``on_start``: a new worker runs (called once it is registered, no lock held);
-        ``launch``: makes a worker's handle (a process of ours; a simulated one in tests)."""
+        ``launch``: makes a worker's handle (a process of ours; a simulated one in tests);
+        ``costs``: what a worker costs before it runs (learned as workers start)."""
         self._inventory = inventory
+        self.costs = costs or WorkerCosts(inventory, cache_dir() / "workers.json")
         self._cond = cond
         self._on_death = on_death
         self._on_start = on_start
         self._launch = launch
         self.version = 0  # bumped when a worker's bytes become settled (registered): Book.mark
-        self._seen: dict[frozenset[str], dict[str, int]] = {}  # the last overhead of each set's worker
         # reserved for a worker about to start: its bytes, and the jobs (tokens) that count on it
         self._starting: dict[frozenset[str], tuple[dict[str, int], set[int]]] = {}
         self._tokens = itertools.count(1)
@@ -79,14 +87,19 @@ class WorkerSet:
     def overhead_of(self, device_set: frozenset[str]) -> tuple[dict[str, int], bool]:
         """The bytes the worker of ``device_set`` holds before any model, and whether a load
         there starts it: its running worker's, or those reserved for it (held already), else
-        as the set's last worker measured it, or as the inventory knows it (a load there
-        adds them)."""
+        its estimate (a load there adds them): never below what it will hold."""
         w = self._workers.get(device_set)
         if w is not None:
             return dict(w.overhead), False
         if device_set in self._starting:
             return dict(self._starting[device_set][0]), False
-        return {**self._inventory.worker_overhead(device_set), **self._seen.get(device_set, {})}, True
+        return self.costs.estimate(device_set), True
+
+    def learn(self, worker: WorkerHandle, measured: dict[str, int]) -> None:
+        """``worker``'s own bytes as measured (per device measured): its overhead from now on,
+        and the estimate of the next worker of its kind."""
+        worker.overhead.update(measured)
+        self.costs.learn(worker.devices, measured)
 
     def reserve(self, device_set: frozenset[str], bytes_: dict[str, int]) -> int | None:
         """The bytes of a worker a load, probe or fit will start on ``device_set``, held from
@@ -104,20 +117,45 @@ class WorkerSet:
         """The bytes reserved for workers about to start."""
         return [held for held, _ in self._starting.values()]
 
-    def unreserve(self, device_set: frozenset[str], token: int | None) -> None:
+    def unreserve(self, token: int | None) -> None:
         """A job gives back what it reserved (it ended, or its worker runs); the reservation
         goes with the last job counting on it.  A token of an earlier reservation (its worker
         ran meanwhile) touches none made since."""
         if token is None:
             return
         with self._cond:
-            held, jobs = self._starting.get(device_set, ({}, set()))
-            if token in jobs:
-                if jobs - {token}:
-                    self._starting[device_set] = (held, jobs - {token})
-                else:
-                    del self._starting[device_set]
+            for key, (held, jobs) in list(self._starting.items()):
+                if token in jobs and jobs - {token}:
+                    self._starting[key] = (held, jobs - {token})
+                elif token in jobs:
+                    del self._starting[key]
                     self._cond.notify_all()
+
+    def probe_cost(self, candidates: list[frozenset[str]], hosts_models: Callable[[frozenset[str]], bool],
+                   name: str) -> tuple[frozenset[str], dict[str, int]] | None:
+        """What a probe of model ``name`` on ``candidates`` starts, as (key, bytes) to reserve:
+        its only set's worker (kept: the load will use it), else short-lived ones (one at a
+        time: the most of any on each device; key: the model's own), a set's worker hosting
+        models reading a new file first in a host-only one (Measurer); None: nothing starts."""
+        if len(candidates) == 1 and candidates[0] not in self._workers:
+            bytes_, starts = self.overhead_of(candidates[0])
+            return (candidates[0], bytes_) if starts and bytes_ else None
+        most: dict[str, int] = {}
+        for ds in candidates:
+            running = ds in self._workers
+            if running and not hosts_models(ds):
+                continue
+            for d, n in self.costs.estimate(frozenset() if running else ds).items():
+                most[d] = max(most.get(d, 0), n)
+        return (frozenset({f"(probe {name})"}), most) if most else None
+
+    def owners(self, records: Iterable[Record], keep: Iterable[frozenset[str]]) -> dict[str, tuple[str, dict]]:
+        """Model name -> (its worker's name, the worker's bytes), for the models that hold
+        memory in a running worker not of ``keep`` (the sets a newcomer may load into: that
+        worker stays), as placement.with_shares reads them."""
+        keep = set(keep)
+        return {r.name: (worker_name(r.device_set), dict(w.overhead)) for r in records
+                if holds_memory(r.state) and r.device_set not in keep and (w := self._workers.get(r.device_set))}
 
     def by_name(self, name: str) -> WorkerHandle | None:
         return next((w for ds, w in self._workers.items() if worker_name(ds) == name), None)
@@ -125,8 +163,6 @@ class WorkerSet:
     def forget(self, worker: WorkerHandle) -> bool:
         """Out of the map, if it is still its device set's worker."""
         self._idle_since.pop(worker, None)
-        if worker.overhead:
-            self._seen[worker.devices] = dict(worker.overhead)
         if worker in self._stopping:
             self._stopping.remove(worker)
         if self._workers.get(worker.devices) is worker:
@@ -191,7 +227,10 @@ class WorkerSet:
             w = self._launch("+".join(sorted(device_set)), device_set, self._inventory.mask_env(device_set),
                              self._on_death)
             w.start()  # a failed start: each job counting on its reservation gives its own back
-            w.overhead.update(self._inventory.worker_overhead(device_set))
+            measured = dict(w.overhead)  # what it said it holds (its process, on the host)
+            # the rest as estimated until measured (a GPU's context: Jobs.refresh_overhead)
+            w.overhead.update({**self.costs.estimate(device_set), **measured})
+            self.costs.learn(device_set, measured)
             with self._cond:  # its own bytes held from now, in its reservation's place
                 self._workers[device_set] = w
                 self._starting.pop(device_set, None)
