@@ -249,22 +249,6 @@ def test_only_a_repeatable_request_that_had_not_begun_is_sent_on_and_only_once(b
     assert failover.after_loss(began, retried, for_model, repeats) == then
 
 
-@pytest.mark.parametrize("method,path,headers,repeats", [
-    ("POST", "/v1/chat/completions", {}, True), ("POST", "/v1/completions", {}, True),
-    ("POST", "/v1/embeddings", {}, True), ("POST", "/v1/messages", {}, True), ("POST", "/api/chat", {}, True),
-    ("POST", "/api/embed", {}, True), ("GET", "/slots", {}, True), ("GET", "/props", {}, True),
-    ("POST", "/v1/chat/completions", {"x-conversation-id": "c1"}, False),  # it writes the conversation's stream
-    ("POST", "/models/load", {}, False), ("POST", "/models", {}, False), ("POST", "/models/unload", {}, False),
-    ("DELETE", "/models", {}, False), ("POST", "/slots/0", {}, False), ("POST", "/lora-adapters", {}, False),
-    ("POST", "/props", {}, False), ("POST", "/v1/chat/completions/control", {}, False),
-    ("POST", "/api/pull", {}, False), ("DELETE", "/api/delete", {}, False),
-])
-def test_the_idempotency_classes(method, path, headers, repeats):
-    from pyllmrouter.ray.ingress import ENGINE_POSTS
-
-    assert failover.repeatable(method, path, headers, ENGINE_POSTS) is repeats
-
-
 def test_only_a_dead_actor_or_node_is_a_loss():
     from ray import exceptions as rx
     from ray.serve import exceptions as sx

@@ -3,7 +3,7 @@
     ModelSpec ──to_args()──▶ engine_args(spec, name, extra) ──▶ _native.Engine: llama.cpp's parser
                                                                ──load()──▶ the slot loop running
 
-The probe parses ``spec.to_args()`` with the same parser and builds the same
+The probe parses ``ModelSpec.to_args()`` with the same parser and builds the same
 llama params from them (``_native.probe_server``), so what it measured is what
 the engine allocates.  This module imports llama.cpp: only worker and probe
 processes, the CLI and the tests use it.

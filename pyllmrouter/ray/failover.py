@@ -21,13 +21,13 @@ out (pure: no Ray, no clock of its own).
       │  naming the node and whether the work may have run there
       └─ a stream had its status: it ends with an error event (ingress._relay), the node lost
 
-The classes (``repeatable``), written in docs/ARCHITECTURE.md:
-    repeatable   a POST of a model's inference (ENGINE_POST less the slot, LoRA, props and
-                 stream-control endpoints; Ollama's chat, generate, embed), no X-Conversation-Id;
-                 a GET (it reads)
+The classes (``endpoints.repeatable``: the endpoint table says which routes write):
+    repeatable   a POST of a model's inference (an engine route that writes nothing; Ollama's
+                 chat, generate, embed with a prompt), no X-Conversation-Id; a GET (it reads)
     not          everything else: /models (pull, delete), /models/load, /models/unload,
                  /slots/{id} (save, restore, erase: one node's engine), /lora-adapters,
-                 /props, a request of a conversation (it writes the conversation's stream)
+                 /props, a resumable stream's lookup (one node's session), Ollama's load
+                 without a prompt, a request of a conversation (it writes its stream)
 
 A Started in transit when the node dies does not read as not begun: "begun" is the
 ledger's answer (a node runs a request only after its claim came back, and the ingress
@@ -46,18 +46,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-__all__ = ["HOLD", "RETRY", "FAIL", "LOST", "TRANSIENT", "UNSURE", "APP", "after_loss", "kind_of", "repeatable",
-           "LostNodes", "stats_timeout", "silent_after", "takes_slot"]
+__all__ = ["HOLD", "RETRY", "FAIL", "LOST", "TRANSIENT", "UNSURE", "APP", "after_loss", "kind_of", "LostNodes",
+           "stats_timeout", "silent_after"]
 
 HOLD = 30.0  # seconds a lost node is left out
 RETRY, FAIL = "retry", "fail"
 LOST, TRANSIENT, UNSURE, APP = "lost", "transient", "unsure", "app"
 # Ray's errors that mean the actor (or its node) is gone for good: a replaced replica is a new actor
 _DEAD = ("ActorDiedError", "NodeDiedError", "WorkerCrashedError", "LocalRayletDiedError", "ActorUnschedulableError")
-# a model's POSTs that change nothing but the reply (inference); the rest write somewhere
-_WRITES = ("/slots/", "/lora-adapters", "/props", "/v1/chat/completions/control")
-_OLLAMA = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
-_NO_SLOT = frozenset({"/tokenize", "/detokenize", "/apply-template"})
 
 
 def kind_of(e: BaseException) -> str:
@@ -71,26 +67,6 @@ def kind_of(e: BaseException) -> str:
     if any(n in names for n in _DEAD) or type(e).__name__ == "RayActorError":  # a bare one: the actor died
         return LOST
     return TRANSIENT
-
-
-def repeatable(method: str, path: str, headers: dict[str, str], engine_posts: frozenset[str]) -> bool:
-    """Whether running the request twice is unobservable (see the module's docstring);
-    ``headers`` by lower-case name, ``engine_posts``: a model's llama-server POST paths."""
-    if method == "GET":
-        return True
-    if method != "POST" or "x-conversation-id" in headers:
-        return False
-    if path.startswith(_WRITES) or path in _WRITES:
-        return False
-    return path in engine_posts or path in _OLLAMA
-
-
-def takes_slot(path: str) -> bool:
-    """Whether a model's POST at ``path`` runs in one of its engine's slots (a generation, an
-    embedding...): the node claims such a request before it runs (ledger.py).  Counting and
-    template endpoints take none: they are not held back behind generations (repeating them
-    is unobservable and costs next to nothing)."""
-    return not (path in _NO_SLOT or path.endswith(("/input_tokens", "/count_tokens")))
 
 
 def stats_timeout(period: float) -> float:
@@ -108,7 +84,7 @@ def after_loss(began: bool, retried: bool, for_model: bool, repeats: bool = True
     """RETRY: the request goes to another node; FAIL: 502.  ``began``: the node had sent
     its status or said the request runs (Started: it took a slot); ``retried``: the
     request was sent on once already; ``for_model``: a model's request (a question for one
-    named node is not sent elsewhere); ``repeats``: ``repeatable``."""
+    named node is not sent elsewhere); ``repeats``: ``endpoints.repeatable``."""
     return RETRY if for_model and repeats and not began and not retried else FAIL
 
 

@@ -45,7 +45,8 @@ from pyllmrouter.ray import cluster, failover, policy
 from pyllmrouter.ray.ledger import Ledger
 from pyllmrouter.ray.messages import Accepted, Beat, Head, NodeRequest, Started
 from pyllmrouter.ray.relay import Silent, chunks_of, fate, lost_message, next_item, node_named, relay
-from pyllmrouter.server.app import DEFAULT_HEADERS, ENGINE_POST, HTTP_PROTOCOL, guard_error
+from pyllmrouter import endpoints
+from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, guard_error
 from pyllmrouter.server.body import json_object, model_named
 from pyllmrouter.server.body import read_or_refuse, replay
 from pyllmrouter.server.errors import ApiError, error_response
@@ -59,11 +60,7 @@ RETRIED = frozenset({507, 429, 503})
 NOTHING_RAN = frozenset({507, 429})  # refusals that leave nothing run: any request is tried elsewhere
 ASK_TIMEOUT = 10.0  # seconds a node has to answer a management question
 ACCEPT_TIMEOUT = 10.0  # seconds a node's replica has to take a request (its Accepted): none, silent
-ENGINE_POSTS = frozenset(p for p in ENGINE_POST if "{" not in p)
 OLLAMA_LISTS = ("/api/tags", "/api/ps")
-# what an Ollama request prompts with: none, the request only loads (or unloads) its model
-OLLAMA_PROMPT = {"/api/chat": ("messages",), "/api/generate": ("prompt", "suffix"), "/api/embed": ("input",),
-                 "/api/embeddings": ("prompt",)}
 RE_PLACE_PERIOD = 5.0  # seconds between two looks for models evicted lately that fit free elsewhere
 PING_TIMEOUT = 2.0  # seconds a node has to answer, after a call to some node failed
 # pings a node gets while another node's replica answers them: Serve hands a chosen replica
@@ -256,9 +253,8 @@ class Ingress:
             raise ApiError(400, "'model' is required (a model id from GET /v1/models)", param="model")
         if method == "POST" and path.startswith("/slots/"):
             return await self._slot_action(plain, model)
-        repeats = failover.repeatable(method, path, headers, ENGINE_POSTS)
-        if path in OLLAMA_PROMPT and not any(data.get(k) not in (None, "", []) for k in OLLAMA_PROMPT[path]):
-            repeats = False  # Ollama's load (or with keep_alive 0, unload): no prompt (server/ollama.py)
+        # Ollama's load (or with keep_alive 0, unload), without a prompt, is not repeatable
+        repeats = endpoints.repeatable(method, path, headers) and not endpoints.load_only(path, data)
         return await self._respond(replace(plain, model=model), model, stream=stream, repeats=repeats)
 
     async def _respond(self, plain: NodeRequest, model: str | None, stream: bool = True,
@@ -270,7 +266,7 @@ class Ingress:
         the last refusal as that node gave it.  A node lost before its reply began
         (failover.py), or silent (no item for relay.SILENT seconds; no replica took the
         request within ACCEPT_TIMEOUT), is left out and the request sent to another, once,
-        with the seconds it waited, where it is ``repeats`` (failover.repeatable) and no
+        with the seconds it waited, where it is ``repeats`` (endpoints.repeatable) and no
         node had claimed its ticket (ray/ledger.py: the abandon that says so also forbids
         a later claim).  A request that does not ask for a stream takes its reply in one
         piece (Started, then one message, not one per chunk)."""
@@ -281,7 +277,7 @@ class Ingress:
         misdirected = 0  # 421s from a replica of another node
         # runs only once its node claimed it in the ledger: lost or silent, it is sent on only if none had
         ticketed = repeats and model is not None and plain.node is None and plain.method == "POST" \
-            and failover.takes_slot(plain.path)
+            and endpoints.takes_slot(plain.path)
         while True:
             ticket = None
             if ticketed:

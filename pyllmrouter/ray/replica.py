@@ -38,14 +38,14 @@ from pyllmrouter.errors import RouterError
 from pyllmrouter.ray import failover
 from pyllmrouter.ray.messages import BEAT, Accepted, Beat, Head, NodeRequest, Started
 from pyllmrouter.ray.policy import node_stats
-from pyllmrouter.server.app import ENGINE_POST, create_app
+from pyllmrouter import endpoints
+from pyllmrouter.server.app import create_app
 from pyllmrouter.server.relayed import RELAYED, Relayed
 from pyllmrouter.server.run import parse_serve_args, router_from_args
 
 __all__ = ["NodeRouter", "CLAIM_TIMEOUT"]
 
 CLAIM_TIMEOUT = 10.0  # seconds the ledger has to answer a claim: none, the request does not run
-_ENGINE_POSTS = frozenset(p for p in ENGINE_POST if "{" not in p)
 
 
 class NodeRouter:
@@ -138,8 +138,8 @@ class NodeRouter:
         # a model's inference POST waits for a free slot here, in arrival order with the others (not
         # in the engine's queue): one with a ticket claims it first; one without (a conversation's,
         # one for a named node) is never sent on
-        takes = request.method == "POST" and failover.repeatable("POST", request.path, {}, _ENGINE_POSTS) \
-            and failover.takes_slot(request.path)
+        takes = request.method == "POST" and endpoints.repeatable("POST", request.path, {}) \
+            and endpoints.takes_slot(request.path)
         wait = running if request.ticket is not None else slotted if takes else None
         scope["extensions"] = {RELAYED: Relayed(request.waited, wait)}
         left = asyncio.Event()

@@ -1,6 +1,6 @@
 """The scheduler's records: what it knows of each model, what a request holds (a
 Lease), and what a waiting request is (a Ticket).  Records change only under the
-scheduler's lock, and a model's state only through ``Scheduler._move``."""
+scheduler's lock, and a model's state only through ``Book.move``."""
 
 from __future__ import annotations
 

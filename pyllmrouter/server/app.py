@@ -11,7 +11,7 @@
 | GET  /health                      | liveness (no API key needed)                      |
 | GET  /, /ui/*                     | the page (server/page.py; no key: it asks for it) |
 | GET  /v1/models[/{id}]            | OpenAI model list, one model                      |
-| POST (ENGINE_POST paths)          | llama-server's handler of the model: OpenAI chat, |
+| POST (endpoints.ENGINE_POST)      | llama-server's handler of the model: OpenAI chat, |
 |                                   | completions, responses, embeddings; Anthropic     |
 |                                   | messages; rerank, tokenize, infill, slots...      |
 | GET  /props, /slots, /lora-adapters, /metrics ?model= | the same, for one model       |
@@ -36,6 +36,7 @@ from urllib.parse import parse_qsl
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from pyllmrouter.endpoints import ENGINE_GET, LABELLED, is_engine_post
 from pyllmrouter.errors import RouterError, UnknownModel, WorkerDied
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage, ollama, page
@@ -51,7 +52,7 @@ from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
 
-__all__ = ["create_app", "guard_error", "ENGINE_POST", "ENGINE_GET", "HTTP_PROTOCOL", "DEFAULT_HEADERS"]
+__all__ = ["create_app", "guard_error", "HTTP_PROTOCOL", "DEFAULT_HEADERS"]
 
 # uvicorn's protocol for every server of this app: its httptools protocol (the fastest it has),
 # whose connections a request can hand over to a worker (server/connection.py)
@@ -67,20 +68,6 @@ PUBLIC = frozenset({"/health", "/v1/health"})  # llama-server's: no API key aske
 # request headers that stay here: the connection's own, and the router's secrets
 _NOT_FORWARDED = frozenset({"host", "content-length", "connection", "transfer-encoding", "authorization", "x-api-key",
                             "cookie", "keep-alive", "upgrade", "te", "trailer", "proxy-authorization"})
-# llama-server's per-model POST endpoints (tools/server/server.cpp), served by the model's engine
-ENGINE_POST = (
-    "/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions", "/completion",
-    "/v1/chat/completions/control", "/v1/responses", "/responses", "/v1/messages", "/v1/messages/count_tokens",
-    "/v1/embeddings", "/embeddings", "/embedding", "/v1/rerank", "/v1/reranking", "/rerank", "/reranking",
-    "/infill", "/tokenize", "/detokenize", "/apply-template", "/chat/completions/input_tokens",
-    "/v1/chat/completions/input_tokens", "/responses/input_tokens", "/v1/responses/input_tokens",
-    "/v1/audio/transcriptions", "/audio/transcriptions", "/lora-adapters", "/slots/{id_slot}", "/props",
-)
-# and GET endpoints, for the model named by ?model= (GET /props and /metrics without it are
-# the router's own)
-ENGINE_GET = ("/slots", "/lora-adapters")
-
-
 def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
                close_router: bool = True, max_threads: int = 1024, settings: dict[str, Any] | None = None,
                services: Services | None = None, allowed_hosts: frozenset[str] | None = None,
@@ -99,8 +86,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     cors = Cors({**settings, "cors_origins": origins}) if settings else None
     gate = Gate(origins, allowed_hosts)
     write_timeout = (settings or {}).get("timeout_write") or None  # llama-server's --timeout: a relay's writes
-    metrics = Metrics(router.status, frozenset(p for p in ENGINE_POST + ENGINE_GET if "{" not in p) |
-                      {"/metrics", "/props", "/v1/stream", "/v1/streams/lookup"}, router.scheduler.canonical)
+    metrics = Metrics(router.status, LABELLED, router.scheduler.canonical)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
 
     @asynccontextmanager
@@ -464,13 +450,6 @@ def guard_error(path: str, headers: dict[str, str], api_keys: str | tuple[str, .
     return None
 
 
-def _engine_post_path(path: str) -> bool:
-    return path in _ENGINE_POST_PATHS or path.startswith("/slots/")
-
-
-_ENGINE_POST_PATHS = frozenset(p for p in ENGINE_POST if "{" not in p)
-
-
 class _Guard:
     """The server's ASGI app: CORS, the API key and the body (read whole, counted as it
     comes, refused at the limit) in plain ASGI, in front of the FastAPI app (``app``).  A POST to a model's llama-server endpoint then goes straight
@@ -492,7 +471,7 @@ class _Guard:
         its body whole, from a program (no Origin: no CORS, no origin rules), that passes the
         Host, key and length checks, offered to ``take``.  False: the ASGI app takes it as
         any request (and answers whatever these checks refused)."""
-        if self._take is None or scope["method"] != "POST" or not _engine_post_path(scope["path"]):
+        if self._take is None or scope["method"] != "POST" or not is_engine_post(scope["path"]):
             return False
         headers = _header_dict(scope)
         if "origin" in headers or self.gate.host(headers.get("host")) is not None \
@@ -531,7 +510,7 @@ class _Guard:
             raw = await read_or_refuse(scope, receive, send, self.max_body)
             if raw is None:
                 return  # answered (413), or the client left before its body had come
-            if scope["method"] == "POST" and _engine_post_path(scope["path"]):
+            if scope["method"] == "POST" and is_engine_post(scope["path"]):
                 return await self.engine_post(scope, receive, send, headers, raw)
             if scope["method"] == "POST" and path in self._posts:
                 receive = replay(raw, receive)

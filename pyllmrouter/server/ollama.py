@@ -36,7 +36,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pyllmrouter import gguf_header
+from pyllmrouter import endpoints, gguf_header
 from pyllmrouter.errors import RouterError, UnknownModel
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import ollama_wire as wire
@@ -212,9 +212,7 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
         await refuse_embedder(model, kind)
         build = wire.chat_request if kind == "chat" else wire.generate_request
         path, body, ignored, num_ctx = build(data, model, stream)  # checked, whether or not it is sent
-        empty = (kind == "chat" and not data.get("messages")) or \
-                (kind == "generate" and not data.get("prompt") and not data.get("suffix"))
-        if empty:
+        if endpoints.load_only(f"/api/{kind}", data):
             reason = await load_only(model, keep)
             out: dict[str, Any] = {"model": data.get("model") or model, "created_at": wire.timestamp(created)}
             out.update({"message": {"role": "assistant", "content": ""}} if kind == "chat" else {"response": ""})
