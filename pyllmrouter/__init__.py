@@ -7,7 +7,7 @@ free of any GPU context; workers, probes and the CLI import ``llama_cpp``
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueFull, QueueTimeout, RequestFailed,
-                                RequestTimeout, RouterClosed, RouterError, UnknownModel, WorkerDied)
+                                RequestTimeout, RouterClosed, RouterError, RouterForked, UnknownModel, WorkerDied)
 from pyllmrouter.memory import BufferUse, DeviceUse, MemoryEstimate, ModelFacts, ProbeError
 from pyllmrouter.engine.probe import probe
 from pyllmrouter.router.api import Router
@@ -30,6 +30,7 @@ __all__ = [
     "RequestTimeout",
     "Router",
     "RouterClosed",
+    "RouterForked",
     "RouterError",
     "RouterOptions",
     "SpecError",

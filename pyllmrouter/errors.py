@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "RouterError", "UnknownModel", "NeverFits", "QueueTimeout", "LoadFailed", "WorkerDied", "Unclaimed", "RequestFailed",
-    "RouterClosed", "NotLoaded", "Withdrawn", "ModelRemoved", "Busy", "QueueFull", "RequestTimeout",
+    "RouterClosed", "RouterForked", "NotLoaded", "Withdrawn", "ModelRemoved", "Busy", "QueueFull", "RequestTimeout",
 ]
 
 
@@ -83,6 +83,21 @@ class QueueFull(RouterError):
 class Busy(RouterError):
     """The router takes no more of this kind of work now (e.g. downloads at their limit):
     retry later."""
+
+
+class RouterForked(RouterError):
+    """A Router used in a process other than the one that built it: a fork's child
+    (os.fork, a fork-based multiprocessing pool, a pre-forking server)."""
+
+    def __init__(self, built: int, here: int):
+        super().__init__(f"this Router was built in process {built}, and this is process {here}, a fork of it "
+                         f"(os.fork, a fork-based multiprocessing pool, a pre-forking server): its workers, threads "
+                         f"and pipes stayed with the parent. Build a Router in the child process (or start children "
+                         f"with multiprocessing's 'spawn' or 'forkserver' method)")
+        self.built, self.here = built, here
+
+    def __reduce__(self):  # a Pool's child sends it back to the parent
+        return RouterForked, (self.built, self.here)
 
 
 class WorkerDied(RouterError):

@@ -13,23 +13,27 @@
                                ├─ Probe / Fit ▶ probe thread ─▶ Result | Failed
                                ├─ Ping ───────▶ Result(None), at once (the heartbeat)
                                └─ Shutdown / EOF (router gone) ──▶ os._exit, models and all
+    router-watch thread: the router's process ended (killed, and a fork of it holding
+                         our pipe) ──▶ os._exit, models and all
 
 Each model is llama.cpp's own server engine (a server_context with its slot
 loop on its own thread), so it answers every request as llama-server does;
 the models of one worker share its backends (one context per device).  The
 device mask is applied to the environment before llama_cpp is imported, so
-this process can only ever see (and create contexts on) its own devices.
+this process can only ever see (and create contexts on) its own devices.  The
+app's signals are not its own: it runs in a session of its own with SIGINT and
+SIGTERM ignored from its first instruction (router/workers/pool.py).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import signal
+import select
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from pyllmrouter.engine.hosting import EngineHost
 from pyllmrouter.engine.slots import restore_all, save_all
@@ -209,18 +213,48 @@ class _Worker:
 
 def main() -> None:
     """The process's entry point (router/workers/pool.py starts it: the device mask is already in
-    its environment, and the pipe's descriptor is its last argument)."""
+    its environment, SIGINT and SIGTERM are ignored, and its last arguments are the router's
+    pid, the conduit's descriptor and the pipe's)."""
     from multiprocessing.connection import Connection  # noqa: PLC0415
 
-    # a Ctrl-C in the terminal reaches the whole process group: the router is what answers
-    # it (it stops its workers), and a worker prints no second traceback of its own
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker_main(Connection(int(sys.argv[-1])), int(sys.argv[-2]))
+    worker_main(Connection(int(sys.argv[-1])), int(sys.argv[-2]), int(sys.argv[-3]))
 
 
-def worker_main(conn, conduit_fd: int) -> None:
-    """Serve the router on ``conn`` until it says Shutdown or goes; ``conduit_fd``: the
-    worker's end of the native data path (client connections handed over)."""
+def _watch_router(router_pid: int, leave: Callable[[], None]) -> None:
+    """``leave()`` once process ``router_pid``, our parent, has ended (however it ended:
+    SIGKILL too, and whoever else holds a copy of our pipe, a fork of the router, say).
+    Its pidfd is readable once it has ended; where there is none (a kernel before 5.3),
+    our parent is polled.  A parent already gone is seen at once (we were handed over)."""
+    fd = None
+    try:
+        fd = os.pidfd_open(router_pid)
+    except (AttributeError, OSError):
+        pass  # no pidfd here: polled below
+    if fd is not None and os.getppid() == router_pid:  # the pidfd is our parent's, not a reused pid's
+        ended = select.poll()
+        ended.register(fd, select.POLLIN)
+        ended.poll()
+    while os.getppid() == router_pid:
+        time.sleep(0.5)
+    leave()
+
+
+def _leave(worker: _Worker, code: int) -> None:
+    """End the process: its MCP servers stopped (processes of ours), no interpreter
+    finalisation (each model's slot loop is a C++ thread still running: C++ static
+    destructors under them would make std::terminate abort the process, a core and a
+    backtrace for every exit)."""
+    worker.close_services()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
+def worker_main(conn, conduit_fd: int, router_pid: int | None = None) -> None:
+    """Serve the router on ``conn`` until it says Shutdown or goes (its end of the pipe
+    closed, or its process ``router_pid`` ended); ``conduit_fd``: the worker's end of the
+    native data path (client connections handed over)."""
     os.set_inheritable(conduit_fd, False)
     # the pipe came through pass_fds, inheritable: a process this worker starts (an MCP
     # server, a tool's shell) would hold it open, and the router would not see us end
@@ -233,6 +267,9 @@ def worker_main(conn, conduit_fd: int) -> None:
         native().add_rpc_servers(rpc)  # this worker's devices: its rpc-servers, as RPC0, RPC1...
     native().devices()  # initialise the backends now, so the overhead below is real
     worker = _Worker(conn, native().Conduit(conduit_fd))
+    if router_pid is not None:  # from here on (a router gone meanwhile is seen at once)
+        threading.Thread(target=_watch_router, args=(router_pid, lambda: _leave(worker, 0)), name="router-watch",
+                         daemon=True).start()
     worker.send(Ready(os.getpid(), {"CPU": _rss()}))
     code = 0
     try:
@@ -241,11 +278,4 @@ def worker_main(conn, conduit_fd: int) -> None:
         _LOG.exception("worker %d", os.getpid())
         code = 1
     finally:
-        worker.close_services()  # its MCP servers are processes of ours: they end with us
-        # each model's slot loop is a C++ thread still running: leaving through the
-        # interpreter's finalisation would run C++ static destructors under them, and
-        # std::terminate then aborts the process (a core and a backtrace for every exit)
-        logging.shutdown()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(code)
+        _leave(worker, code)

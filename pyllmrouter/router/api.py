@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import threading
 import time
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -29,6 +30,7 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
 from pyllmrouter.engine_args import check_specs
+from pyllmrouter.router import home
 from pyllmrouter.router.registry import API
 from pyllmrouter.errors import QueueTimeout, RequestTimeout, RouterError, Unclaimed, UnknownModel, Withdrawn
 from pyllmrouter.router.exchange import Exchange, departure
@@ -60,7 +62,8 @@ class Router(Methods):
     (``timeout=``, a cancelled task, a stream closed or dropped, ``close()``) the request's
     generation stops and its slot is free.  Models: load, unload, status, models,
     add_model, remove_model, replace_model, reload, pull, delete.  ``close()`` (or ``with``)
-    stops every worker."""
+    stops every worker.  A Router is the process's that built it: in a fork's child its
+    methods raise RouterForked (build one there), and its close() does nothing."""
 
     def __init__(self, models: Iterable[ModelConfig], *, inventory: Inventory | None = None,
                  options: RouterOptions | None = None, sources: Sources | None = None, watch: float = 0.0,
@@ -68,6 +71,7 @@ class Router(Methods):
         """``sources``: where ``reload()`` reads the model list again (a preset, a models
         directory, llama.cpp's cache); ``watch``: read them again within this many seconds
         of a change (0: only on ``reload()``)."""
+        self._pid = os.getpid()  # its workers, threads and pipes are this process's (home.py)
         options = options or RouterOptions()
         if option_overrides:
             unknown = set(option_overrides) - set(options.__dict__)
@@ -102,6 +106,7 @@ class Router(Methods):
     # -- lifecycle -------------------------------------------------------------
 
     def __enter__(self) -> "Router":
+        home.here(self._pid)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -109,7 +114,10 @@ class Router(Methods):
 
     def close(self) -> None:
         """Stop every worker; leaves no child process behind.  Requests in flight end with
-        RouterClosed (their work stopped with their workers)."""
+        RouterClosed (their work stopped with their workers).  In a fork's child it does
+        nothing: the workers and the kept states are the parent's."""
+        if os.getpid() != self._pid:
+            return
         self._stop.set()
         self._downloads.close()
         self._sched.close()
@@ -148,11 +156,13 @@ class Router(Methods):
     def load(self, name: str, timeout: float | None = None) -> None:
         """Load ``name`` (evicting idle models if needed) and return once LOADED, within
         ``timeout`` seconds (default: queue_timeout; then QueueTimeout)."""
+        home.here(self._pid)
         self._sched.release(self._sched.lease(name, timeout, autoload=True))
 
     def unload(self, name: str, wait: float | None = None) -> bool:
         """Unload ``name`` once its requests in flight end, waiting at most ``wait`` seconds
         (default: the model's stop_timeout); False if it was not loaded."""
+        home.here(self._pid)
         if wait is None:
             wait = self._sched.resolve(name).config.stop_timeout
         return self._sched.unload(name, wait)
@@ -162,12 +172,14 @@ class Router(Methods):
         kept prompt states...), every device (total, free, what models may hold, what ours
         hold, what other programs hold, the margin), every worker, the queue, the counters
         and the downloads, as plain values (``pyllmrouter.replies.Status``)."""
+        home.here(self._pid)
         out = self._sched.status()
         out["downloads"] = self._downloads.status()
         return out
 
     def models(self) -> list[ModelConfig]:
         """Every listed model's config, as it will be (a changed model's new one)."""
+        home.here(self._pid)
         return list(self._sched.configs().values())
 
     # -- the live model list ---------------------------------------------------------
@@ -175,16 +187,19 @@ class Router(Methods):
     def add_model(self, cfg: ModelConfig) -> None:
         """Serve one more model (ValueError: its name or an alias is taken, or its file or
         arguments are refused, as ``Router()`` refuses them)."""
+        home.here(self._pid)
         _check_own([cfg], "add_model()")
         self._sched.add_model(cfg)
 
     def remove_model(self, name: str) -> None:
         """``name`` takes no new request, finishes those in flight, unloads and goes."""
+        home.here(self._pid)
         self._sched.remove_model(name)
 
     def replace_model(self, cfg: ModelConfig) -> None:
         """``cfg`` takes over its name once the model there has finished and unloaded
         (ValueError as for ``add_model``)."""
+        home.here(self._pid)
         _check_own([cfg], "replace_model()")
         self._sched.replace_model(cfg)
 
@@ -192,6 +207,7 @@ class Router(Methods):
         """Read the sources again: new models added, changed ones replaced (once idle),
         removed ones removed (once idle); models added through the API stay.  A bad preset
         changes nothing (PresetError)."""
+        home.here(self._pid)
         with self._reloading:
             models, _router_options = self._sources.read()  # router-wide options take a restart
             return self._sched.reconcile(models)
@@ -218,6 +234,7 @@ class Router(Methods):
     def pull(self, name: str) -> None:
         """Download ``org/repo[:tag]`` into llama.cpp's cache, in a short-lived process; it
         is listed (and servable) once it is there (ValueError: the name is taken)."""
+        home.here(self._pid)
         if not self._sources.cache:
             raise ValueError(f"pulls are off: this router does not serve llama.cpp's cache of downloads "
                              f"(serve --models-cache, or Sources(cache=True)), so {name!r} would not be listed")
@@ -233,6 +250,7 @@ class Router(Methods):
         """Remove a model of llama.cpp's cache: its download stopped, or the model removed
         (once its requests have finished) and its files deleted.  UnknownModel, or
         ValueError for a model that is not from the cache."""
+        home.here(self._pid)
         if self._downloads.cancel(name):
             return
         cfg = self._sched.configs().get(name)
@@ -267,6 +285,7 @@ class Router(Methods):
         ``timeout``: seconds the whole request may take, the stream read to its end
         included (then RequestTimeout, the request stopped); ``wait``: seconds it may wait
         for its model (default: the router's queue_timeout; then QueueTimeout)."""
+        home.here(self._pid)
         timeout = checked_seconds("timeout", timeout)
         wait = checked_seconds("wait", wait, zero=True)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -366,6 +385,7 @@ class Router(Methods):
         the instance's slots to be free (the request runs at once, never queued in its
         engine), then ``running()`` says whether it may run: False (its cluster's ingress
         gave it up, ray/ledger.py) ends it, the lease released, with Unclaimed."""
+        home.here(self._pid)
         timeout = checked_seconds("timeout", timeout)
         wait = checked_seconds("wait", wait, zero=True)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -395,6 +415,7 @@ class Router(Methods):
         for one datagram, its channel full), the request is relayed as ``acall`` relays it:
         (reply, stream).  ``gone`` withdraws a wait for the model, as in ``acall``; once
         handed over, a client that leaves is the worker's to notice."""
+        home.here(self._pid)
         lease, watch = await self._alease(model, timeout, autoload, gone)
         if watch is not None:
             watch.cancel()
@@ -417,6 +438,7 @@ class Router(Methods):
         the turn of a model being drained for a waiter (the scheduler ends the follows of a
         model it must see the requests of again: ``Scheduler.end_follows``); ``progress``
         gets the answers listed meanwhile, the answer the rest."""
+        home.here(self._pid)
         if self.options.debug_fake_timing > 0:
             return None
         try:

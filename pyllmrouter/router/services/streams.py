@@ -9,6 +9,7 @@ errors a final reply is, and the wait for it that a caller who leaves cuts short
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -16,6 +17,7 @@ from typing import Any, Awaitable, Callable
 
 from pyllmrouter.errors import RequestFailed, RequestTimeout, RouterError, WorkerDied, Withdrawn
 from pyllmrouter.protocol import Chunk, ErrorKind, Failed
+from pyllmrouter.router import home
 
 __all__ = ["Stream", "unless_gone", "value_of", "error_of"]
 
@@ -44,6 +46,7 @@ class Stream:
         self._lock = threading.Lock()
         self._read = threading.Lock()  # one reader at a time (a drain may race a reader)
         self._failure: RouterError | None = None  # a failure found by anext_batch, raised next
+        self._pid = os.getpid()  # its worker is this process's (router/home.py)
 
     @property
     def done(self) -> bool:
@@ -54,6 +57,7 @@ class Stream:
         return self
 
     def __next__(self) -> bytes:
+        home.here(self._pid)
         with self._read:
             if self._failure is not None:
                 failure, self._failure = self._failure, None
@@ -81,6 +85,7 @@ class Stream:
     async def anext_batch(self) -> list[bytes]:
         """The next chunk and every further one already here ([] at the end), awaited in
         the event loop (woken by the worker's reader thread), not in a thread."""
+        home.here(self._pid)
         while (out := self._ready()) is None:
             await self._pending.wait_async()
         return out
@@ -115,20 +120,23 @@ class Stream:
         self._on_end()
 
     def cancel(self) -> None:
-        """Stop generation (thread-safe). Whoever reads the stream then sees its end."""
-        if not self._done:
+        """Stop generation (thread-safe). Whoever reads the stream then sees its end.  In a
+        fork's child, nothing: the request is the parent's (router/home.py)."""
+        if not self._done and os.getpid() == self._pid:
             self._cancelled = True
             self._pending.cancel()
 
     def close(self) -> None:
-        """Cancel and wait for the worker's final reply (the lease is then free)."""
-        self.cancel()
-        self._drain()
+        """Cancel and wait for the worker's final reply (the lease is then free); in a fork's
+        child, nothing."""
+        if os.getpid() == self._pid:
+            self.cancel()
+            self._drain()
 
     async def aclose(self) -> None:
         """``close`` in the event loop: cancel, and await the worker's final reply."""
         self.cancel()
-        while not self._done:
+        while not self._done and os.getpid() == self._pid:
             try:
                 await self.anext_batch()
             except RouterError:
@@ -144,8 +152,9 @@ class Stream:
     def abandon(self) -> None:
         """Cancel without waiting: the final reply is read (and the lease freed) in the background.
         Not while the interpreter finalizes (a stream collected at exit): a thread started then
-        never runs, and Thread.start would wait for it for ever; the process is ending anyway."""
-        if not self._done:
+        never runs, and Thread.start would wait for it for ever; the process is ending anyway.
+        Not in a fork's child: the request is the parent's."""
+        if not self._done and os.getpid() == self._pid:
             self.cancel()
             if not sys.is_finalizing():
                 threading.Thread(target=self._drain, daemon=True).start()

@@ -246,6 +246,10 @@ class Conduit:
         except RuntimeError:  # that loop is closed: its selector is gone with it
             self._detach()
 
+    def let_go(self) -> None:
+        """In a fork's child: its copy of the socket closed, taking no lock (router/home.py)."""
+        self._sock.close()
+
     def _detach(self) -> None:
         if self._detached:
             return

@@ -22,7 +22,8 @@ counts as held.  Only the router writes there (its own slot save and restore cal
 never a client's: see engine/slots.py).  The directory is this router's while it runs:
 its ``.owner`` file is locked (flock) for the router's life, so the lock goes with the
 process however it ends, and a router that starts removes every directory whose lock
-is free (a router that crashed or was killed), never a live one's.
+is free (a router that crashed or was killed), never a live one's; close() removes it,
+or a finalizer at the interpreter's exit where close() never ran (ramdir.py).
 
 Another local user has no way in.  The disk directory (``--kv-keep-dir``) must be the
 router user's own and writable by nobody else, or the router refuses to start (naming
@@ -42,7 +43,6 @@ so the scheduler never waits on the store's file work.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import itertools
 import json
@@ -50,44 +50,25 @@ import logging
 import os
 import shutil
 import stat
-import tempfile
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO, Callable, Mapping
 
 from pyllmrouter.memory import files_of, llama_args
+from pyllmrouter.router import home
+from pyllmrouter.router.workers.ramdir import claim, ours, ram_base, reclaim, remove
 from pyllmrouter.router.policy.replicas import SEPARATOR
 from pyllmrouter.spec import ModelSpec
 
 __all__ = ["KeepStore", "Kept", "identity", "reclaim"]
 
 _LOG = logging.getLogger(__name__)
-_PREFIX = "pyllmrouter-kv-"  # a RAM directory in use, its .owner locked
-_NEW = ".pyllmrouter-kv-new-"  # one being made (renamed to _PREFIX once locked)
-_OWNER = ".owner"
 # kept states are conversations' tokens: readable by the user who runs the router only
 _DIR_MODE, _FILE_MODE = 0o700, 0o600
-
-
-def _ram_base() -> Path | None:
-    shm = Path("/dev/shm")
-    return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
-
-
-def _claim(base: Path | None) -> tuple[Path, int]:
-    """A new RAM directory and the fd that holds its lock: made under a temporary name,
-    its ``.owner`` locked, then renamed, so a directory under the final name is never
-    seen unlocked while its router lives."""
-    tmp = Path(tempfile.mkdtemp(prefix=_NEW, dir=base))
-    fd = os.open(tmp / _OWNER, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, _FILE_MODE)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    final = tmp.with_name(_PREFIX + tmp.name.removeprefix(_NEW))
-    os.rename(tmp, final)
-    return final, fd
 
 
 def _trusted(path: Path, what: str) -> None:
@@ -170,57 +151,6 @@ def _move_file(src: Path, dst: Path) -> None:
     os.unlink(src)
 
 
-def _ours(path: Path, kind: int) -> bool:
-    """``path`` itself (not a link to it) is of ``kind`` (stat.S_IFDIR, S_IFREG) and ours."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid()
-
-
-def reclaim(base: Path | None = None, grace: float = 60.0) -> list[Path]:
-    """Remove the RAM directories of routers that no longer run (``base``: /dev/shm, or the
-    temporary directory where it is missing): those whose ``.owner`` lock is free, and
-    half-made ones older than ``grace`` seconds.  A live router's lock is held: its
-    directory is left alone.  Only our own directories are looked at, and an ``.owner``
-    that is not a plain file of ours (a FIFO, a link, another user's) is never opened for
-    long or trusted: another local user cannot make a starting router wait or remove
-    what it should not.  The directories removed."""
-    base = Path(base) if base is not None else (_ram_base() or Path(tempfile.gettempdir()))
-    gone = []
-    for d in [*base.glob(_PREFIX + "*"), *base.glob(_NEW + "*")]:
-        if not _ours(d, stat.S_IFDIR):
-            continue
-        if d.name.startswith(_NEW):  # one being made: its owner locks, then renames it
-            try:
-                if time.time() - os.lstat(d).st_mtime < grace:
-                    continue
-            except OSError:
-                continue
-        try:  # O_NONBLOCK: a FIFO would block an open; O_NOFOLLOW: not a link's target
-            fd = os.open(d / _OWNER, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:  # none: a router's from before owner files, or a half-made one
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d)
-            continue
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-                continue  # not an owner file of ours: left alone
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # its router is running
-            shutil.rmtree(d, ignore_errors=True)
-            gone.append(d)
-        finally:
-            os.close(fd)
-    return gone
-
-
 def identity(name: str, spec: ModelSpec, env: Mapping[str, str] | None = None) -> str | None:
     """The configuration a kept state belongs to: the model's name, every file a load of
     it reads (each shard, and the projector, draft, adapters... its arguments name: path,
@@ -287,11 +217,14 @@ class KeepStore:
         if ram_dir is not None:
             _trusted(Path(ram_dir), "the kept-state RAM directory")
         else:
-            base = _ram_base()
+            base = ram_base()
             for d in reclaim(base):
                 _LOG.info("removed %s: the kept states of a router that no longer runs", d)
-            ram_dir, self._owner = _claim(base)
+            ram_dir, self._owner = claim(base)
         self.ram_dir = Path(ram_dir)
+        # the RAM directory goes at close(), or at the interpreter's exit where close() never ran
+        self._gone = weakref.finalize(self, remove, self.ram_dir, self._owner, os.getpid())
+        home.hold(self)
         if self.disk_dir is not None:
             self._index_disk()
         with self._lock:
@@ -305,7 +238,7 @@ class KeepStore:
             if _safe_subdir(self.disk_dir, sub.name) != sub:
                 continue
             for f in sorted(sub.glob("*.bin")):
-                if not _ours(f, stat.S_IFREG):
+                if not ours(f, stat.S_IFREG):
                     continue
                 try:
                     fd = os.open(f.with_suffix(".meta"), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -410,7 +343,7 @@ class KeepStore:
             if ident is not None and base is not None and not self._closed:
                 for path in (base / ident).glob("*"):
                     if (ident, path.name) not in self._files and (ident, path.with_suffix(".bin").name) \
-                            not in self._files and _ours(path, stat.S_IFREG):
+                            not in self._files and ours(path, stat.S_IFREG):
                         path.unlink(missing_ok=True)
             self._settle()
 
@@ -525,15 +458,21 @@ class KeepStore:
         return self._snapshot
 
     def close(self) -> None:
-        """The RAM directory goes (its states are lost), and its lock; the disk directory stays."""
+        """The RAM directory goes (its states are lost), and its lock; the disk directory stays.
+        In a fork's child: nothing goes (the directory is the parent's)."""
         with self._lock:
             self._closed = True
-            shutil.rmtree(self.ram_dir, ignore_errors=True)
+            self._gone()  # once: a later fork's child has no lock to let go
+            self._owner = None
             self._files = {key: k for key, k in self._files.items() if k.place == "disk"}
             self._settle()
-            if self._owner is not None:
-                os.close(self._owner)
-                self._owner = None
+
+    def let_go(self) -> None:
+        """In a fork's child: its copy of the lock's descriptor closed (the parent still holds
+        the lock; router/home.py)."""
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
 
     # -- lock held ---------------------------------------------------------------
 

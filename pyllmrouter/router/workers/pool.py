@@ -15,11 +15,13 @@ forever) and tells the router, which marks the worker's models unloaded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +30,7 @@ from multiprocessing.connection import Connection, Pipe
 from typing import Any, Callable
 
 from pyllmrouter.errors import WorkerDied
+from pyllmrouter.router import home
 from pyllmrouter.router.workers.conduit import Conduit, channel
 from pyllmrouter.protocol import FINAL, Batch, Cancel, ErrorKind, Failed, Ping, Ready, Shutdown
 
@@ -38,8 +41,18 @@ __all__ = ["WorkerHandle", "Pending", "WORKER_ENTRY", "Launch"]
 # spawn would first run the application's main module again in the child (a script without
 # an ``if __name__ == "__main__"`` guard would then start its own router there); this
 # imports nothing of the application: the parent's sys.path, then the worker.
+#
+# The app's signals are the app's: a worker runs in a session of its own (a terminal's
+# Ctrl-C, ``kill -TERM -PGID`` do not reach it), and it starts with SIGINT and SIGTERM
+# blocked (``_app_signals_held``), which its first instruction turns to ignored (a
+# signal to every process of a service, as systemd's stop sends, finds them ignored
+# from exec on).  It ends when its router says so, when the router's end of its pipe
+# closes, or when the router's process is gone (engine/worker.py watches it).
 WORKER_ENTRY = "pyllmrouter.engine.worker"
-_BOOT = ("import json, os, sys; sys.path[:] = json.loads(os.environ.pop('PYLLMROUTER_SYS_PATH')); "
+_APP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+         "signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM)); "
+         "import json, os, sys; sys.path[:] = json.loads(os.environ.pop('PYLLMROUTER_SYS_PATH')); "
          f"from {WORKER_ENTRY} import main; main()")
 _TAIL = 20  # lines of a worker's stderr kept to explain its death
 # a line that says why a process ended: ggml's abort or assert ("file.cpp:547: Failed to
@@ -108,6 +121,19 @@ class Pending:
             pass
 
 
+@contextlib.contextmanager
+def _app_signals_held():
+    """SIGINT and SIGTERM blocked in this thread meanwhile: a process started here inherits
+    the mask across exec, so neither can end it before its first instruction ignores them
+    (blocked, not ignored, here: the app's own handlers still get them, in its main thread,
+    or once the mask is restored)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _APP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def _deliver(deliveries: list[tuple[Pending, Any]]) -> None:
     """Put each reply on its Pending, then wake the coroutines waiting for them with
     one call_soon_threadsafe per event loop."""
@@ -161,9 +187,11 @@ class WorkerHandle:
         ours, theirs = channel()  # the native data path: connections handed over (conduit.py)
         env = {**os.environ, **self.env, "PYLLMROUTER_SYS_PATH": json.dumps(sys.path)}
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, WORKER_ENTRY, str(theirs.fileno()), str(child.fileno())],
-                pass_fds=(child.fileno(), theirs.fileno()), env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            with _app_signals_held():
+                self._process = subprocess.Popen(
+                    [sys.executable, "-c", _BOOT, WORKER_ENTRY, str(os.getpid()), str(theirs.fileno()),
+                     str(child.fileno())], pass_fds=(child.fileno(), theirs.fileno()), env=env,
+                    stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:  # no process at all (out of memory, no executable)
             ours.close()
             raise WorkerDied(f"worker {self.name} could not start: {e}") from None
@@ -172,6 +200,7 @@ class WorkerHandle:
             theirs.close()
         self.conduit = Conduit(ours, self.name)
         self._conn = parent
+        home.hold(self)  # a fork's child lets its copies go: the worker sees our end close
         self._relay = threading.Thread(target=self._relay_stderr, name=f"stderr-{self.name}", daemon=True)
         self._relay.start()
         if not parent.poll(timeout):
@@ -189,6 +218,14 @@ class WorkerHandle:
         self._reader.start()
         self._writer = threading.Thread(target=self._write, name=f"writer-{self.name}", daemon=True)
         self._writer.start()
+
+    def let_go(self) -> None:
+        """In a fork's child: its copies of the worker's pipe and channel closed (the
+        parent's stay open; router/home.py)."""
+        if self._conn is not None:
+            self._conn.close()
+        if self.conduit is not None:
+            self.conduit.let_go()
 
     def _exitcode(self) -> int | None:
         """The process's exit status (-N: killed by signal N), waiting a second at most."""
