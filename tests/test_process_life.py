@@ -7,16 +7,22 @@ the tests set."""
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
+
+from pyllmrouter.router.workers.pool import WORKER_ENTRY
+from pyllmrouter.tools.loopback import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -224,3 +230,113 @@ def test_a_router_never_closed_leaves_no_kept_state_directory(tiny):
     """)
     out, _ = ended(proc)
     assert out[0]["kept"] and not os.path.exists(out[0]["kept"]), out
+
+
+# ``pyllmrouter serve`` as a service manager or a terminal runs it: in a session of its own,
+# its SIGINT and SIGTERM as a terminal gives them (uvicorn's handlers replace them)
+SERVE = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+         "signal.signal(signal.SIGTERM, signal.SIG_DFL); from pyllmrouter.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def serve_alone(story, tmp_path) -> tuple[subprocess.Popen, str]:
+    """``pyllmrouter serve`` of the story model in a session of its own, once it serves;
+    its stderr in ``tmp_path/serve.err``."""
+    preset = tmp_path / "models.ini"
+    preset.write_text(f"[story]\nmodel = {story}\nc = 4096\n")
+    port = free_port()
+    with open(tmp_path / "serve.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", SERVE, "serve", "--models-preset", str(preset),
+                                 "--no-models-cache", "--models-memory-margin", "0", "--emulate-devices", "GPU0=4GiB",
+                                 "--kv-keep-ram", "64", "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, base
+
+
+def workers_of(pid: int) -> list[int]:
+    """The live worker processes whose parent is ``pid``."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rpartition(")")[2].split()[:2]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if int(ppid) == pid and state != "Z" and WORKER_ENTRY.encode() in argv:
+            out.append(int(entry))
+    return out
+
+
+def kept_dirs_of(pid: int) -> list[str]:
+    """The kept-state directories process ``pid`` made (their ``.owner`` names it)."""
+    out = []
+    for d in glob.glob("/dev/shm/pyllmrouter-kv-*") + glob.glob(tempfile.gettempdir() + "/pyllmrouter-kv-*"):
+        try:
+            if Path(d, ".owner").read_text().strip() == str(pid):
+                out.append(d)
+        except OSError:
+            pass
+    return out
+
+
+def stream_then(base: str, proc: subprocess.Popen, signals: list[int], max_tokens: int) -> dict:
+    """A streaming chat of ``max_tokens`` tokens; after its first events, ``signals`` sent to
+    serve's whole process group, one by one. What the client read, and serve's workers then."""
+    events, done, error, workers, kept, t0 = 0, False, None, [], [], time.monotonic()
+    try:
+        with httpx.stream("POST", base + "/v1/chat/completions", timeout=30,
+                          json={"model": "story", "messages": [{"role": "user", "content": "a story"}],
+                                "max_tokens": max_tokens, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events += 1
+                done = done or line == "data: [DONE]"
+                if events == 5:
+                    workers = workers_of(proc.pid)
+                    kept = kept_dirs_of(proc.pid)
+                    t0 = time.monotonic()
+                    for i, sig in enumerate(signals):
+                        if i:
+                            time.sleep(0.05)
+                        os.killpg(proc.pid, sig)
+    except httpx.HTTPError as e:
+        error = repr(e)
+    try:
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return dict(events=events, done=done, error=error, workers=workers, kept=kept, took=time.monotonic() - t0)
+
+
+def test_serve_drains_its_stream_when_its_process_group_gets_sigterm(story, tmp_path):
+    """``pyllmrouter serve`` stopped as systemd stops a service (KillMode=control-group: SIGTERM
+    to every process of the group at once): uvicorn drains the stream in flight to its end,
+    serve exits 0 by itself, and leaves no worker and no kept-state directory (before: the
+    worker died with the group's signal, the stream was cut and serve exited at once)."""
+    proc, base = serve_alone(story, tmp_path)
+    got = stream_then(base, proc, [signal.SIGTERM], 1500)
+    err = (tmp_path / "serve.err").read_text()[-3000:]
+    assert got["error"] is None and got["done"] and got["events"] > 1000, (got, err)
+    assert proc.returncode == 0, err
+    assert got["workers"] and all(gone(p, 5) for p in got["workers"]), got
+    assert got["kept"] and not kept_dirs_of(proc.pid), got
+
+
+def test_serve_ends_quickly_on_two_ctrl_cs_and_leaves_no_worker(story, tmp_path):
+    """Two Ctrl-Cs (SIGINT twice to serve's group) while a stream runs: uvicorn quits without
+    draining, serve exits at once, and leaves no worker and no kept-state directory."""
+    proc, base = serve_alone(story, tmp_path)
+    got = stream_then(base, proc, [signal.SIGINT, signal.SIGINT], 20000)
+    err = (tmp_path / "serve.err").read_text()[-3000:]
+    assert proc.returncode == 0 and got["took"] < 5 and not got["done"], (got, err)
+    assert got["workers"] and all(gone(p, 5) for p in got["workers"]), got
+    assert got["kept"] and not kept_dirs_of(proc.pid), got
