@@ -227,8 +227,12 @@ class WorkerSet:
             w = self._launch("+".join(sorted(device_set)), device_set, self._inventory.mask_env(device_set),
                              self._on_death)
             w.start()  # a failed start: each job counting on its reservation gives its own back
-            measured = dict(w.overhead)  # what it said it holds (its process, on the host)
-            # the rest as estimated until measured (a GPU's context: Jobs.refresh_overhead)
+            # what it holds before any model: its process (its Ready), its GPUs' contexts as the
+            # device tells them (nothing else runs there yet), or as configured (emulated)
+            measured = {**dict(w.overhead), **self._inventory.process_usage(w.pid),
+                        **self._inventory.worker_overhead(device_set)}
+            # where nothing tells (a driver that lists no process, as in a container), the
+            # estimate stands for them (never below); Jobs.refresh_overhead measures again
             w.overhead.update({**self.costs.estimate(device_set), **measured})
             self.costs.learn(device_set, measured)
             with self._cond:  # its own bytes held from now, in its reservation's place
