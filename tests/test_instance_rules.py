@@ -36,9 +36,9 @@ def test_an_instance_name_is_never_taken_twice(ops):
         if op == "add" and rec is None and "#" not in name:
             registry.add(ModelConfig(name, SPEC, replicas=3))
         elif op in ("remove", "change") and rec is not None and rec.fate is None and rec.primary is None:
-            registry.retire(rec, None if op == "remove" else ModelConfig(name, SPEC, ttl=7, replicas=3))
+            registry.set_retiring(rec, None if op == "remove" else ModelConfig(name, SPEC, ttl=7, replicas=3))
         elif op == "finish" and rec is not None and rec.fate is not None:
-            registry.finish(rec)
+            registry.take_out(rec)
         elif op == "grow":
             primary = registry.get(name.split(replicas.SEPARATOR)[0])
             if primary is not None and primary.primary is None:

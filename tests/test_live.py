@@ -71,7 +71,7 @@ def test_a_retiring_model_is_never_unloaded_busy_and_goes_only_once_unloaded(sta
         assert action is Step.NONE
     if action is Step.UNLOAD:
         assert state is State.LOADED and leases == 0  # its requests in flight have finished
-    if action is Step.FINISH:
+    if action is Step.TAKE_OUT:
         assert state is State.UNLOADED  # it holds nothing any more
     if retiring and state is State.LOADED and leases == 0:
         assert action is Step.UNLOAD  # an idle model does not linger

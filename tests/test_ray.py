@@ -93,7 +93,7 @@ def test_models_are_placed_by_memory_and_no_node_is_oversubscribed(cluster):
     c, client, ids, _, _ = cluster
     for model in ("a", "b", "c", "d"):
         status, node, body = client.complete(model)
-        assert status == 200, body  # at once: the router counts the load it routed (policy.assume_routed)
+        assert status == 200, body  # at once: the router counts the load it routed (ranking.assume_routed)
     where = _where(client)
     # a, b fill the small node most tightly; c and d no longer fit there, the medium node is next
     assert where["a"] == where["b"] == [ids["small"]]

@@ -20,7 +20,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pyllmrouter.ray import failover, relay  # noqa: E402
+from pyllmrouter.ray import answer, failover  # noqa: E402
 from pyllmrouter.tools.raynodes import kill_node, process_tree  # noqa: E402
 from raylocal import deployed  # noqa: E402
 
@@ -338,7 +338,7 @@ def _ran(ray_dir, rid: str) -> dict[str, set[str]]:
 def test_a_silent_node_runs_nothing_it_had_not_claimed(cluster, ray_dir):
     """A node's replica and workers stopped (a host that hangs: no reset, and Ray says
     nothing for a minute) with a whole request running there and one waiting for the
-    same slot.  Within relay.SILENT seconds: the running one is a 504 that says it was
+    same slot.  Within answer.SILENT seconds: the running one is a 504 that says it was
     running there, the waiting one is answered by another node.  When the node resumes,
     its claim of the waiting one is refused by the ledger: each ran on one node."""
     _, client, _, _ = cluster
@@ -381,7 +381,7 @@ def test_a_silent_node_runs_nothing_it_had_not_claimed(cluster, ray_dir):
             os.kill(pid, signal.SIGCONT)
     status, headers, text, at = results["silent-running"]
     assert status == 504 and "stopped answering" in text and "running there" in text, (status, text)
-    assert at - stopped_at < relay.SILENT + 5
+    assert at - stopped_at < answer.SILENT + 5
     status, headers, text, at = results["silent-waiting"]
     assert status == 200 and headers["x-pyllmrouter-node"] != x and headers["x-pyllmrouter-retried"] == x, \
         (status, headers, text)

@@ -1,5 +1,5 @@
 """A request a cluster's node runs only once it holds a free slot and its claim came back
-(Router.arelay's ``running``, server/relayed.py): it waits for a slot at the router, in
+(Router.arelay's ``running``, server/forwarded.py): it waits for a slot at the router, in
 the order requests came, never in its engine's queue; a claim refused ends it with its
 lease released and nothing sent to the engine."""
 

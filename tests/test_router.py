@@ -545,7 +545,7 @@ def test_a_bug_inside_a_worker_is_an_internal_error_and_the_worker_goes_on(specs
     the engine's binding) crosses the pipe as ErrorKind.INTERNAL, a 500; the worker and
     its model serve the next request."""
     from pyllmrouter.errors import RequestFailed
-    from pyllmrouter.server.errors import from_router_error
+    from pyllmrouter.server.api_errors import from_router_error
 
     with make(specs, ["a"], {"GPU0": 1 << 30}) as r:
         r.load("a")

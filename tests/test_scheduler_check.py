@@ -15,10 +15,10 @@ from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 import test_scheduler_model
-from pyllmrouter.router.policy import ledger
+from pyllmrouter.router.policy import accounting
 from pyllmrouter.router.workers.costs import WorkerCosts
 
-_available = ledger.available
+_available = accounting.available
 
 
 def _held_for_settled(totals, capacity, margin, free, held, settled):
@@ -26,7 +26,7 @@ def _held_for_settled(totals, capacity, margin, free, held, settled):
 
 
 BREAKS = {
-    "external = total - free - held": (ledger, "available", _held_for_settled),
+    "external = total - free - held": (accounting, "available", _held_for_settled),
     "a worker costs nothing before it runs": (WorkerCosts, "estimate", lambda self, device_set: {}),
 }
 

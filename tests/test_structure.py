@@ -5,6 +5,7 @@ readable length.  Read from the source (ast), so a change that breaks a rule fai
 from __future__ import annotations
 
 import ast
+import collections
 from pathlib import Path
 
 import pyllmrouter
@@ -118,3 +119,13 @@ def test_files_are_of_a_readable_length():
     long = {str(p.relative_to(ROOT.parent)): n for p in ROOT.rglob("*.py")
             if (n := p.read_text().count("\n")) > MAX_LINES}
     assert long == {}
+
+
+def test_one_meaning_per_name():
+    """No two modules of the package share a name, nor two of its classes: a name read in a
+    traceback, a doc or a review points at one thing."""
+    stems = collections.Counter(p.stem for p in ROOT.rglob("*.py") if p.stem != "__init__")
+    classes = collections.Counter(n.name for p in ROOT.rglob("*.py") for n in ast.parse(p.read_text()).body
+                                  if isinstance(n, ast.ClassDef))
+    assert [s for s, n in stems.items() if n > 1] == []
+    assert [c for c, n in classes.items() if n > 1] == []

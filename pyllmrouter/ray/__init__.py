@@ -1,7 +1,7 @@
 """pyllmrouter on a Ray cluster (``pip install pyllmrouter[ray]``).
 
     client ──HTTP──▶ Ingress ──▶ MemoryAwareRouter (Serve's request router: each
-                                 replica's statistics, ranked by policy.rank)
+                                 replica's statistics, ranked by ranking.rank)
                                    ──▶ NodeRouter on node A: Router + the serve app
                                    ──▶ NodeRouter on node B ...
 

@@ -32,7 +32,7 @@ The classes (``endpoints.repeatable``: the endpoint table says which routes writ
 A Started in transit when the node dies does not read as not begun: "begun" is the
 ledger's answer (a node runs a request only after its claim came back, and the ingress
 sends it on only after its abandon found no claim), so a request runs on one node at
-most.  A node silent for relay.SILENT seconds (a stopped host: Ray says nothing for a
+most.  A node silent for answer.SILENT seconds (a stopped host: Ray says nothing for a
 minute) is held out and its requests decided alike.
 
 A lost node is left out of every request for ``hold`` seconds: longer than Ray takes

@@ -14,7 +14,7 @@ with a clear error: 502 before the reply started, an SSE error event after; only
 repeatable request that had not begun is sent to another node (failover.py), and it
 runs on one node at most: a node runs it only once it has claimed its ticket in this
 ingress's ledger, and it is sent on only once the ledger says no node had (ledger.py).
-A node that sends nothing (not even its Beat) for relay.SILENT seconds is silent:
+A node that sends nothing (not even its Beat) for answer.SILENT seconds is silent:
 held out, as a lost one is.
 ``?node=ID`` sends a request to one node; a slot action (POST /slots/{id}) goes to the
 one node where its model is loaded (or the one ``?node=`` names), never elsewhere.
@@ -41,15 +41,15 @@ from ray.serve.exceptions import RayServeException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pyllmrouter.ray import cluster, failover, policy
+from pyllmrouter.ray import cluster, failover, ranking
 from pyllmrouter.ray.ledger import Ledger
 from pyllmrouter.ray.messages import Accepted, Beat, Head, NodeRequest, Started
-from pyllmrouter.ray.relay import Silent, chunks_of, fate, lost_message, next_item, node_named, relay
+from pyllmrouter.ray.answer import Silent, chunks_of, fate, lost_message, next_item, node_named, relay
 from pyllmrouter import endpoints
 from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, guard_error
 from pyllmrouter.server.body import json_object, model_named
 from pyllmrouter.server.body import read_or_refuse, replay
-from pyllmrouter.server.errors import ApiError, error_response
+from pyllmrouter.server.api_errors import ApiError, error_response
 
 __all__ = ["Ingress", "NODE_RESOURCE", "node_ids"]
 
@@ -136,7 +136,7 @@ class Ingress:
 
     async def _re_place_loop(self) -> None:
         """Every RE_PLACE_PERIOD: the models the nodes evicted since the last look, loaded
-        nowhere now, are loaded where they fit in free memory (policy.re_place): a node that
+        nowhere now, are loaded where they fit in free memory (ranking.re_place): a node that
         joins takes back what the others pushed out, and models that keep evicting each
         other for the same bytes end on different nodes.  Each node's events are read by
         their sequence numbers, not by any clock."""
@@ -184,7 +184,7 @@ class Ingress:
         held = {e["id"] for e in entries if e["status"]["value"] in ("loaded", "loading")}
         for model in [m for m in pending if m in held or m not in {e["id"] for e in entries}]:
             del pending[model]  # loaded again meanwhile, or listed nowhere now
-        for model, node in policy.re_place(views, list(pending)[::-1]):
+        for model, node in ranking.re_place(views, list(pending)[::-1]):
             _LOG.info("'%s', evicted and loaded nowhere since, fits free on node %s: loaded there", model, node)
             del pending[model]
             await self._respond(NodeRequest("POST", "/models/load", body=json.dumps({"model": model}).encode(),
@@ -264,7 +264,7 @@ class Ingress:
         cannot serve it now) is left out of the next attempt, each node once, until every
         node has refused: then 507 with each node's figures where every one said 507, else
         the last refusal as that node gave it.  A node lost before its reply began
-        (failover.py), or silent (no item for relay.SILENT seconds; no replica took the
+        (failover.py), or silent (no item for answer.SILENT seconds; no replica took the
         request within ACCEPT_TIMEOUT), is left out and the request sent to another, once,
         with the seconds it waited, where it is ``repeats`` (endpoints.repeatable) and no
         node had claimed its ticket (ray/ledger.py: the abandon that says so also forbids

@@ -37,10 +37,10 @@ from pyllmrouter.config import MiB
 from pyllmrouter.errors import RouterError
 from pyllmrouter.ray import failover
 from pyllmrouter.ray.messages import BEAT, Accepted, Beat, Head, NodeRequest, Started
-from pyllmrouter.ray.policy import node_stats
+from pyllmrouter.ray.ranking import node_stats
 from pyllmrouter import endpoints
 from pyllmrouter.server.app import create_app
-from pyllmrouter.server.relayed import RELAYED, Relayed
+from pyllmrouter.server.forwarded import FORWARDED, Forwarded
 from pyllmrouter.server.run import parse_serve_args, router_from_args
 
 __all__ = ["NodeRouter", "CLAIM_TIMEOUT"]
@@ -141,7 +141,7 @@ class NodeRouter:
         takes = request.method == "POST" and endpoints.repeatable("POST", request.path, {}) \
             and endpoints.takes_slot(request.path)
         wait = running if request.ticket is not None else slotted if takes else None
-        scope["extensions"] = {RELAYED: Relayed(request.waited, wait)}
+        scope["extensions"] = {FORWARDED: Forwarded(request.waited, wait)}
         left = asyncio.Event()
         body_given = False
 

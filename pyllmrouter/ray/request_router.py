@@ -1,7 +1,7 @@
 """Ray Serve's request router for pyllmrouter replicas: ranks replicas by the model's
-bytes against each node's free and evictable memory (policy.rank), from the statistics
+bytes against each node's free and evictable memory (ranking.rank), from the statistics
 every replica records (``record_routing_stats``), a period old at worst.  A model routed
-to a node in the last few seconds counts as loading there (policy.assume_routed) until
+to a node in the last few seconds counts as loading there (ranking.assume_routed) until
 the node's statistics show it, so requests in between are not placed on stale figures.
 
 Serve calls ``choose_replicas`` for each request and sends it to the first rank that
@@ -26,7 +26,7 @@ from typing import Any, List, Optional
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from pyllmrouter.ray.messages import NodeRequest
-from pyllmrouter.ray.policy import assume_routed, rank
+from pyllmrouter.ray.ranking import assume_routed, rank
 
 __all__ = ["MemoryAwareRouter"]
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import HOST, Device
 from pyllmrouter.errors import ModelRemoved, UnknownModel
-from pyllmrouter.router.policy import ledger, placement, queueing
+from pyllmrouter.router.policy import accounting, placement, queueing
 from pyllmrouter.router.policy.fitbook import Fitted
 from pyllmrouter.router.policy.state import State, check_transition, holds_memory
 from pyllmrouter.router.records import Fate, Lease, Record, Ticket
@@ -153,10 +153,10 @@ class Book:
         return capacity(self.devices[device], self.options)
 
     def _tally(self) -> tuple[dict[str, int], dict[str, int]]:
-        """(held, settled) bytes per device (policy/ledger.py ``tally``)."""
+        """(held, settled) bytes per device (policy/accounting.py ``tally``)."""
         kept = (self.keep.held_ram(), self.keep.kept_ram()) if self.keep is not None else (0, 0)
         workers = self.workers
-        return ledger.tally([(r.state, r.need) for r in self._registry.records()],
+        return accounting.tally([(r.state, r.need) for r in self._registry.records()],
                             [w.overhead for w in workers.running()],
                             [*(w.overhead for w in workers.stopping()), *workers.starting()], kept)
 
@@ -168,22 +168,22 @@ class Book:
     def mark(self) -> tuple[int, int, int]:
         """Read before a reading of free memory, and checked when it is used: it changes
         whenever bytes become settled (a model LOADED, a worker started or its overhead
-        measured, kept states written), which the reading may predate (policy/ledger.py)."""
+        measured, kept states written), which the reading may predate (policy/accounting.py)."""
         with self._cond:
             return self._settled_version, self.workers.version, self.keep.version if self.keep is not None else 0
 
     def external(self, free: dict[str, int]) -> dict[str, int]:
-        """Per device, what other programs may be using, erring high (policy/ledger.py)."""
+        """Per device, what other programs may be using, erring high (policy/accounting.py)."""
         with self._cond:
-            return ledger.external({n: d.total for n, d in self.devices.items()}, free, self._tally()[1])
+            return accounting.external({n: d.total for n, d in self.devices.items()}, free, self._tally()[1])
 
     def available(self, free: dict[str, int], hoped: bool = False) -> dict[str, int]:
         """Per device, what our models may surely take now, from ``free`` (the inventory's
         reading, taken before the lock, after ``mark``); ``hoped``: once what is under way
-        has settled (policy/ledger.py)."""
+        has settled (policy/accounting.py)."""
         with self._cond:
             held, settled = self._tally()
-            out = ledger.available({n: d.total for n, d in self.devices.items()},
+            out = accounting.available({n: d.total for n, d in self.devices.items()},
                                    {n: self.capacity(n) for n in self.devices}, self.options.margin, free, held,
                                    held if hoped else settled)
             if self.options.max_models:
@@ -550,9 +550,9 @@ class Book:
             self._registry.revive(rec, cfg)
             self._cond.notify_all()
 
-    def retire(self, rec: Record, replacement: ModelConfig | None) -> None:
+    def set_retiring(self, rec: Record, replacement: ModelConfig | None) -> None:
         with self._cond:
-            self._registry.retire(rec, replacement)
+            self._registry.set_retiring(rec, replacement)
             self._cond.notify_all()
 
     def set_fate(self, rec: Record, fate: Fate) -> None:
@@ -566,9 +566,9 @@ class Book:
             self._registry.relink()
             self._cond.notify_all()
 
-    def finish(self, rec: Record) -> Record | None:
+    def take_out(self, rec: Record) -> Record | None:
         with self._cond:
-            new = self._registry.finish(rec)
+            new = self._registry.take_out(rec)
             self._cond.notify_all()
             return new
 

@@ -25,16 +25,16 @@ from pyllmrouter.errors import RouterForked
 __all__ = ["hold", "here"]
 
 
-class Held(Protocol):
+class Inherited(Protocol):
     def let_go(self) -> None:
         """Close this process's copies of the object's descriptors, taking no lock (a thread
         of the parent's may have held it at the fork, and it has no thread here)."""
 
 
-_held: "weakref.WeakSet[Held]" = weakref.WeakSet()
+_held: "weakref.WeakSet[Inherited]" = weakref.WeakSet()
 
 
-def hold(obj: Held) -> None:
+def hold(obj: Inherited) -> None:
     """``obj.let_go()`` runs in the child of every later fork of this process."""
     _held.add(obj)
 

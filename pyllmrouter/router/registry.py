@@ -4,14 +4,14 @@ removed or changed while it serves.
     validate(configs)      ──▶ the whole list checked (names and aliases used once, devices
                                known): a list that cannot stand changes nothing
     add(config)            ──▶ a Record (its name free, the list with it valid)
-    retire(rec, fate)      ──▶ rec.fate = REMOVE, or the config that replaces it; the
+    set_retiring(rec, cfg) ──▶ rec.fate = REMOVE, or the config that replaces it; the
                                aliases are the list's at once (one may shadow the name of a
                                removed model still finishing: it means its new owner)
     step(state, leases, fate) (pure) ──▶ what the scheduler does next with a retiring model:
         NONE    no fate, or it must wait (loading, unloading)
         UNLOAD  loaded and idle: unload it (its requests in flight have finished)
-        FINISH  unloaded: drop it, or swap in the Record of its new config
-    finish(rec)            ──▶ dropped (REMOVE) or a new Record for the new config, which
+        TAKE_OUT unloaded: drop it, or swap in the Record of its new config
+    take_out(rec)          ──▶ dropped (REMOVE) or a new Record for the new config, which
                                waiting requests follow (``Record.successor``)
 
 The scheduler owns the registry and calls it under its lock only; nothing here
@@ -44,7 +44,7 @@ API = "api"  # the source of models added through the API: a reload of the other
 class Step(enum.Enum):
     NONE = "none"
     UNLOAD = "unload"
-    FINISH = "finish"
+    TAKE_OUT = "take-out"
 
 
 def step(state: State, leases: int, retiring: bool) -> Step:
@@ -55,7 +55,7 @@ def step(state: State, leases: int, retiring: bool) -> Step:
     if state is State.LOADED:
         return Step.UNLOAD if leases == 0 else Step.NONE
     if state is State.UNLOADED:
-        return Step.FINISH
+        return Step.TAKE_OUT
     return Step.NONE
 
 
@@ -201,7 +201,7 @@ class Registry:
             del self._records[rec.name]
             rec.gone = True
 
-    def retire(self, rec: Record, replacement: ModelConfig | None) -> None:
+    def set_retiring(self, rec: Record, replacement: ModelConfig | None) -> None:
         """Mark ``rec`` removed (``replacement`` None) or replaced by a new config (the list
         with it validated by the caller); the aliases follow the list at once."""
         rec.fate = Fate.REPLACE if replacement is not None else Fate.REMOVE
@@ -215,9 +215,9 @@ class Registry:
             rec.fate, rec.replacement = None, None
             self._relink()
         else:
-            self.retire(rec, cfg)
+            self.set_retiring(rec, cfg)
 
-    def finish(self, rec: Record) -> Record | None:
+    def take_out(self, rec: Record) -> Record | None:
         """An unloaded retiring model goes: dropped, or its new config's Record takes its
         name (returned; ``rec.successor`` points waiters to it)."""
         if self._records.get(rec.name) is not rec:

@@ -99,7 +99,7 @@ class Roster:
                 book.set_fate(extra, Fate.REMOVE)
                 book.end_follows(extra)
                 self.settle(extra)
-        book.retire(rec, replacement)
+        book.set_retiring(rec, replacement)
         book.end_follows(rec)
         book.event("remove" if replacement is None else "change", rec.name)
         self.settle(rec)
@@ -117,11 +117,11 @@ class Roster:
             action = step(rec.state, rec.leases, rec.fate is not None)
             if action is Step.UNLOAD:
                 self._jobs.unload_now(rec)
-            elif action is Step.FINISH:
+            elif action is Step.TAKE_OUT:
                 if book.keep is not None and rec.fate is Fate.REMOVE:
                     # its kept states can serve no one: they go, file work off the Book's lock
                     self._jobs.spawn(book.keep.forget, rec.name)
-                new = book.finish(rec)
+                new = book.take_out(rec)
                 book.event("model_remove" if new is None else "replaced", rec.name)
 
     def grow(self, rec: Record, arriving: int = 0) -> None:

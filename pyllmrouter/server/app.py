@@ -40,14 +40,14 @@ from pyllmrouter.endpoints import ENGINE_GET, LABELLED, is_engine_post
 from pyllmrouter.errors import RouterError, UnknownModel, WorkerDied
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage, ollama, page
-from pyllmrouter.server.errors import ApiError, error_response, from_router_error
+from pyllmrouter.server.api_errors import ApiError, error_response, from_router_error
 from pyllmrouter.router.services.tools import Services
 from pyllmrouter.server.body import (BODY_METHODS, departed, engine_body, json_object, json_value, model_in,
                                     read_or_refuse, replay)
 from pyllmrouter.router.workers.conduit import Connection, Served
-from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Refusal
+from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Blocked
 from pyllmrouter.server.connection import HANDOVER, Handover, HttpProtocol
-from pyllmrouter.server.relayed import relayed_of
+from pyllmrouter.server.forwarded import forwarded_of
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
@@ -122,7 +122,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         client's disconnect)."""
         t0 = time.perf_counter()
         endpoint, query, headers = _for_engine(request)
-        relayed = relayed_of(request.scope)
+        relayed = forwarded_of(request.scope)
         try:
             reply, stream = await router.arelay(model, request.method, endpoint, raw, query,
                                                autoload=autoload_param(request) if autoload is None else autoload,
@@ -502,7 +502,7 @@ class _Guard:
             refused = self.gate.body(scope["method"], path, origin, headers.get("content-type", ""),
                                      headers.get("content-length", "0") != "0" or "transfer-encoding" in headers)
         if refused is not None:
-            return await _error_for(path, _refusal(refused))(scope, receive, send)
+            return await _error_for(path, _blocked(refused))(scope, receive, send)
         err = guard_error(path, headers, self.api_keys, self.max_body)
         if err is not None:
             return await _error_for(path, err)(scope, receive, send)
@@ -525,7 +525,7 @@ def _error_for(path: str, e: ApiError) -> Response:
     return ollama.error(e.status, e.message) if path.startswith("/api/") else error_response(e)
 
 
-def _refusal(r: Refusal) -> ApiError:
+def _blocked(r: Blocked) -> ApiError:
     return ApiError(r.status, r.message, "permission_error" if r.status == 403 else "invalid_request_error", r.code)
 
 

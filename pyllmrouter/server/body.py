@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
-from pyllmrouter.server.errors import ApiError, error_response
+from pyllmrouter.server.api_errors import ApiError, error_response
 
 __all__ = ["BODY_METHODS", "TooLarge", "read_body", "read_or_refuse", "replay", "form", "engine_body", "json_value",
            "json_object", "model_in", "model_named", "departed"]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 from urllib.parse import urlsplit
 
-__all__ = ["Gate", "Refusal", "LOCAL_ORIGINS", "is_loopback_bind"]
+__all__ = ["Gate", "Blocked", "LOCAL_ORIGINS", "is_loopback_bind"]
 
 LOCAL_ORIGINS = "localhost"  # llama.cpp's own name for "the local origins, any port"
 _LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"})
@@ -35,7 +35,7 @@ _FORM_PATHS = frozenset({"/v1/audio/transcriptions", "/audio/transcriptions"})  
 
 
 @dataclass(frozen=True)
-class Refusal:
+class Blocked:
     status: int
     message: str
     code: str
@@ -89,7 +89,7 @@ class Gate:
         # memo of this pure check, bounded, since a client may send any Host
         self._accepted: set[str] = set()
 
-    def host(self, host_header: str | None) -> Refusal | None:
+    def host(self, host_header: str | None) -> Blocked | None:
         """The Host check (DNS rebinding): None where the Host is acceptable."""
         if self.allowed_hosts is None or not host_header or host_header in self._accepted:
             return None
@@ -98,7 +98,7 @@ class Gate:
             if len(self._accepted) < _ACCEPTED_MEMO:
                 self._accepted.add(host_header)
             return None
-        return Refusal(403, f"the host {host!r} is not allowed: a request to this router (listening on loopback) "
+        return Blocked(403, f"the host {host!r} is not allowed: a request to this router (listening on loopback) "
                             f"must name it by a local name or address (localhost, 127.0.0.1, [::1]); another name "
                             f"is one a page may have rebound to it (DNS rebinding): list it with --allowed-hosts",
                        "host_not_allowed")
@@ -121,18 +121,18 @@ class Gate:
             return False
         return not self.allows_origin(origin)
 
-    def origin(self, origin: str | None, host_header: str | None, has_valid_key: Callable[[], bool]) -> Refusal | None:
+    def origin(self, origin: str | None, host_header: str | None, has_valid_key: Callable[[], bool]) -> Blocked | None:
         """The Origin check: None where the request may go on (the key is looked at only
         for a foreign page's request)."""
         if not self.foreign(origin, host_header) or has_valid_key():
             return None
-        return Refusal(403, f"a request from the web page at {origin} is refused: pages of other origins may not use "
+        return Blocked(403, f"a request from the web page at {origin} is refused: pages of other origins may not use "
                             f"this router without its API key; allow that origin with --cors-origins "
                             f"(currently {self.cors_origins!r}; '*' allows every origin, as llama-server)",
                        "origin_not_allowed")
 
     @staticmethod
-    def body(method: str, path: str, origin: str | None, content_type: str, has_body: bool) -> Refusal | None:
+    def body(method: str, path: str, origin: str | None, content_type: str, has_body: bool) -> Blocked | None:
         """A browser's request that changes state must declare its JSON body."""
         if origin is None or method not in _STATE_CHANGING or not has_body:
             return None
@@ -141,6 +141,6 @@ class Gate:
             return None
         if media == "multipart/form-data" and path in _FORM_PATHS:
             return None
-        return Refusal(415, f"a request from a web page that changes state must send its body as JSON "
+        return Blocked(415, f"a request from a web page that changes state must send its body as JSON "
                             f"(Content-Type: application/json), not {media or 'an undeclared type'!r}",
                        "unsupported_media_type")

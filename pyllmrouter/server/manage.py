@@ -26,7 +26,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from pyllmrouter.errors import RouterError
 from pyllmrouter.router.api import Router
-from pyllmrouter.server.errors import ApiError, from_router_error
+from pyllmrouter.server.api_errors import ApiError, from_router_error
 from pyllmrouter.server.sse import event_stream
 
 __all__ = ["mount", "LOOKUP_IDS", "LOOKUP_BYTES"]

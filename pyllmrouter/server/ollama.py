@@ -41,9 +41,9 @@ from pyllmrouter.errors import RouterError, UnknownModel
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import ollama_wire as wire
 from pyllmrouter.server.body import departed
-from pyllmrouter.server.errors import ApiError, from_router_error
+from pyllmrouter.server.api_errors import ApiError, from_router_error
 from pyllmrouter.server.ollama_wire import OllamaError
-from pyllmrouter.server.relayed import relayed_of
+from pyllmrouter.server.forwarded import forwarded_of
 
 __all__ = ["error", "mount"]
 
@@ -157,10 +157,10 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
     async def take(request: Request, model: str, path: str, body: dict[str, Any],
                    keep: float | None) -> tuple[Any, Any]:
         """The engine's reply to ``body`` at ``path``; the model's idle time set as the request
-        takes it (a cluster's node: as ``forward`` relays, server/relayed.py)."""
+        takes it (a cluster's node: as ``forward`` relays, server/forwarded.py)."""
         def leased(_instance: str) -> None:
             router.scheduler.keep_alive(model, keep)
-        relayed = relayed_of(request.scope)
+        relayed = forwarded_of(request.scope)
         try:
             return await router.arelay(model, "POST", path, json.dumps(body).encode(), {},
                                        headers={"content-type": "application/json"},

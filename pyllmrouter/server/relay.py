@@ -1,7 +1,7 @@
 """A model's reply written by the router itself (the relay: ``--no-native``, TLS, a body too
 big to hand over, a multipart form, a GET), as llama-server's HTTP layer writes it.
 
-    Router.arelay ──(HttpReply, Stream | None)──▶ relay() ──▶ Response | Relayed (a stream)
+    Router.arelay ──(HttpReply, Stream | None)──▶ relay() ──▶ Response | RelayedStream
         the reply's status, headers and content type unchanged; a stream chunk by chunk as
         the engine yields it, its generation stopped when the client leaves; a stream that
         fails under way left unfinished (the connection closes without its last chunk)
@@ -23,9 +23,9 @@ from pyllmrouter.errors import RouterError
 from pyllmrouter.protocol import HttpReply
 from pyllmrouter.router.services.streams import Stream
 from pyllmrouter.server.connection import CUT
-from pyllmrouter.server.errors import from_router_error
+from pyllmrouter.server.api_errors import from_router_error
 
-__all__ = ["relay", "Relayed"]
+__all__ = ["relay", "RelayedStream"]
 
 
 class _Stalled(Exception):
@@ -51,7 +51,7 @@ def _bounded(send, timeout: float | None):
     return sending
 
 
-class Relayed(StreamingResponse):
+class RelayedStream(StreamingResponse):
     """A streamed reply whose writes are bounded by ``timeout`` (None: unbounded): a client
     that stops reading ends it, its generation stopped and its lease released (the body's
     own end), and uvicorn closes the connection (the response is left incomplete).  A
@@ -116,4 +116,4 @@ def relay(reply: HttpReply, stream: Stream | None, ended: Callable[[str], None],
             stream.abandon()  # a client that left stops generation
             ended(code)
 
-    return Relayed(body_chunks(), reply.status, headers, timeout)
+    return RelayedStream(body_chunks(), reply.status, headers, timeout)

@@ -12,7 +12,7 @@ device set, whether an earlier request goes first) under its lock, calls
 ``decide`` and carries the decision out in the same critical section.  Nothing
 here reads a clock, a device or a lock; placement.py does the arithmetic.
 
-Two figures of what is available (policy/ledger.py): ``available``, what the devices
+Two figures of what is available (policy/accounting.py): ``available``, what the devices
 surely have now (every byte of a load or unload under way counted against it, whatever
 part of it free memory shows), and ``hoped``, what they will have once those settle.  A
 model is admitted only where it fits ``available``; what to evict, drain or fit for is

@@ -1,10 +1,10 @@
-"""The cluster's placement policy (pyllmrouter.ray.policy): pure ranking of nodes by a
+"""The cluster's placement policy (pyllmrouter.ray.ranking): pure ranking of nodes by a
 model's bytes against each node's statistics.  No Ray needed."""
 
 from __future__ import annotations
 
 from pyllmrouter.ray.cluster import merge_models, no_node_fits
-from pyllmrouter.ray.policy import assume_routed, classify, node_stats, rank, waits
+from pyllmrouter.ray.ranking import assume_routed, classify, node_stats, rank, waits
 
 MiB = 1 << 20
 
@@ -154,7 +154,7 @@ def view(available_mib: int, models: dict) -> dict:
 
 
 def test_a_model_evicted_lately_goes_back_where_it_fits_free_the_tightest_fit_first():
-    from pyllmrouter.ray.policy import re_place
+    from pyllmrouter.ray.ranking import re_place
 
     crowded = view(5, {"x": ("unloaded", 50), "y": ("loaded", 50), "z": ("unloaded", 10)})
     joined = view(60, {"x": ("unloaded", 50), "y": ("unloaded", 50), "z": ("unloaded", 10)})

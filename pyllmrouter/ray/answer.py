@@ -17,7 +17,7 @@ from ray.serve.exceptions import RayServeException
 from starlette.responses import Response, StreamingResponse
 
 from pyllmrouter.ray.messages import BEAT, Beat, Head
-from pyllmrouter.server.errors import ApiError
+from pyllmrouter.server.api_errors import ApiError
 
 __all__ = ["SILENT", "Silent", "next_item", "chunks_of", "relay", "fate", "lost_message", "node_named"]
 

@@ -1,6 +1,6 @@
 """A request that a cluster's ingress sent on to this node's app (``ray/replica.py``).
 
-The replica puts a ``Relayed`` in the ASGI scope's extensions under ``RELAYED``: the
+The replica puts a ``Forwarded`` in the ASGI scope's extensions under ``FORWARDED``: the
 seconds the request already waited (it went to a node that was lost before it began to
 answer, and keeps its place in line here), and, for a request the ingress may send to
 another node (a repeatable one: ray/failover.py), what to await once it holds a free
@@ -13,17 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-__all__ = ["RELAYED", "Relayed", "relayed_of"]
+__all__ = ["FORWARDED", "Forwarded", "forwarded_of"]
 
-RELAYED = "pyllmrouter.relayed"  # the ASGI scope extension's name
+FORWARDED = "pyllmrouter.forwarded"  # the ASGI scope extension's name
 
 
 @dataclass(frozen=True)
-class Relayed:
+class Forwarded:
     waited: float  # seconds, before this node had the request
     running: Callable[[], Awaitable[bool]] | None = None  # awaited once, with a slot held
 
 
-def relayed_of(scope: dict) -> Relayed | None:
-    """The ``Relayed`` of a request's ASGI scope: None for one a client sent here."""
-    return scope.get("extensions", {}).get(RELAYED)
+def forwarded_of(scope: dict) -> Forwarded | None:
+    """The ``Forwarded`` of a request's ASGI scope: None for one a client sent here."""
+    return scope.get("extensions", {}).get(FORWARDED)
