@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The differential fuzz of the wire, long: seeded raw HTTP/1.1 byte streams on the native
 path against the relay (pyllmrouter/tools/wire.py says what a case is and what "the same"
-means; tests/test_wire.py runs a short run of it).
+means; tests/native/test_wire.py runs a short run of it).
 
     python bench/wire_fuzz.py [--seed 1] [--cases 2000] [--out FILE]
 

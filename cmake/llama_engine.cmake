@@ -49,7 +49,7 @@ string(REPLACE "${QUEUE_WAIT}" "condition_results.wait_until(lock, stop_check_at
 # (one for that slot first: a slot save, restore or erase), and a slot action frees no slot
 # when it ends, so a completion deferred behind it waited until some other task ended (for
 # ever, where none came): with one slot, a completion, a save of the slot and a second
-# completion left the second waiting (tests/test_engine_queue.py).  Every task goes back, in
+# completion left the second waiting (tests/native/test_engine_queue.py).  Every task goes back, in
 # its order, behind the one chosen; those whose slot is still busy are deferred again.
 set(DEFER_END "            queue_tasks_deferred.pop_front();\n        }\n    }\n    time_last_task = ggml_time_ms();")
 string(FIND "${QUEUE_TEXT}" "${DEFER_END}" AT_DEFER)

@@ -153,7 +153,7 @@ int nesting(const std::string & text) {
 // llama-server's endpoints whose requests take a slot of the engine (a generation, an
 // embedding, a rerank, a transcription) for as long as they run; the others (tokenize,
 // templates, props, slot actions...) are answered without waiting for one.  The same list
-// as pyllmrouter/endpoints.py's (tests/test_endpoints.py compares them).
+// as pyllmrouter/endpoints.py's (tests/http/test_endpoints.py compares them).
 bool takes_slot(const std::string & path) {
     static const std::set<std::string> paths = {
         "/completion", "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions",

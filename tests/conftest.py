@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny real GGUF models and an isolated probe cache."""
+"""Shared fixtures: tiny real GGUF models and an isolated probe cache.
+
+The tests are grouped in folders by behaviour, as the docs' pages are (docs/development.md
+has the map).  Every folder is on the import path, so a test module's helpers (the
+simulated world, a live server) are imported by name from any folder."""
 
 from __future__ import annotations
 
@@ -8,9 +12,13 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+sys.path[:0] = sorted(str(d) for d in Path(__file__).resolve().parent.iterdir()
+                      if d.is_dir() and not d.name.startswith(("_", ".")))
 
 from pyllmrouter.router.services import events
 from pyllmrouter.tools import scripted, tinymodels

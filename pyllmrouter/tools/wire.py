@@ -1,6 +1,6 @@
 """A differential fuzz of the wire: seeded raw HTTP/1.1 byte streams, each sent to two
 servers on the same models, whose answers must be the same to any correct client
-(tests/test_wire.py runs a short seeded run; bench/wire_fuzz.py a long one).
+(tests/native/test_wire.py runs a short seeded run; bench/wire_fuzz.py a long one).
 
     cases(seed) ──Case: a connection's steps──▶ play(url, case) ──▶ Transcript
                                                   answers (status, headers, body), in order,

@@ -8,6 +8,6 @@
     fitbook     fits found for a grant, kept per device set
     state       a model's states and the one checked transition between them
 
-A rule found on a trace lands here as a function and a property test (tests/test_admission.py,
+A rule found on a trace lands here as a function and a property test (tests/admission/test_admission.py,
 test_placement.py, test_parts.py).
 """

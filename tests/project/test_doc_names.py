@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "pyllmrouter"
 # what is written like a name of ours but is not one
 NOT_OURS = {

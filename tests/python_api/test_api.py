@@ -20,7 +20,7 @@ from pyllmrouter.router.options import known_keys
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def script(*parts: str, timeout: float = 180) -> subprocess.CompletedProcess:

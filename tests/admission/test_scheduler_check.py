@@ -1,5 +1,5 @@
 """The model-based test's admission check can fail: with the admission rule broken on purpose,
-the same state machine (tests/test_scheduler_model.py) finds an admission past a device's total.
+the same state machine (tests/admission/test_scheduler_model.py) finds an admission past a device's total.
 
 Two breaks, each a rule the router once got wrong:
   - other programs' bytes read as ``total - free - held`` (a load's bytes not allocated yet

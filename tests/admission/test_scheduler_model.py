@@ -1,5 +1,5 @@
 """A model-based test of the scheduler: hypothesis drives the real Scheduler (its Book, jobs,
-roster, registry and kept-state store) through a simulated world (tests/simworld.py) of two
+roster, registry and kept-state store) through a simulated world (tests/admission/simworld.py) of two
 GPUs and a host whose free memory moves as real devices' does: loads that allocate as they
 go, other programs that come and go, workers that die during a load, an unload or a save,
 readings of free memory that come late, clients that ask, hold, leave and give up, reloads
@@ -15,7 +15,7 @@ After every step, once the world is still:
     the other programs' bytes of the reading the decision used + every byte the router
     holds (whole reservations of loads under way, unloading models, workers, kept states)
     + what the worker the load starts truly costs beyond what is held for it + the margin
-    <= total; and held <= capacity (tests/test_scheduler_check.py breaks the rule on
+    <= total; and held <= capacity (tests/admission/test_scheduler_check.py breaks the rule on
     purpose and sees this check fail);
   - no allocation failed where the router's books said there was room;
   - no lease leaked (the records' leases are the clients'), no record leaked (an extra

@@ -12,7 +12,7 @@ import pytest
 
 from pyllmrouter import Router
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def blocks() -> list[str]:

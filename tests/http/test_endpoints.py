@@ -10,7 +10,7 @@ import pytest
 
 from pyllmrouter import endpoints
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
 
 def _engine_routes() -> set[tuple[str, str]]:

@@ -8,7 +8,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "wheelpack.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "wheelpack.py"
 
 
 def test_a_wheel_folded_and_unfolded_is_the_same_wheel(tmp_path):

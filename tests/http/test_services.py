@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # real servers
 
 
 def _source_tests() -> Path:
-    out = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "vendor" / "fetch.py"), "source"],
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "vendor" / "fetch.py"), "source"],
                          capture_output=True, text=True, check=True)
     return Path(out.stdout.strip()) / "tools" / "server" / "tests"
 

@@ -6,7 +6,7 @@ that frees nothing, again and again; a load that kills its worker; a part of a s
 file left by a death; autoload off and a request that waited through an unload.
 
 Through the Python API or HTTP with real workers where a user meets them; through the
-simulated world (tests/simworld.py) where a real process cannot be stopped at the
+simulated world (tests/admission/simworld.py) where a real process cannot be stopped at the
 moment that matters (a load half-allocated, a death mid-save)."""
 
 from __future__ import annotations
