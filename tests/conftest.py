@@ -37,7 +37,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def worker_pids() -> list[int]:
     """The worker processes this process started (live ones: a reaped or zombie one holds
     nothing), oldest first."""
-    from pyllmrouter.router.workers.pool import WORKER_ENTRY
+    from pyllmrouter.router.workers.handle import WORKER_ENTRY
 
     me, out = os.getpid(), []
     for entry in os.listdir("/proc"):

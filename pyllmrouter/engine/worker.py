@@ -22,7 +22,7 @@ the models of one worker share its backends (one context per device).  The
 device mask is applied to the environment before llama_cpp is imported, so
 this process can only ever see (and create contexts on) its own devices.  The
 app's signals are not its own: it runs in a session of its own with SIGINT and
-SIGTERM ignored from its first instruction (router/workers/pool.py).
+SIGTERM ignored from its first instruction (router/workers/handle.py).
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ class _Worker:
 
 
 def main() -> None:
-    """The process's entry point (router/workers/pool.py starts it: the device mask is already in
+    """The process's entry point (router/workers/handle.py starts it: the device mask is already in
     its environment, SIGINT and SIGTERM are ignored, and its last arguments are the router's
     pid, the conduit's descriptor and the pipe's)."""
     from multiprocessing.connection import Connection  # noqa: PLC0415

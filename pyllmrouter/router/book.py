@@ -39,7 +39,7 @@ from pyllmrouter.router.records import Fate, Lease, Record, Ticket
 from pyllmrouter.router.registry import Registry
 from pyllmrouter.router.services.events import EventBus
 from pyllmrouter.router.workers.keep import KeepStore
-from pyllmrouter.router.workers.pool import WorkerHandle
+from pyllmrouter.router.workers.handle import WorkerHandle
 from pyllmrouter.router.workers.sets import WorkerSet
 
 __all__ = ["Book", "HISTORY", "capacity"]

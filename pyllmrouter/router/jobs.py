@@ -31,7 +31,7 @@ from pyllmrouter.router.policy.state import State
 from pyllmrouter.router.records import Record
 from pyllmrouter.router.workers.keep import identity
 from pyllmrouter.router.workers.measure import Measurer, worker_spec
-from pyllmrouter.router.workers.pool import WorkerHandle
+from pyllmrouter.router.workers.handle import WorkerHandle
 from pyllmrouter.spec import ModelSpec
 
 __all__ = ["Jobs"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from pyllmrouter.config import ModelConfig
 from pyllmrouter.router.policy.fitbook import Fits, Fitted
-from pyllmrouter.router.workers.pool import WorkerHandle
+from pyllmrouter.router.workers.handle import WorkerHandle
 from pyllmrouter.router.policy.placement import COUNT
 from pyllmrouter.router.policy.state import State, holds_memory
 from pyllmrouter.spec import ModelSpec

@@ -53,7 +53,7 @@ from pyllmrouter.router.roster import Roster
 from pyllmrouter.router.workers.costs import WorkerCosts
 from pyllmrouter.router.workers.keep import KeepStore
 from pyllmrouter.router.workers.measure import Measurer, worker_spec
-from pyllmrouter.router.workers.pool import Launch, WorkerHandle
+from pyllmrouter.router.workers.handle import Launch, WorkerHandle
 from pyllmrouter.router.workers.sets import WORKER, WorkerSet
 
 __all__ = ["Scheduler", "Record", "Lease", "KEPT"]

@@ -24,7 +24,9 @@ from typing import Any
 
 __all__ = ["OllamaError", "VERSION", "OPTIONS", "IGNORED", "ollama_name", "listed_candidates", "keep_alive_seconds",
            "chat_request", "generate_request", "embed_request", "Translator", "timestamp", "details",
-           "capabilities", "model_info", "normalize", "lines", "parameters", "streamed"]
+           "capabilities", "model_info", "normalize", "lines", "parameters", "streamed", "truncating", "refusal",
+           "slot_context", "context_asked", "total_context", "exceeded", "turn_starts", "kept_turns", "cut_prompt",
+           "TOO_LONG"]
 
 VERSION = "0.12.6"  # the Ollama API this mirrors (/api/version): its chat, generate, embed, think, tools
 # Ollama's options -> llama.cpp's request keys (tools/server's params_from_json_cmpl), by name only
@@ -40,6 +42,8 @@ IGNORED = frozenset({"num_gpu", "main_gpu", "num_thread", "num_batch", "use_mmap
                      "vocab_only", "numa", "f16_kv", "logits_all", "embedding_only", "penalize_newline", "tfs_z",
                      "num_gqa", "rope_frequency_base", "rope_frequency_scale"})
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
+TOO_LONG = "the input length exceeds the context length"  # Ollama's errorInputTooLong (400)
+_BATCH = re.compile(r"\((\d+) tokens\) is too large to process.*current batch size: (\d+)")
 _UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
@@ -130,7 +134,9 @@ def _think(think: Any) -> dict[str, Any]:
         return {"chat_template_kwargs": {"enable_thinking": think}}
     if think in ("low", "medium", "high"):
         return {"reasoning_effort": think}
-    raise OllamaError(400, f'think must be true, false, "low", "medium" or "high", not {think!r}')
+    if think == "max":  # Ollama's most: the highest effort llama.cpp's templates take
+        return {"reasoning_effort": "high"}
+    raise OllamaError(400, f'think must be true, false, "low", "medium", "high" or "max", not {think!r}')
 
 
 def _image_url(image: Any) -> dict[str, Any]:
@@ -280,6 +286,100 @@ def normalize(vector: list[float], dimensions: int | None) -> list[float]:
     return [x / norm for x in cut]
 
 
+# -- context: what a request gets, and what does not fit --------------------------------------
+
+def truncating(req: dict[str, Any]) -> bool:
+    """``truncate``: true unless false (Ollama's default); anything but a boolean is refused."""
+    value = req.get("truncate", True)
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise OllamaError(400, f"truncate must be true or false, not {value!r}")
+    return value
+
+
+def refusal(model: str, caps: list[str], req: dict[str, Any], kind: str) -> OllamaError | None:
+    """What Ollama answers a request that asks ``model`` for what its capabilities
+    (``capabilities``) lack: an embedding model's chat or generate, thinking, images."""
+    if "completion" not in caps:
+        return OllamaError(400, f'"{model}" does not support {kind}: it is an embedding model')
+    if req.get("think") not in (None, False) and "thinking" not in caps:
+        return OllamaError(400, f'"{model}" does not support thinking')
+    messages = req.get("messages") if isinstance(req.get("messages"), list) else []
+    images = req.get("images") or any(isinstance(m, dict) and m.get("images") for m in messages)
+    if images and "vision" not in caps:
+        return OllamaError(400, f"{model} does not support vision")
+    return None
+
+
+def slot_context(context: dict[str, Any] | None) -> int | None:
+    """The tokens one request may hold in the engine (``context``: a model's status
+    ``context``): llama.cpp's n_ctx_seq, its context over its slots unless their KV is
+    unified, and never past the training context (llama-server caps it there).  None: unknown."""
+    if not context or not context.get("n_ctx"):
+        return None
+    streams = 1 if context.get("unified") else max(1, int(context.get("slots") or 1))
+    per_slot = int(context["n_ctx"]) // streams
+    train = context.get("n_ctx_train")
+    return min(per_slot, int(train)) if train else per_slot
+
+
+def context_asked(num_ctx: int | None, context: dict[str, Any] | None) -> int | None:
+    """The context per slot a request's ``num_ctx`` needs the model loaded with (capped at
+    the training context, as Ollama caps it); None: the loaded one gives it already."""
+    have = slot_context(context)
+    if num_ctx is None or have is None:
+        return None
+    if num_ctx < 1:
+        raise OllamaError(400, f"options.num_ctx must be at least 1, not {num_ctx}")
+    train = (context or {}).get("n_ctx_train")
+    want = min(num_ctx, int(train)) if train else num_ctx
+    return want if want > have else None
+
+
+def total_context(context: dict[str, Any], per_slot: int) -> int:
+    """The ``-c`` that gives each of the model's slots ``per_slot`` tokens."""
+    return per_slot if context.get("unified") else per_slot * max(1, int(context.get("slots") or 1))
+
+
+def exceeded(status: int, body: bytes) -> tuple[int, int] | None:
+    """(the input's tokens, the most the engine takes) where the engine refused a request
+    for its length (llama-server's exceed_context_size_error, or an embedding longer than
+    its batch); None for any other reply."""
+    if status < 400:
+        return None
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(err, dict):
+        return None
+    if err.get("type") == "exceed_context_size_error" and err.get("n_ctx"):
+        return int(err.get("n_prompt_tokens") or 0), int(err["n_ctx"])
+    found = _BATCH.search(str(err.get("message") or ""))
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def turn_starts(messages: list[dict[str, Any]]) -> list[int]:
+    """Where a conversation may begin once its oldest turns are dropped: at each user
+    message after the first message that is not a system one (a turn is a user message and
+    what follows it, so an assistant's tool call stays with its result), oldest first."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    return [i for i, m in enumerate(messages) if i > first and m.get("role") == "user"]
+
+
+def kept_turns(messages: list[dict[str, Any]], start: int) -> list[dict[str, Any]]:
+    """The conversation from ``start`` on, with every system message before it kept."""
+    return [m for m in messages[:start] if m.get("role") == "system"] + messages[start:]
+
+
+def cut_prompt(tokens: list[int], drop: int, keep: int) -> list[int]:
+    """A prompt's tokens with ``drop`` of them removed after its first ``keep`` (Ollama's
+    num_keep), as Ollama's runner truncates a prompt longer than its context."""
+    keep = max(0, min(keep, len(tokens)))
+    return tokens[:keep] + tokens[keep + drop:]
+
+
 # -- replies ------------------------------------------------------------------------------
 
 def timestamp(seconds: float) -> str:
@@ -294,11 +394,12 @@ def _ns(ms: Any) -> int:
 class Translator:
     """One engine reply as Ollama's objects.  ``kind``: "chat" (a ``message``) or
     "generate" (a ``response``); ``engine``: the engine path it came from; ``clock``: the
-    wall clock each object's ``created_at`` reads (the caller's).  ``feed`` takes each SSE
-    event's JSON and returns the objects to write; ``end`` the final one."""
+    wall clock each object's ``created_at`` reads (the caller's); ``load_ns``: the time the
+    request waited for its model (a load, if it needed one), measured by the caller.
+    ``feed`` takes each SSE event's JSON and returns the objects to write; ``end`` the final one."""
 
-    def __init__(self, kind: str, engine: str, model: str, clock: Callable[[], float]):
-        self.kind, self.engine, self.model, self.clock = kind, engine, model, clock
+    def __init__(self, kind: str, engine: str, model: str, clock: Callable[[], float], load_ns: int = 0):
+        self.kind, self.engine, self.model, self.clock, self.load_ns = kind, engine, model, clock, load_ns
         self.calls: dict[int, dict[str, Any]] = {}  # tool calls as their deltas come: index -> id, name, arguments
         self.finish: str | None = None
         self.usage: dict[str, Any] = {}
@@ -368,7 +469,7 @@ class Translator:
         final = self._object()
         prompt_ns, eval_ns = _ns(self.timings.get("prompt_ms")), _ns(self.timings.get("predicted_ms"))
         final.update(done=True, done_reason="length" if self.finish == "length" else "stop",
-                     total_duration=total_ns, load_duration=max(0, total_ns - prompt_ns - eval_ns),
+                     total_duration=total_ns, load_duration=self.load_ns,
                      prompt_eval_count=int(self.usage.get("prompt_tokens") or self.timings.get("prompt_n") or 0),
                      prompt_eval_duration=prompt_ns,
                      eval_count=int(self.usage.get("completion_tokens") or self.timings.get("predicted_n") or 0),
@@ -452,11 +553,17 @@ def capabilities(kv: dict[str, Any], projector: bool) -> list[str]:
     return caps
 
 
-def model_info(kv: dict[str, Any], parameters: int) -> dict[str, Any]:
-    """Ollama's ``model_info``: the header's keys (arrays as None, the template apart), and
-    ``general.parameter_count``."""
+def model_info(kv: dict[str, Any], parameters: int, context: int | None = None,
+               arrays: dict[str, list] | None = None) -> dict[str, Any]:
+    """Ollama's ``model_info``: the header's keys (the template apart; arrays as None, or
+    as ``arrays`` gives them: Ollama's ``verbose``), ``general.parameter_count``, and
+    ``{arch}.context_length`` as the context a request gets (``context``, where known)."""
     out = {k: v for k, v in kv.items() if k != "tokenizer.chat_template"}
+    out.update(arrays or {})
     out["general.parameter_count"] = parameters
+    arch = kv.get("general.architecture")
+    if context and arch:
+        out[f"{arch}.context_length"] = context
     return out
 
 

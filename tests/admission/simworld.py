@@ -52,7 +52,7 @@ from pyllmrouter.errors import WorkerDied
 from pyllmrouter.memory import BufferUse, MemoryEstimate, ModelFacts
 from pyllmrouter.protocol import (Call, Cancel, ErrorKind, Failed, Fit, HttpReply, Loaded, LoadModel, Ping, Probe,
                                   Result, Unloaded, UnloadModel)
-from pyllmrouter.router.workers.pool import Pending
+from pyllmrouter.router.workers.handle import Pending
 from pyllmrouter.spec import ModelSpec
 
 __all__ = ["SimWorld", "SimModel", "SimWorker"]
@@ -398,7 +398,7 @@ class SimWorld:
 
 
 class SimWorker:
-    """A simulated worker process: WorkerHandle's surface (router/workers/pool.py)."""
+    """A simulated worker process: WorkerHandle's surface (router/workers/handle.py)."""
 
     def __init__(self, world: SimWorld, name: str, devices: frozenset[str], on_death):
         self.world = world

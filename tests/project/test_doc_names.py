@@ -95,8 +95,8 @@ class Index:
 def _written() -> list[tuple[str, str]]:
     """(where, token) for every name-like token in the docs and module docstrings."""
     out = []
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        out += [(doc.name, t) for t in re.findall(r"`([^`\n]+)`", doc.read_text())]
+    for doc in [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("**/*.md"))]:
+        out += [(str(doc.relative_to(REPO)), t) for t in re.findall(r"`([^`\n]+)`", doc.read_text())]
     for f in sorted(PKG.rglob("*.py")):
         text = ast.get_docstring(ast.parse(f.read_text())) or ""
         where = str(f.relative_to(REPO))

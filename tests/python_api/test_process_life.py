@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pyllmrouter.router.workers.pool import WORKER_ENTRY
+from pyllmrouter.router.workers.handle import WORKER_ENTRY
 from pyllmrouter.tools.loopback import free_port, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,7 @@ def test_a_ctrl_c_while_a_worker_starts_leaves_the_worker_alone(tiny):
     KeyboardInterrupt, the worker starts all the same and serves; no traceback of the
     worker's (before: it died with exit code -2, printing its own traceback)."""
     proc = start(tiny, """
-        from pyllmrouter.router.workers.pool import WORKER_ENTRY
+        from pyllmrouter.router.workers.handle import WORKER_ENTRY
         def starting_worker():
             while True:
                 for p in os.listdir("/proc"):

@@ -24,7 +24,7 @@ from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.devices import EmulatedInventory
 from pyllmrouter.errors import LoadFailed, Withdrawn
 from pyllmrouter.router.workers.keep import KeepStore
-from pyllmrouter.router.workers.pool import Pending
+from pyllmrouter.router.workers.handle import Pending
 from pyllmrouter.tools import tinymodels
 from pyllmrouter.tools.loopback import free_port, llama_tool, start_serve, wait_healthy
 

@@ -395,7 +395,7 @@ def test_async_request_left_by_its_caller_stops_and_keeps_its_lease_until_the_wo
     import asyncio
 
     from pyllmrouter.tools import tinymodels
-    from pyllmrouter.router.workers.pool import Pending
+    from pyllmrouter.router.workers.handle import Pending
 
     # llama-server's handler looks at its should_stop once a second while it waits for a
     # whole reply: a generation of seconds (a 4k-context model, one slot, one thread, each

@@ -24,7 +24,7 @@ from typing import Any, Awaitable, Callable
 
 from pyllmrouter.errors import WorkerDied
 from pyllmrouter.protocol import SERVICES, Call, Chunk, Failed, HttpReply, StartServices
-from pyllmrouter.router.workers.pool import WorkerHandle
+from pyllmrouter.router.workers.handle import WorkerHandle
 from pyllmrouter.router.services.streams import Stream, unless_gone, value_of
 
 __all__ = ["Services", "settings", "wanted"]

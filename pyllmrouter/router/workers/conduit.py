@@ -35,7 +35,7 @@ from pyllmrouter.errors import WorkerDied
 __all__ = ["Conduit", "Connection", "Served", "MAX_MESSAGE", "channel"]
 
 MAX_MESSAGE = 256 * 1024  # one datagram: the worker's receive buffer (csrc/conduit.h)
-EOF_GRACE = 5.0  # seconds after the worker's end closed before its requests fail here, if the pool has not said it died
+EOF_GRACE = 5.0  # seconds after the worker's end closed before its requests fail here, if its handle has not said it died
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class Conduit:
             except OSError:
                 data = b""
             if not data:
-                # the worker's end closed: its process is ending, and the pool's reader fails
+                # the worker's end closed: its process is ending, and its handle's reader fails
                 # what it held once the router has moved its models (close(), after on_death),
                 # so a request that sees the failure sees the new state; failed here only if
                 # that never comes

@@ -36,7 +36,7 @@ from pyllmrouter.router.policy.fitbook import Fitted
 from pyllmrouter.memory import MemoryEstimate, ProbeError, cached_estimate
 from pyllmrouter.protocol import ErrorKind, Failed, Fit, Probe
 from pyllmrouter.spec import ModelSpec
-from pyllmrouter.router.workers.pool import Launch, WorkerHandle
+from pyllmrouter.router.workers.handle import Launch, WorkerHandle
 
 __all__ = ["Measurer", "worker_spec"]
 

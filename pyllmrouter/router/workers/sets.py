@@ -34,7 +34,7 @@ from pyllmrouter.router.policy import placement
 from pyllmrouter.router.policy.state import holds_memory
 from pyllmrouter.router.records import Record
 from pyllmrouter.router.workers.costs import WorkerCosts
-from pyllmrouter.router.workers.pool import Launch, WorkerHandle
+from pyllmrouter.router.workers.handle import Launch, WorkerHandle
 
 __all__ = ["WorkerSet", "worker_name", "WORKER"]
 
