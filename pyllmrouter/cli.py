@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,11 +29,14 @@ def _devices() -> list[dict]:
 # our own options of `probe` and `fit` (-> whether each takes a value); every other
 # argument is llama-server's, parsed by llama.cpp's own parser
 _PROBE_OPTIONS = {"--margin": True, "--json": False, "--no-cache": False, "--rpc": True}
-_FIT_OPTIONS = {"--margin": True, "--json": False, "--rpc": True, "--budget": True, "--fit-devices": True}
+_FIT_OPTIONS = {"--margin": True, "--json": False, "--rpc": True, "--budget": True, "--fit-devices": True,
+                "--table": False, "--contexts": True, "--cache-types": True}
 _LLAMA_HELP = ("every other argument is llama-server's, as llama-server takes it (llama.cpp's own parser: "
                "-c, -np, -kvu, -ctk/-ctv, -fa, -ngl, -ts, -ot, --n-cpu-moe, --swa-full, --ctx-checkpoints, "
                "--cache-ram, --mmproj, --model-draft/-md, --lora, --fit-ctx... with their aliases and "
-               "LLAMA_ARG_* variables; nothing given: llama-server's defaults)")
+               "LLAMA_ARG_* variables; nothing given: llama-server's defaults). A hub model, as llama-server "
+               "takes it (-hf org/repo[:quant], -hff FILE, -hfd, -hft; MODEL_ENDPOINT or HF_ENDPOINT, "
+               "HF_TOKEN), is measured from its files' headers, without the download")
 
 
 def split_args(argv: Sequence[str], ours: dict[str, bool]) -> tuple[list[str], list[str]]:
@@ -134,11 +138,36 @@ def _attach_rpc(a: argparse.Namespace) -> None:
         native().add_rpc_servers([e.strip() for e in a.rpc.split(",") if e.strip()])
 
 
+def _hub(llama_args: Sequence[str]):
+    """The hub options of the command line (llama.cpp's parser reads them); None: a local model."""
+    if llama_args and not llama_args[0].startswith("-"):
+        return None
+    from pyllmrouter.engine.hubprobe import hub_options  # noqa: PLC0415 - loads llama.cpp
+
+    return hub_options(llama_args)
+
+
+def _hub_note(hp) -> str:
+    r = hp.reading
+    return (f"read from the hub: {r.bytes_read / 1024:.1f} KiB of {r.size / MiB:.1f} MiB "
+            f"({len(r.heads)} file{'s' if len(r.heads) > 1 else ''}: "
+            f"{', '.join(f.path + (' (cached)' if h.cached else '') for f, h in r.heads.items())}); "
+            f"nothing downloaded")
+
+
 def cmd_probe(a: argparse.Namespace) -> int:
     _attach_rpc(a)
-    spec = spec_from_args(a.llama_args)
+    opts = _hub(a.llama_args)
+    hp = None
     t0 = time.perf_counter()
-    est = probe(spec, use_cache=not a.no_cache)
+    if opts is not None:
+        from pyllmrouter.engine.hubprobe import probe_hub  # noqa: PLC0415
+
+        hp = probe_hub(opts, use_cache=not a.no_cache)
+        est, name = hp.estimate, hp.plan.model[0].name
+    else:
+        spec = spec_from_args(a.llama_args)
+        est, name = probe(spec, use_cache=not a.no_cache), spec.path
     elapsed = time.perf_counter() - t0
     devs = _devices()
     margin = a.margin * MiB
@@ -149,44 +178,67 @@ def cmd_probe(a: argparse.Namespace) -> int:
         out["fits"] = {d.device: free.get(d.device) is not None and d.total <= free[d.device] - margin
                        for d in est.devices}
         out["probe_seconds"] = elapsed
+        if hp is not None:  # the stand-ins are gone: the hub's names instead
+            out["spec"] = {"hub": opts.repo, "args": list(a.llama_args)}
+            out["hub"] = hp.to_dict()
         print(json.dumps(out, indent=2))
         return 0
     f, p = est.facts, est.params
-    print(f"{spec.path}: {f.architecture} '{f.name}', {f.n_layer} layers, {f.n_params / 1e6:.1f}M params, "
+    print(f"{name}: {f.architecture} '{f.name}', {f.n_layer} layers, {f.n_params / 1e6:.1f}M params, "
           f"n_ctx {est.n_ctx} (train {f.n_ctx_train}{', fit may shrink it' if p.get('ctx_auto') else ''}), "
           f"{est.n_seq_max} slots ({'unified' if p.get('kv_unified') else 'one'} KV), "
           f"K {p.get('type_k')} V {p.get('type_v')}, experts {f.n_expert}")
     print(estimate_table(est, _free_by_pool(devs), margin))
     print(f"total {mib(est.total)} MiB; probed in {elapsed * 1000:.2f} ms{' (cached)' if est.cached else ''}")
+    if hp is not None:
+        print(_hub_note(hp))
     return 0
 
 
-def cmd_fit(a: argparse.Namespace) -> int:
-    """Plan how a model fits the given budgets, per device; verified by a probe."""
+def _grants(a: argparse.Namespace) -> tuple[dict[str, int], list[str] | None, list[str]]:
+    """(grant per pool, the devices to fit onto, the pools) of fit's options."""
     from pyllmrouter.devices import parse_budgets  # noqa: PLC0415
-    from pyllmrouter.engine.fit import FitError, fit_here  # noqa: PLC0415
 
-    _attach_rpc(a)
-    spec = spec_from_args(a.llama_args)
     devs = _devices()
     margin = a.margin * MiB
     budgets = parse_budgets(a.budget) if a.budget else {}
     free = _free_by_pool(devs)
     names = [d.strip() for d in a.fit_devices.split(",")] if a.fit_devices else None
     pools = (names or [d["name"] for d in devs if d["type"] != "cpu"]) + [HOST]
-    grants = {p: budgets.get(p, free.get(p, 0)) - margin for p in pools}
-    t0 = time.perf_counter()
-    try:
-        plan = fit_here(spec, grants, names)
-    except FitError as e:
-        print(f"pyllmrouter: cannot fit {spec.path}: {e}", file=sys.stderr)
-        return 3
+    return {p: budgets.get(p, free.get(p, 0)) - margin for p in pools}, names, pools
+
+
+def cmd_fit(a: argparse.Namespace) -> int:
+    """Plan how a model fits the given budgets, per device; verified by a probe."""
+    from pyllmrouter.engine.fit import FitError, fit_here  # noqa: PLC0415
+
+    _attach_rpc(a)
+    opts = _hub(a.llama_args)
+    if a.table:
+        if opts is None:
+            raise ProbeError("(arguments)", "--table reads a hub repository's quants: give -hf org/repo")
+        from pyllmrouter.engine.hubtable import cmd_table  # noqa: PLC0415
+
+        return cmd_table(a, opts, *_grants(a))
+    grants, names, pools = _grants(a)
+    with _fit_spec(a, opts) as (spec, name, hub):
+        t0 = time.perf_counter()
+        try:
+            plan = fit_here(spec, grants, names)
+        except FitError as e:
+            print(f"pyllmrouter: cannot fit {name}: {e}", file=sys.stderr)
+            return 3
     seconds = time.perf_counter() - t0
     if a.json:
-        print(json.dumps({**plan.to_dict(), "seconds": seconds}, indent=2))
+        out = {**plan.to_dict(), "seconds": seconds}
+        if hub is not None:  # the stand-ins are gone: the hub's names instead
+            out["spec"] = {**out["spec"], "path": None, "hub": opts.repo}
+            out["hub"] = {"files": [f.name for f in hub[0].files], "bytes_read": hub[1].bytes_read,
+                          "size": hub[1].size}
+        print(json.dumps(out, indent=2))
         return 0
     s = plan.spec
-    print(f"{spec.path}: n_gpu_layers={'all' if s.n_gpu_layers is None else s.n_gpu_layers} "
+    print(f"{name}: n_gpu_layers={'all' if s.n_gpu_layers is None else s.n_gpu_layers} "
           f"tensor_split={s.tensor_split} experts of the first {plan.experts_on_host} layers in host memory"
           f"{f', context {plan.n_ctx}' if plan.n_ctx else ''}"
           f"{''.join(f', the {p} in host memory' for p in plan.to_host)} ({plan.probes} probes, "
@@ -195,6 +247,20 @@ def cmd_fit(a: argparse.Namespace) -> int:
              mib(grants[p] - plan.per_device.get(p, 0))] for p in pools]
     print(render(["device", "layers", "bytes MiB", "grant MiB", "left MiB"], rows))
     return 0
+
+
+@contextlib.contextmanager
+def _fit_spec(a: argparse.Namespace, opts):
+    """(spec, its name, (hub plan, reading) or None) while the ``with`` lasts: a hub model's
+    spec names stand-ins of its files, removed after."""
+    if opts is None:
+        spec = spec_from_args(a.llama_args)
+        yield spec, spec.path, None
+        return
+    from pyllmrouter.engine.hubprobe import standing  # noqa: PLC0415
+
+    with standing(opts) as (spec, plan, reading):
+        yield spec, plan.model[0].name, (plan, reading)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -287,13 +353,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_probe)
     p = sub.add_parser("fit", help="fit a model into per-device budgets (context, layers, tensor split, MoE experts)",
                        usage="pyllmrouter fit MODEL [llama-server arguments] [--budget DEV=SIZE,...] "
-                             "[--margin MiB] [--fit-devices DEV,...] [--json] [--rpc HOST:PORT,...]",
+                             "[--margin MiB] [--fit-devices DEV,...] [--json] [--rpc HOST:PORT,...] "
+                             "[--table [--contexts N,...] [--cache-types T,...]]",
                        epilog=_LLAMA_HELP)
     add_rpc_argument(p)
     p.add_argument("--fit-devices", default=None, help="devices to fit onto, fastest first (default: all)")
     p.add_argument("--budget", default=None, help="per-device budgets, e.g. RPC0=2GiB,RPC1=4GiB,CPU=16GiB")
     p.add_argument("--margin", type=int, default=1024, help="MiB kept free per device (default 1024)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--table", action="store_true",
+                   help="a hub repository (-hf org/repo): every quant x context x KV cache type, "
+                        "whether it fits (whole, with parts in host memory, or never)")
+    p.add_argument("--contexts", default=None, help="the table's contexts, e.g. 4096,32768 (default: powers "
+                                                    "of four from 1024 up to the trained context, and it)")
+    p.add_argument("--cache-types", default=None, help="the table's KV cache types, e.g. f16,q8_0 (default: "
+                                                       "the arguments')")
     p.set_defaults(func=cmd_fit)
     p = sub.add_parser("demo", help="offline tour on generated models")
     p.add_argument("--keep", type=float, default=60.0,

@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import os
+import subprocess
 import threading
 import time
 from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
@@ -36,6 +38,7 @@ from pyllmrouter.errors import QueueTimeout, RequestTimeout, RouterError, Unclai
 from pyllmrouter.router.exchange import Exchange, departure
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.router.services.conversations import Conversations
+from pyllmrouter.router.services import pullcheck
 from pyllmrouter.router.services.downloads import Downloads
 from pyllmrouter.router.services.sources import Sources
 from pyllmrouter.protocol import HttpReply
@@ -45,6 +48,8 @@ from pyllmrouter.router.methods import Methods, body_of, checked_seconds, ok_or_
 from pyllmrouter.router.services.streams import Stream, unless_gone
 
 __all__ = ["Router"]
+
+_LOG = logging.getLogger(__name__)
 
 
 class Router(Methods):
@@ -240,7 +245,22 @@ class Router(Methods):
                              f"(serve --models-cache, or Sources(cache=True)), so {name!r} would not be listed")
         if name in self._sched.configs():
             raise ValueError(f"model {name!r} already exists")
+        self._check_pull(name)
         self._downloads.start(name)
+
+    def _check_pull(self, name: str) -> None:
+        """NeverFits at once where the model's headers say it can never fit this router's
+        devices (services/pullcheck.py); where they cannot be read, the download goes on and
+        llama.cpp's downloader says why it fails (logged here)."""
+        try:
+            need = pullcheck.host_need(name, self.options.load_timeout)
+        except (pullcheck.PullCheckError, subprocess.TimeoutExpired) as e:
+            _LOG.warning("pull of %s: its headers were not read, the download goes on: %s", name, e)
+            return
+        book = self._sched.book
+        refused = pullcheck.refusal(name, need, {d: book.capacity(d) for d in book.devices})
+        if refused is not None:
+            raise refused
 
     def _downloaded(self, name: str, path: str | None, error: str | None) -> None:
         if path and not self._stop.is_set():

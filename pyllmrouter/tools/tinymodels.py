@@ -3,6 +3,7 @@
 Every writer here produces a real GGUF file that llama.cpp loads and runs:
 
     write_llama(path)   dense llama, SentencePiece (SPM) vocabulary, chat template
+    write_llama_split(path, parts)  the same llama in parts, as gguf-split writes them
     write_projector(path)  a LLaVA-style vision projector (mmproj) for the llama
     write_lora(path)    a LoRA adapter for the llama
     write_moe(path)     qwen3moe mixture of experts, same SPM vocabulary
@@ -33,6 +34,7 @@ __all__ = [
     "SHAPE_7B",
     "SHAPE_30B_A3B",
     "write_llama",
+    "write_llama_split",
     "write_projector",
     "write_lora",
     "png",
@@ -195,11 +197,11 @@ def _add_spm_tokenizer(writer) -> int:
     return len(tokens)
 
 
-def _write_decoder(path: os.PathLike | str, shape: Shape, seed: int) -> Path:
+def _write_decoder(path: os.PathLike | str, shape: Shape, seed: int, split_max_tensors: int = 0) -> Path:
     import gguf
 
     path = Path(path)
-    writer = gguf.GGUFWriter(path, shape.arch)
+    writer = gguf.GGUFWriter(path, shape.arch, split_max_tensors=split_max_tensors)
     writer.add_name(f"tiny-{shape.arch}")
     n_vocab = _add_spm_tokenizer(writer)
     _add_decoder_hparams(writer, shape, n_vocab)
@@ -233,6 +235,17 @@ def _write_decoder(path: os.PathLike | str, shape: Shape, seed: int) -> Path:
 def write_llama(path: os.PathLike | str, shape: Shape = LLAMA, seed: int = 0) -> Path:
     """A dense llama model with an SPM vocabulary and a ChatML template."""
     return _write_decoder(path, shape, seed)
+
+
+def write_llama_split(path: os.PathLike | str, parts: int = 2, shape: Shape = LLAMA, seed: int = 0) -> list[Path]:
+    """The dense llama split into ``parts`` files as gguf-split writes them
+    (``<stem>-00001-of-0000N.gguf``..., split.* keys); the parts' paths, the first first."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n_tensors = 3 + shape.n_layer * 9
+    _write_decoder(path, shape, seed, split_max_tensors=-(-n_tensors // parts))
+    stem = path.name.removesuffix(".gguf")
+    return [path.with_name(f"{stem}-{i:05d}-of-{parts:05d}.gguf") for i in range(1, parts + 1)]
 
 
 def write_moe(path: os.PathLike | str, shape: Shape = MOE, seed: int = 0) -> Path:
