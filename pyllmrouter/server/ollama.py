@@ -25,6 +25,7 @@ Errors are Ollama's ``{"error": "..."}``; the key, Host and Origin rules are the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -37,7 +38,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pyllmrouter import endpoints, gguf_header
-from pyllmrouter.errors import RouterError, UnknownModel
+from pyllmrouter.errors import NeverFits, RouterError, UnknownModel
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import ollama_wire as wire
 from pyllmrouter.server.body import departed
@@ -49,6 +50,7 @@ __all__ = ["error", "mount"]
 
 _LOG = logging.getLogger("pyllmrouter.ollama")
 NDJSON = "application/x-ndjson"
+TRIES = 3  # sends of a prompt cut to fit, the engine counting each (a cut text may tokenize longer)
 NEVER = 253402300799.0  # 9999-12-31T23:59:59Z: a model kept for ever expires then
 PULL_POLL = 0.25  # seconds between readings of a pull's progress
 
@@ -155,20 +157,45 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
                 "details": wire.details(kv, parameters)}
 
     async def take(request: Request, model: str, path: str, body: dict[str, Any],
-                   keep: float | None) -> tuple[Any, Any]:
-        """The engine's reply to ``body`` at ``path``; the model's idle time set as the request
-        takes it (a cluster's node: as ``forward`` relays, server/forwarded.py)."""
+                   keep: float | None) -> tuple[Any, Any, int]:
+        """The engine's reply to ``body`` at ``path``, its stream, and the nanoseconds the
+        request waited for its model (Ollama's load_duration: a load, where it needed one); the
+        model's idle time set as the request takes it (a cluster's node: as ``forward``
+        relays, server/forwarded.py)."""
+        asked, took = time.perf_counter(), []
         def leased(_instance: str) -> None:
+            took.append(time.perf_counter())
             router.scheduler.keep_alive(model, keep)
         relayed = forwarded_of(request.scope)
         try:
-            return await router.arelay(model, "POST", path, json.dumps(body).encode(), {},
-                                       headers={"content-type": "application/json"},
-                                       gone=lambda: departed(request.receive), leased=leased, raise_for_status=False,
-                                       waited=relayed.waited if relayed is not None else 0.0,
-                                       running=relayed.running if relayed is not None else None)
+            reply, chunks = await router.arelay(
+                model, "POST", path, json.dumps(body).encode(), {}, headers={"content-type": "application/json"},
+                gone=lambda: departed(request.receive), leased=leased, raise_for_status=False,
+                waited=relayed.waited if relayed is not None else 0.0,
+                running=relayed.running if relayed is not None else None)
         except RouterError as e:
             raise _router_error(e) from None
+        return reply, chunks, int(((took[0] if took else asked) - asked) * 1e9)
+
+    async def engine_json(request: Request, model: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A counting or tokenizer endpoint's answer (an error status: the engine's error)."""
+        reply, _, _ = await take(request, model, path, body, None)
+        if reply.status >= 400:
+            raise _engine_error(reply.status, reply.body)
+        return json.loads(reply.body)
+
+    async def tokens(request: Request, model: str, text: str, special: bool) -> list[int]:
+        out = await engine_json(request, model, "/tokenize", {"content": text, "add_special": special})
+        return [t if isinstance(t, int) else t["id"] for t in out["tokens"]]
+
+    async def detokenize(request: Request, model: str, ids: list[int]) -> str:
+        return (await engine_json(request, model, "/detokenize", {"tokens": ids}))["content"]
+
+    async def counted(request: Request, model: str, body: dict[str, Any]) -> int:
+        """The tokens of a chat request's prompt: its model's template and tokenizer, as the
+        engine will make it."""
+        out = await engine_json(request, model, "/chat/completions/input_tokens", body)
+        return int(out["input_tokens"])
 
     async def load_only(model: str, keep: float | None) -> str:
         """No prompt: Ollama's load; with keep_alive 0, its unload: now where it is idle, else
@@ -186,22 +213,123 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             raise _router_error(e) from None
         return "load"
 
-    async def refuse_embedder(model: str, kind: str) -> None:
-        """An embedding model (its GGUF pools: an encoder) takes no chat or generate, as Ollama says."""
+    async def refuse_unable(model: str, data: dict[str, Any], kind: str) -> None:
+        """What the model cannot do (its GGUF header and projector say), refused as Ollama
+        refuses it: an embedding model's chat, thinking, images."""
         try:
             kv, _ = await header(router.scheduler.configs()[model].spec.path)
         except (OSError, ValueError, KeyError):
             return  # its load says what is wrong
-        if "completion" not in wire.capabilities(kv, False):
-            raise OllamaError(400, f'"{model}" does not support {kind}: it is an embedding model')
+        projector = bool((router.status()["models"].get(model) or {}).get("projector"))
+        refused = wire.refusal(model, wire.capabilities(kv, projector), data, kind)
+        if refused is not None:
+            raise refused
 
-    def warnings(ignored: list[str], num_ctx: int | None, model: str) -> dict[str, str]:
-        if num_ctx is not None:  # a context bigger than the model's is not given: said, not refused
-            context = (router.status()["models"].get(model) or {}).get("context") or {}
-            n_ctx = context.get("n_ctx")
-            if n_ctx and num_ctx > n_ctx:
-                ignored = [*ignored, f"num_ctx (the model is loaded with {n_ctx})"]
+    def warnings(ignored: list[str]) -> dict[str, str]:
         return {"x-pyllmrouter-ignored-options": ", ".join(ignored)} if ignored else {}
+
+    def context_of(model: str) -> dict[str, Any] | None:
+        return (router.status()["models"].get(model) or {}).get("context")
+
+    async def give_context(model: str, num_ctx: int | None) -> None:
+        """``num_ctx`` given where the model's slots hold less: the model reloaded with the
+        context that gives each slot ``num_ctx`` (as far as its training context), admitted
+        by its probed bytes as any load, and kept so for later requests, as Ollama keeps it.
+        Where no state of the router fits it, the model keeps its config and the error names
+        the bytes."""
+        if num_ctx is None:
+            return
+        if context_of(model) is None:  # never probed: its load says how its context is shared
+            await asyncio.to_thread(router.load, model)
+        context = context_of(model) or {}
+        want = wire.context_asked(num_ctx, context)
+        if want is None:
+            return
+        old = router.scheduler.configs()[model]
+        total = wire.total_context(context, want)
+        new = dataclasses.replace(old, spec=old.spec.replace(n_ctx=total))
+        _LOG.info("model %s: num_ctx %d asks for %d tokens a slot (-c %d): reloading", model, num_ctx, want, total)
+        await asyncio.to_thread(router.replace_model, new)
+        try:
+            await asyncio.to_thread(router.load, model)
+        except NeverFits as e:
+            await asyncio.to_thread(router.replace_model, old)
+            raise OllamaError(507, f"num_ctx {num_ctx} cannot be given: model '{model}' with {want} tokens a slot "
+                                   f"(-c {total}) {str(e).split(': ', 1)[-1]}") from None
+        except RouterError:
+            await asyncio.to_thread(router.replace_model, old)
+            raise
+
+    async def fit_turns(request: Request, model: str, body: dict[str, Any], n_ctx: int) -> dict[str, Any]:
+        """``body`` with its oldest turns dropped until its prompt holds fewer than ``n_ctx``
+        tokens (the fewest dropped; its system messages kept), as Ollama's chat truncates."""
+        messages = body["messages"]
+        starts = wire.turn_starts(messages)
+        def cut(i: int) -> dict[str, Any]:
+            return {**body, "messages": wire.kept_turns(messages, starts[i])}
+        if not starts or await counted(request, model, cut(len(starts) - 1)) >= n_ctx:
+            raise OllamaError(400, f"{wire.TOO_LONG}: the system messages and the newest turn alone take "
+                                   f"{n_ctx} tokens or more, the context a request gets")
+        lo, hi = 0, len(starts) - 1  # the first start that fits is in [lo, hi]; hi fits
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if await counted(request, model, cut(mid)) < n_ctx:
+                hi = mid
+            else:
+                lo = mid + 1
+        return cut(lo)
+
+    async def cut_text(request: Request, model: str, text: str, drop: int, keep: int) -> str:
+        """``text`` without ``drop`` of its tokens after its first ``keep`` (the cut text
+        tokenized again: where the two sides merge into more tokens, more are dropped)."""
+        ids = await tokens(request, model, text, False)
+        target = len(ids) - drop
+        for _ in range(TRIES):
+            if drop >= len(ids) - min(keep, len(ids)):
+                raise OllamaError(400, f"{wire.TOO_LONG}: the prompt cannot be cut to fit")
+            text = await detokenize(request, model, wire.cut_prompt(ids, drop, keep))
+            n = len(await tokens(request, model, text, False))
+            if n <= target:
+                return text
+            drop += n - target
+        raise OllamaError(400, f"{wire.TOO_LONG}: the prompt's cut still tokenizes past {target} tokens")
+
+    async def shortened(request: Request, model: str, path: str, body: dict[str, Any],
+                        over: tuple[int, int], data: dict[str, Any]) -> dict[str, Any]:
+        """``body`` cut to fit the ``over[1]`` tokens the engine takes (it counted ``over[0]``):
+        a chat's oldest turns dropped; a generate's prompt cut after its first num_keep tokens
+        (none where it is templated), as Ollama's runner cuts it."""
+        n_tokens, n_ctx = over
+        if data.get("messages") is not None:
+            return await fit_turns(request, model, body, n_ctx)
+        drop = n_tokens - n_ctx + 1
+        if path == "/completion":
+            keep = int(((data.get("options") or {}).get("num_keep")) or 0)
+            return {**body, "prompt": await cut_text(request, model, body["prompt"], drop, keep)}
+        last = body.get("messages", [{}])[-1]
+        if path != "/v1/chat/completions" or not isinstance(last.get("content"), str):
+            raise OllamaError(400, f"{wire.TOO_LONG} ({n_tokens} tokens, the context a request gets is {n_ctx})")
+        cut = {**last, "content": await cut_text(request, model, last["content"], drop, 0)}
+        return {**body, "messages": [*body["messages"][:-1], cut]}
+
+    async def fitted(request: Request, model: str, path: str, body: dict[str, Any], keep: float | None,
+                     data: dict[str, Any]) -> tuple[Any, Any, int]:
+        """The engine's reply to ``body``; one refused for its length cut to fit and sent again
+        (``truncate``, Ollama's default), else Ollama's 400."""
+        truncate, load_ns = wire.truncating(data), 0
+        for _ in range(TRIES):
+            reply, chunks, waited = await take(request, model, path, body, keep)
+            load_ns += waited
+            over = wire.exceeded(reply.status, reply.body) if reply.status >= 400 else None
+            if over is None:
+                return reply, chunks, load_ns
+            if chunks is not None:
+                chunks.abandon()
+            if not truncate:
+                raise OllamaError(400, f"{wire.TOO_LONG} ({over[0]} tokens, the context a request gets is "
+                                       f"{over[1]})")
+            body = await shortened(request, model, path, body, over, data)
+        raise OllamaError(400, f"{wire.TOO_LONG}: still too long after {TRIES} cuts")
 
     async def infer(request: Request, kind: str) -> Response:
         t0, created = time.perf_counter(), time.time()
@@ -209,7 +337,8 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
         model = resolve(data)
         keep = wire.keep_alive_seconds(data.get("keep_alive"))
         stream = wire.streamed(data)
-        await refuse_embedder(model, kind)
+        wire.truncating(data)  # checked, whether or not it is needed
+        await refuse_unable(model, data, kind)
         build = wire.chat_request if kind == "chat" else wire.generate_request
         path, body, ignored, num_ctx = build(data, model, stream)  # checked, whether or not it is sent
         if endpoints.load_only(f"/api/{kind}", data):
@@ -218,9 +347,12 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             out.update({"message": {"role": "assistant", "content": ""}} if kind == "chat" else {"response": ""})
             out.update(done=True, done_reason=reason)
             return JSONResponse(out)
-        extra = warnings(ignored, num_ctx, model)
-        reply, chunks = await take(request, model, path, body, keep)
-        translator = wire.Translator(kind, path, data.get("model") or model, time.time)
+        extra = warnings(ignored)
+        reloaded = time.perf_counter()
+        await give_context(model, num_ctx)
+        reloaded = time.perf_counter() - reloaded
+        reply, chunks, load_ns = await fitted(request, model, path, body, keep, data)
+        translator = wire.Translator(kind, path, data.get("model") or model, time.time, load_ns + int(reloaded * 1e9))
         if reply.status >= 400:
             if chunks is not None:
                 chunks.abandon()
@@ -243,11 +375,12 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
                                        or dimensions < 1):
             raise OllamaError(400, f"dimensions must be a positive integer, not {dimensions!r}")
         body = wire.embed_request(data, model, legacy)
+        wire.truncating(data)  # checked, whether or not it is needed
         if body["input"] in ("", []):  # nothing to embed: the model loaded, as Ollama does
             await load_only(model, keep)
             return JSONResponse({"embedding": []} if legacy else {"model": data.get("model") or model,
                                                                     "embeddings": []})
-        reply, _ = await take(request, model, "/v1/embeddings", body, keep)
+        reply, load_ns = await embedded(request, model, body, keep, data)
         if reply.status == 501:  # llama.cpp's "start it with --embeddings": this router's word for it
             raise OllamaError(400, f"{_engine_error(reply.status, reply.body).message} (model '{model}' is "
                                    f"not served for embeddings: embedding = true in its preset)")
@@ -260,8 +393,41 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             return JSONResponse({"embedding": vectors[0] if vectors else []})
         total = int((time.perf_counter() - t0) * 1e9)
         return JSONResponse({"model": data.get("model") or model, "embeddings": vectors, "total_duration": total,
-                             "load_duration": 0,
+                             "load_duration": load_ns,
                              "prompt_eval_count": int((answer.get("usage") or {}).get("prompt_tokens") or 0)})
+
+    async def embedded(request: Request, model: str, body: dict[str, Any], keep: float | None,
+                       data: dict[str, Any]) -> tuple[Any, int]:
+        """The engine's embeddings of ``body``; inputs refused for their length cut to fit and
+        sent again (``truncate``, Ollama's default), else Ollama's 400."""
+        load_ns = 0
+        for _ in range(TRIES):
+            reply, _, waited = await take(request, model, "/v1/embeddings", body, keep)
+            load_ns += waited
+            over = wire.exceeded(reply.status, reply.body)
+            if over is None:
+                return reply, load_ns
+            if not wire.truncating(data):
+                raise OllamaError(400, f"{wire.TOO_LONG} (an input of {over[0]} tokens, the most the model "
+                                       f"takes is {over[1]})")
+            body = {**body, "input": await cut_inputs(request, model, body["input"], over[1])}
+        raise OllamaError(400, f"{wire.TOO_LONG}: still too long after {TRIES} cuts")
+
+    async def cut_inputs(request: Request, model: str, given: str | list[str], limit: int) -> str | list[str]:
+        """Each input longer than ``limit`` tokens (its special ones counted) cut to its first
+        ones, as Ollama's embed truncates."""
+        async def cut(text: str) -> str:
+            whole = await tokens(request, model, text, True)
+            if len(whole) <= limit:
+                return text
+            ids = await tokens(request, model, text, False)
+            room = limit - (len(whole) - len(ids))
+            if room <= 0:
+                raise OllamaError(400, f"{wire.TOO_LONG}: the model's special tokens alone fill {limit} tokens")
+            return await detokenize(request, model, ids[:room])
+        if isinstance(given, str):
+            return await cut(given)
+        return [await cut(t) for t in given]
 
     @app.get("/api/version")
     async def version():
@@ -289,13 +455,17 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             kv, parameters = await header(cfg.spec.path)
         except (OSError, ValueError) as e:
             raise OllamaError(500, f"model '{name}': {e}") from None
+        verbose = data.get("verbose", False)
+        if not isinstance(verbose, bool):
+            raise OllamaError(400, f"verbose must be true or false, not {verbose!r}")
         m = router.status()["models"].get(name) or {}
         st = os.stat(cfg.spec.path)
+        arrays = await asyncio.to_thread(_arrays, cfg.spec.path) if verbose else None
         return JSONResponse({
             "modelfile": f"# pyllmrouter: model {name}\nFROM {cfg.spec.path}\n",
             "parameters": wire.parameters(cfg.spec.to_args()), "template": kv.get("tokenizer.chat_template") or "",
             "license": kv.get("general.license") or "", "details": wire.details(kv, parameters),
-            "model_info": wire.model_info(kv, parameters),
+            "model_info": wire.model_info(kv, parameters, wire.slot_context(m.get("context")), arrays),
             "capabilities": wire.capabilities(kv, bool(m.get("projector"))),
             "modified_at": wire.timestamp(st.st_mtime)})
 
@@ -321,7 +491,7 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
                     for n in other["held"].items()]  # its extra instances' bytes too (replicas = N)
             entry.update(size=sum(n for _, n in held), size_vram=sum(n for d, n in held if kinds.get(d) != "cpu"),
                          expires_at=wire.timestamp(min(expires, NEVER)),
-                         context_length=(m.get("context") or {}).get("n_ctx") or 0)
+                         context_length=wire.slot_context(m.get("context")) or 0)
             out.append(entry)
         return JSONResponse({"models": out})
 
@@ -407,6 +577,15 @@ async def _ndjson(chunks, translator: wire.Translator, t0: float) -> AsyncIterat
         yield wire.lines([{"error": _router_error(e).message}])
     finally:
         chunks.abandon()  # a client that left stops generation
+
+
+def _arrays(path: str) -> dict[str, list]:
+    """A GGUF file's array values by key (the vocabulary, its merges...): Ollama's
+    /api/show with ``verbose``."""
+    from gguf import GGUFReader, GGUFValueType  # the router's own dependency, loaded when asked
+
+    return {name: field.contents() for name, field in GGUFReader(path).fields.items()
+            if field.types and field.types[0] == GGUFValueType.ARRAY}
 
 
 async def _pulled(router: Router, name: str) -> AsyncIterator[dict[str, Any]]:

@@ -203,7 +203,7 @@ def test_ps_shows_the_bytes_the_router_holds_to_the_byte(client, server):
             continue
         assert shown[key].size == sum(m["held"].values()) > 0
         assert shown[key].size_vram == m["held"].get("GPU0", 0)  # the emulated GPU's bytes
-        assert shown[key].context_length == m["context"]["n_ctx"]
+        assert shown[key].context_length == wire.slot_context(m["context"])  # a request's, per slot
 
 
 # -- the same answers as the OpenAI endpoint ---------------------------------------------------------
