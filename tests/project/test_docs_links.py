@@ -5,8 +5,8 @@
 - Every shell command in README.md's code blocks that can run offline runs, as a reader
   runs it, in a folder holding the files it names (tiny generated models in their place),
   and the tour's openai block runs against the server the tour starts.  Left out, each
-  with its reason in ``SKIPPED``: the set-up commands (CI runs them: ``.ci/run``), and
-  whatever needs a Ray cluster or a GPU.
+  with its reason in ``why_skipped``: the set-up commands (CI runs them: ``.ci/run``), and
+  whatever needs a Ray cluster, a GPU or the network.
 """
 
 from __future__ import annotations
@@ -110,6 +110,8 @@ def commands() -> list[str]:
 
 def why_skipped(cmd: str) -> str | None:
     words = cmd.split()
+    if {"-hf", "-hfr", "--hf-repo", "-hfd"} & set(words):
+        return "reads a model's headers from the Hugging Face hub: needs the network (tests/probe/ use a local hub)"
     return next((why for start, why in SKIPPED.items() if words[:len(start.split())] == start.split()), None)
 
 
