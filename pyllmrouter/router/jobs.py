@@ -289,6 +289,8 @@ class Jobs:
                     store.release(token)
                     token, budget, place = None, store.disk_left(), "disk"
                     directory = str(store.disk_dir_for(ident, rec.name))
+            if place == "ram" and store is not None:  # their sizes: what their pages and sidecars leave
+                budget = store.writable(budget, self._slots(rec))
             keep = budget > 0
             try:
                 reply = worker.call(lambda rid: UnloadModel(rid, rec.name, keep, budget, directory)) \
@@ -311,6 +313,10 @@ class Jobs:
             book.notify()
         if options.worker_idle_timeout == 0:
             self._reap()  # its worker may be empty now: it goes at once
+
+    def _slots(self, rec: Record) -> int:
+        with self._book.locked():
+            return int((rec.context() or {}).get("slots") or 1)
 
     def _states_bound(self, rec: Record) -> int:
         """The most an unload's slot states can take: the model's KV cache, and per slot its

@@ -3,6 +3,10 @@
     client ──/api/chat, /api/generate──▶ the model (name:tag, :latest) resolved to a listed one
         ──ollama_wire.*_request──▶ Router.arelay(model, /v1/chat/completions | /completion | /infill)
         ◀── SSE events ──Translator──▶ NDJSON objects (stream: true, the default), or one object
+        a prompt the engine refuses for its length: cut to fit and sent again (truncate): a chat's
+        oldest turns dropped (counted by /chat/completions/input_tokens), a prompt or input cut
+        by /tokenize, /detokenize; num_ctx past the slot's context: the model's config replaced
+        with a -c that gives it (Router.replace_model), loaded by its probed bytes
         keep_alive: the model's idle time (Scheduler.keep_alive), set as the request takes it;
         no prompt: the model loaded (done_reason "load"), or with keep_alive 0 unloaded ("unload")
     /api/embed, /api/embeddings ──▶ /v1/embeddings

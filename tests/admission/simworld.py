@@ -58,6 +58,9 @@ from pyllmrouter.spec import ModelSpec
 __all__ = ["SimWorld", "SimModel", "SimWorker"]
 
 STATE_BYTES = 24  # a saved slot state's size (the router's RAM budget for states is a few of these)
+# the world's file system for kept states: it charges a file its bytes (a page of one byte),
+# and a state's .meta is never over SIDECAR bytes (the router counts both: KeepStore.charged)
+PAGE, SIDECAR = 1, 64
 
 
 @dataclass(frozen=True)

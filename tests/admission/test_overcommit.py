@@ -29,6 +29,7 @@ from pyllmrouter.router.policy.admission import SETTLING
 from pyllmrouter.router.scheduler import Scheduler
 from pyllmrouter.router.workers.costs import WorkerCosts
 from pyllmrouter.router.workers.keep import identity
+import simworld
 from simworld import SimModel, SimWorld
 from test_edges import Stream, chat, state
 from test_live import serving, wait_for
@@ -105,11 +106,12 @@ def sim(tmp: Path, models: dict[str, tuple[SimModel, tuple[str, ...] | None, int
     for d, n in (others or {}).items():
         world.other_program(d, n)
     opts = RouterOptions(**{"margin": 20, "queue_timeout": 5, "turn": 0.4, "worker_idle_timeout": -1,
-                            "heartbeat": 0, "kv_keep_ram": 60, **options})
+                            "heartbeat": 0, "kv_keep_ram": 200, **options})
     configs = [ModelConfig(n, ModelSpec(paths[n]), devices=devs, replicas=k) for n, (_, devs, k) in models.items()]
     sched = Scheduler(configs, world.devices, opts, launch=world.launch, costs=WorkerCosts(world.devices, None, COSTS))
     if sched.keep is not None:
         world.ram_dir = sched.keep.ram_dir
+        sched.keep.page, sched.keep.sidecar = simworld.PAGE, simworld.SIDECAR  # the world's file system
     world.book_view = lambda: (sched.book.held(), 20)
     world.book_lock = sched.book.locked
     return sched, world

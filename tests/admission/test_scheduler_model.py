@@ -51,6 +51,7 @@ from pyllmrouter.router.policy.placement import COUNT
 from pyllmrouter.router.policy.state import State
 from pyllmrouter.router.scheduler import Scheduler
 from pyllmrouter.router.workers.costs import WorkerCosts
+import simworld
 from simworld import SimModel, SimWorld
 
 GPUS = {"G0": 1000, "G1": 1000}
@@ -118,7 +119,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for device, n in OTHERS.items():
             self.world.other_program(device, n)
         options = RouterOptions(margin=MARGIN, queue_timeout=5, turn=0.4, load_timeout=600, worker_idle_timeout=0.2,
-                                heartbeat=0, kv_keep_ram=60)
+                                heartbeat=0, kv_keep_ram=200)
         names = ("m0", "m1", "m2", "m3", "m4", "m5", "bad", "crashy")
         self.expected = {n: self.pool.config(n, 0, ()) for n in names}
         costs = WorkerCosts(self.world.devices, None, DEFAULTS)  # learned here only by starting workers
@@ -126,6 +127,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                costs=costs)
         self.book = self.sched.book
         self.world.ram_dir = self.sched.keep.ram_dir
+        self.sched.keep.page, self.sched.keep.sidecar = simworld.PAGE, simworld.SIDECAR  # the world's file system
         self.world.book_view = lambda: (self.book.held(), MARGIN)
         self.world.book_lock = self.book.locked
         self.clients: list[Client] = []

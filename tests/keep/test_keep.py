@@ -27,7 +27,8 @@ def saved(store: KeepStore, ident: str, name: str, size: int) -> tuple[str, int,
 # -- the store ------------------------------------------------------------------
 
 def test_ram_over_budget_goes_to_disk_least_recently_saved_first_and_disk_keeps_its_cap(tmp_path):
-    store = KeepStore(ram_budget=250, disk_dir=tmp_path / "disk", disk_budget=250, ram_dir=tmp_path / "ram")
+    store = KeepStore(ram_budget=250, disk_dir=tmp_path / "disk", disk_budget=250, ram_dir=tmp_path / "ram",
+                      page=1, sidecar=0)
     for i, ident in enumerate(["m1", "m2", "m3"]):
         store.add(ident, [saved(store, ident, "slot0.bin", 100)])
     # m1 was saved first: it went to disk; RAM holds 200 of its 250
@@ -48,7 +49,7 @@ def test_kept_states_are_the_users_alone(tmp_path):
     0600, in RAM and on disk, whatever the engine's umask made them."""
     os.umask(old := os.umask(0o022))
     try:
-        store = KeepStore(ram_budget=100, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram")
+        store = KeepStore(ram_budget=100, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram", page=1, sidecar=0)
         store.add("m1", [saved(store, "m1", "slot0.bin", 100)])
         store.add("m2", [saved(store, "m2", "slot0.bin", 100)])  # m1 goes to disk
     finally:
@@ -94,7 +95,7 @@ def test_a_planted_owner_file_neither_hangs_a_starting_router_nor_is_trusted(tmp
 
 
 def test_without_a_disk_directory_what_overflows_is_dropped(tmp_path):
-    store = KeepStore(ram_budget=150, ram_dir=tmp_path / "ram")
+    store = KeepStore(ram_budget=150, ram_dir=tmp_path / "ram", page=1, sidecar=0)
     store.add("a", [saved(store, "a", "slot0.bin", 100)])
     store.add("b", [saved(store, "b", "slot0.bin", 100)])
     assert store.status() == {"b": {"ram": 100, "disk": 0, "files": 1}} and store.counters["dropped"] == 1
@@ -104,7 +105,7 @@ def test_without_a_disk_directory_what_overflows_is_dropped(tmp_path):
 def test_prepare_offers_states_where_they_lie_and_consumed_deletes_them(tmp_path):
     """A load restores the states from RAM and from disk as they lie: none moves back into
     RAM (which would pass its budget), and after a load that fails they are where they were."""
-    store = KeepStore(ram_budget=100, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram")
+    store = KeepStore(ram_budget=100, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram", page=1, sidecar=0)
     store.add("a", [saved(store, "a", "slot0.bin", 80), saved(store, "a", "slot1.bin", 80)])  # one to disk
     assert store.status()["a"] == {"ram": 80, "disk": 80, "files": 2}
     names = store.prepare("a")
@@ -123,7 +124,7 @@ def test_the_ram_figure_is_read_without_waiting_for_the_stores_file_work(tmp_pat
     moves or checks files under the store's."""
     import threading
 
-    store = KeepStore(ram_budget=1000, ram_dir=tmp_path / "ram")
+    store = KeepStore(ram_budget=1000, ram_dir=tmp_path / "ram", page=1, sidecar=0)
     store.add("a", [saved(store, "a", "slot0.bin", 100)])
     got = []
     with store._lock:  # the store busy with file work
@@ -134,7 +135,7 @@ def test_the_ram_figure_is_read_without_waiting_for_the_stores_file_work(tmp_pat
 
 
 def test_a_damaged_state_is_never_offered(tmp_path):
-    store = KeepStore(ram_budget=1000, ram_dir=tmp_path / "ram")
+    store = KeepStore(ram_budget=1000, ram_dir=tmp_path / "ram", page=1, sidecar=0)
     store.add("a", [saved(store, "a", "slot0.bin", 100), saved(store, "a", "slot1.bin", 100)])
     flipped = tmp_path / "ram" / "a" / "slot0.bin"
     flipped.write_bytes(b"y" + flipped.read_bytes()[1:])  # same size, other bytes
@@ -145,10 +146,10 @@ def test_a_damaged_state_is_never_offered(tmp_path):
 
 
 def test_states_on_disk_are_offered_again_after_a_restart(tmp_path):
-    store = KeepStore(ram_budget=10, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram")
+    store = KeepStore(ram_budget=10, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram", page=1, sidecar=0)
     store.add("a", [saved(store, "a", "slot0.bin", 100)])  # over the RAM budget: to disk
     store.close()
-    again = KeepStore(ram_budget=10, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram2")
+    again = KeepStore(ram_budget=10, disk_dir=tmp_path / "disk", disk_budget=1000, ram_dir=tmp_path / "ram2", page=1, sidecar=0)
     assert again.status() == {"a": {"ram": 0, "disk": 100, "files": 1}}
     assert again.prepare("a") == [str(tmp_path / "disk" / "a" / "slot0.bin")]  # offered where it lies
 
@@ -319,3 +320,21 @@ def test_kept_states_never_take_host_memory_the_device_has_not_got(tmp_path):
         r.scheduler.check_invariant()
         reply = r.chat("a", [{"role": "user", "content": words}], max_tokens=2)
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] > 2000  # restored from disk
+
+
+def test_kept_states_count_what_the_file_system_charges_them():
+    """A state in RAM counts as its tmpfs charges it: the file's pages and its sidecar's (before:
+    its bytes alone, 10 where the RAM directory holds two pages)."""
+    store = KeepStore(1 << 20)
+    try:
+        ident = "0123456789abcdef"
+        d = store.dir_for(ident, "m")
+        (d / "slot0.bin").write_bytes(b"s" * 10)
+        store.add(ident, [("slot0.bin", 3, 10)])
+        charged = sum(os.lstat(p).st_blocks * 512 for p in d.iterdir())
+        assert store.kept_ram() >= charged > 10 and store.held_ram() >= charged
+        assert store.kept_ram() == store.charged(10)
+        for reserved in (0, 5000, 8192, 12289, 1 << 20):  # what an engine may write is charged within its reservation
+            assert store.charged(store.writable(reserved, 1)) <= reserved or store.writable(reserved, 1) == 0
+    finally:
+        store.close()

@@ -178,6 +178,18 @@ class Kept:
     crc: int = 0  # CRC-32 of the file as saved
 
 
+def _page_of(directory: Path) -> int:
+    """The unit ``directory``'s file system allocates files in (a tmpfs: the memory page)."""
+    try:
+        return max(1, os.statvfs(directory).f_frsize)
+    except OSError:
+        return 4096
+
+
+def _pages(size: int, page: int) -> int:
+    return -(-size // page) * page
+
+
 def _crc(path: Path) -> int:
     """The CRC-32 of a plain file of ours (OSError for a link, or another user's file)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -193,9 +205,10 @@ def _crc(path: Path) -> int:
 
 class KeepStore:
     def __init__(self, ram_budget: int, disk_dir: str | os.PathLike | None = None, disk_budget: int = 0,
-                 ram_dir: str | os.PathLike | None = None):
+                 ram_dir: str | os.PathLike | None = None, page: int | None = None, sidecar: int = 256):
         """ValueError where ``disk_dir`` (or ``ram_dir``) is not a directory of ours that
-        nobody else may write."""
+        nobody else may write.  ``page``: what the RAM directory's file system allocates a
+        file in (None: as it says); ``sidecar``: the most a state's .meta takes."""
         self.ram_budget = max(0, ram_budget)
         self.disk_budget = max(0, disk_budget) if disk_dir else 0
         self._lock = threading.Lock()
@@ -222,6 +235,8 @@ class KeepStore:
                 _LOG.info("removed %s: the kept states of a router that no longer runs", d)
             ram_dir, self._owner = claim(base)
         self.ram_dir = Path(ram_dir)
+        self.page = page or _page_of(self.ram_dir)  # what the RAM directory's file system charges a file in
+        self.sidecar = sidecar
         # the RAM directory goes at close(), or at the interpreter's exit where close() never ran
         self._gone = weakref.finalize(self, remove, self.ram_dir, self._owner, os.getpid())
         home.hold(self)
@@ -267,6 +282,16 @@ class KeepStore:
                 self._models[ident] = model
         return d
 
+    def charged(self, size: int) -> int:
+        """The RAM a state file of ``size`` bytes takes in the RAM directory, its sidecar
+        included: each rounded up to whole pages, as a tmpfs charges them."""
+        return _pages(size, self.page) + _pages(self.sidecar, self.page)
+
+    def writable(self, reserved: int, files: int) -> int:
+        """The bytes an unload's engine may write in ``files`` state files within ``reserved``
+        bytes of RAM (what their pages and sidecars take beyond their sizes set aside)."""
+        return max(0, reserved - files * (self.charged(0) + self.page - 1))
+
     def held_ram(self) -> int:
         """Bytes in RAM, the reservations of unloads under way included, as of the last
         change (no lock: the scheduler reads it under its own)."""
@@ -285,7 +310,7 @@ class KeepStore:
         with self._res_lock:
             if token is not None:
                 self._reserved.pop(token, None)
-            self._ram_files = sum(k.size for k in self._files.values() if k.place == "ram")
+            self._ram_files = sum(self.charged(k.size) for k in self._files.values() if k.place == "ram")
             self._ram_bytes = self._ram_files + sum(self._reserved.values())
         models: dict[str, dict[str, int]] = {}
         for k in self._files.values():
@@ -481,11 +506,11 @@ class KeepStore:
         within its cap (least recently saved first dropped)."""
         budget = self.ram_budget if ram_budget is None else ram_budget
         ram = sorted((k for k in self._files.values() if k.place == "ram"), key=lambda k: k.used)
-        total = sum(k.size for k in ram)
+        total = sum(self.charged(k.size) for k in ram)
         for k in ram:
             if total <= budget:
                 break
-            total -= k.size
+            total -= self.charged(k.size)
             if self.disk_dir is not None and k.size <= self.disk_budget:
                 try:
                     self._move(k, self.disk_dir)
