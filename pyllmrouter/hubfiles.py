@@ -40,7 +40,7 @@ __all__ = ["HubError", "HubFile", "Plan", "endpoint", "split_repo_tag", "split_i
 
 DEFAULT_ENDPOINT = "https://huggingface.co/"
 FIRST_READ = 1 << 16  # bytes of a file's first Range request; a longer header doubles the read
-TIMEOUT = 60.0
+TIMEOUT = 60.0  # seconds a hub may take to answer one request (a short-lived checking process lowers it)
 
 
 class HubError(ValueError):

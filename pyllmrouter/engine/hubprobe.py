@@ -141,9 +141,13 @@ def probe_hub(opts: HubOptions, *, use_cache: bool = True) -> HubProbe:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m pyllmrouter.engine.hubprobe ARG...``: probe_hub of that command line, one
-    JSON line: {"per_device", "total", "bytes_read", "size", "files"} | {"error"} (the
-    router's check of a pull, in a short-lived process with no device)."""
+    """``python -m pyllmrouter.engine.hubprobe [--timeout S] ARG...``: probe_hub of that
+    command line, one JSON line: {"per_device", "total", "bytes_read", "size", "files"} |
+    {"error"} (the router's check of a pull, in a short-lived process with no device);
+    ``--timeout``: seconds the hub may take to answer one request."""
+    if argv[:1] == ["--timeout"]:
+        hubfiles.TIMEOUT = float(argv[1])  # this short-lived process's own
+        argv = argv[2:]
     try:
         opts = hub_options(argv)
         if opts is None:

@@ -245,6 +245,7 @@ class Router(Methods):
                              f"(serve --models-cache, or Sources(cache=True)), so {name!r} would not be listed")
         if name in self._sched.configs():
             raise ValueError(f"model {name!r} already exists")
+        self._downloads.room(name)  # a refusal for room first: no header read for it
         self._check_pull(name)
         self._downloads.start(name)
 

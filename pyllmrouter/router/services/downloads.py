@@ -44,13 +44,21 @@ class Downloads:
         self._procs: dict[str, subprocess.Popen] = {}
         self._state: dict[str, dict[str, Any]] = {}  # name -> {"status", "progress", "error"}
 
+    def room(self, name: str) -> None:
+        """What ``start`` would refuse now, raised (ValueError, Busy), before anything starts."""
+        with self._lock:
+            self._room(name)
+
+    def _room(self, name: str) -> None:
+        if name in self._procs:
+            raise ValueError(f"model {name!r} is already being downloaded")
+        if len(self._procs) >= self._max_active:
+            raise Busy(f"{len(self._procs)} downloads are under way, the most at once: pull {name!r} "
+                       f"once one has ended")
+
     def start(self, name: str) -> None:
         with self._lock:
-            if name in self._procs:
-                raise ValueError(f"model {name!r} is already being downloaded")
-            if len(self._procs) >= self._max_active:
-                raise Busy(f"{len(self._procs)} downloads are under way, the most at once: pull {name!r} "
-                           f"once one has ended")
+            self._room(name)
             proc = subprocess.Popen([sys.executable, "-m", "pyllmrouter.engine.download", name],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self._procs[name] = proc

@@ -27,6 +27,7 @@ from pyllmrouter.errors import NeverFits
 __all__ = ["PullCheckError", "host_need", "refusal"]
 
 _MiB = 1 << 20
+HUB_TIMEOUT = 5.0  # seconds the hub may take to answer one of the check's requests
 # the child must not open a GPU context: it measures host memory only
 _NO_GPU = {"CUDA_VISIBLE_DEVICES": "-1", "HIP_VISIBLE_DEVICES": "-1", "ROCR_VISIBLE_DEVICES": "-1",
            "GGML_VK_VISIBLE_DEVICES": "-1"}
@@ -36,10 +37,12 @@ class PullCheckError(RuntimeError):
     """The headers could not be read or probed: the message says why."""
 
 
-def host_need(name: str, timeout: float = 120.0) -> dict[str, Any]:
+def host_need(name: str, timeout: float = 120.0, hub_timeout: float = HUB_TIMEOUT) -> dict[str, Any]:
     """What the headers of hub model ``name`` ("org/repo[:quant]") say it needs, every buffer
-    in host memory (see the module)."""
-    proc = subprocess.run([sys.executable, "-m", "pyllmrouter.engine.hubprobe", "-hf", name],
+    in host memory (see the module); ``hub_timeout``: seconds the hub may take to answer
+    one request (a hub that does not answer leaves the pull to the downloader, soon)."""
+    proc = subprocess.run([sys.executable, "-m", "pyllmrouter.engine.hubprobe", "--timeout", str(hub_timeout),
+                           "-hf", name],
                           capture_output=True, text=True, env={**os.environ, **_NO_GPU}, timeout=timeout)
     try:
         out = json.loads(proc.stdout.strip().splitlines()[-1])
