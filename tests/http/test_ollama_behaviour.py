@@ -129,6 +129,18 @@ def test_a_long_document_is_embedded_cut_to_fit_and_refused_with_truncate_false(
     assert client.embeddings(model="bert", prompt=document).embedding  # the older endpoint too
 
 
+def test_langchains_chat_and_embeddings_run_past_the_context(server):
+    from langchain_ollama import ChatOllama, OllamaEmbeddings
+
+    _, base = server
+    history = [(m["role"] if m["role"] != "assistant" else "ai", m["content"]) for m in turns(20)]
+    reply = ChatOllama(model="chat", base_url=base, num_predict=2, temperature=0).invoke(history)
+    assert 0 < reply.usage_metadata["input_tokens"] < 512
+    document = "the quick brown fox jumps over the lazy dog " * 120
+    vectors = OllamaEmbeddings(model="bert", base_url=base).embed_documents([document, "short"])
+    assert len(vectors) == 2 and all(len(v) > 0 for v in vectors)
+
+
 # -- num_ctx: given, by exact bytes ---------------------------------------------------------------
 
 def slot(r: Router, model: str) -> int | None:
