@@ -9,7 +9,7 @@ from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueFull, QueueTimeout, RequestFailed,
                                 RequestTimeout, RouterClosed, RouterError, RouterForked, UnknownModel, WorkerDied)
 from pyllmrouter.memory import BufferUse, DeviceUse, MemoryEstimate, ModelFacts, ProbeError
-from pyllmrouter.engine.probe import probe
+from pyllmrouter.engine.hubprobe import probe_any as probe
 from pyllmrouter.router.api import Router
 from pyllmrouter.spec import ModelSpec, SpecError
 

@@ -35,7 +35,7 @@ from typing import Iterable, Mapping, Sequence
 
 from pyllmrouter import gguf_header
 
-__all__ = ["HubError", "HubFile", "Plan", "endpoint", "split_repo_tag", "split_info", "best_model",
+__all__ = ["HubError", "HubFile", "HubPlan", "HubHead", "endpoint", "split_repo_tag", "split_info", "best_model",
            "split_parts", "best_mmproj", "quants", "list_files", "plan", "head", "stand_ins", "FIRST_READ"]
 
 DEFAULT_ENDPOINT = "https://huggingface.co/"
@@ -61,7 +61,7 @@ class HubFile:
 
 
 @dataclass(frozen=True)
-class Plan:
+class HubPlan:
     """The files llama-server would take for a -hf reference (nothing: none of that kind)."""
 
     model: tuple[HubFile, ...]  # the primary first, then the other parts of a split model
@@ -74,7 +74,7 @@ class Plan:
 
 
 @dataclass(frozen=True)
-class Head:
+class HubHead:
     """A file's first bytes, through the end of its tensor table."""
 
     data: bytes
@@ -260,7 +260,7 @@ def _choose(files: list[HubFile], repo: str, tag: str, hf_file: str) -> HubFile:
 
 def plan(hf_repo: str, hf_file: str = "", *, token: str | None = None, base: str | None = None,
          mmproj: bool = True, draft_repo: str = "", draft_file: str = "",
-         listing: Mapping[str, list[HubFile]] | None = None) -> Plan:
+         listing: Mapping[str, list[HubFile]] | None = None) -> HubPlan:
     """The files llama-server takes for ``-hf hf_repo [-hff hf_file]`` (``mmproj``: its
     projector too, where the repository has one; ``draft_repo``: ``-hfd`` [``-md`` file]).
     ``listing``: repositories' files already listed (repo -> files)."""
@@ -280,7 +280,7 @@ def plan(hf_repo: str, hf_file: str = "", *, token: str | None = None, base: str
         drepo, dtag = split_repo_tag(draft_repo)
         dfiles = files_of(drepo)
         draft = split_parts(dfiles, _choose(dfiles, drepo, dtag, draft_file))
-    return Plan(split_parts(files, primary), best_mmproj(files, primary.path) if mmproj else None, draft)
+    return HubPlan(split_parts(files, primary), best_mmproj(files, primary.path) if mmproj else None, draft)
 
 
 def _read_more(url: str, token: str | None, have: int, want: int, stream):
@@ -297,7 +297,7 @@ def _read_more(url: str, token: str | None, have: int, want: int, stream):
     return r.read(want), r  # the whole body is coming: read it only as far as needed
 
 
-def fetch_head(file: HubFile, token: str | None, first: int = FIRST_READ) -> Head:
+def fetch_head(file: HubFile, token: str | None, first: int = FIRST_READ) -> HubHead:
     """The file's header and tensor table, read from its start as far as they go (a read
     twice as long each time the header goes on)."""
     if file.size <= 0:
@@ -310,7 +310,7 @@ def fetch_head(file: HubFile, token: str | None, first: int = FIRST_READ) -> Hea
             buf += chunk
             try:
                 table_end, _ = gguf_header.extent(buf, file.size, file.name)
-                return Head(buf[:table_end], file.size, len(buf))
+                return HubHead(buf[:table_end], file.size, len(buf))
             except gguf_header.HeaderCutShort as e:
                 if len(chunk) < asked or len(buf) >= file.size:  # the file ends inside its header
                     raise HubError(f"{file.name}: a truncated GGUF file ({e})") from None
@@ -328,7 +328,7 @@ def _cache_key(file: HubFile) -> str:
     return file.oid or hashlib.sha256(file.url.encode()).hexdigest()
 
 
-def head(file: HubFile, token: str | None, cache: Path | None) -> Head:
+def head(file: HubFile, token: str | None, cache: Path | None) -> HubHead:
     """``fetch_head`` through a cache of heads keyed by the file's oid (its content's hash
     on the hub: a new upload is a new key); ``cache`` None: no cache."""
     if cache is not None and file.oid:
@@ -336,7 +336,7 @@ def head(file: HubFile, token: str | None, cache: Path | None) -> Head:
         try:
             data = path.read_bytes()
             size = int(json.loads(path.with_suffix(".json").read_text())["size"])
-            return Head(data, size, 0, cached=True)
+            return HubHead(data, size, 0, cached=True)
         except (OSError, ValueError, KeyError):
             pass  # not cached (or half written): read it
     got = fetch_head(file, token)
@@ -350,7 +350,7 @@ def head(file: HubFile, token: str | None, cache: Path | None) -> Head:
     return got
 
 
-def stand_ins(files: Iterable[HubFile], heads: Mapping[HubFile, Head], directory: Path) -> dict[HubFile, Path]:
+def stand_ins(files: Iterable[HubFile], heads: Mapping[HubFile, HubHead], directory: Path) -> dict[HubFile, Path]:
     """One sparse file per hub file under ``directory`` (its repository's folder, its own
     name, so the parts of a split model find each other): its head at offset 0, then a
     hole to its full size."""
@@ -370,7 +370,7 @@ def stand_ins(files: Iterable[HubFile], heads: Mapping[HubFile, Head], directory
 class Reading:
     """What reading a plan's heads cost."""
 
-    heads: dict[HubFile, Head] = field(default_factory=dict)
+    heads: dict[HubFile, HubHead] = field(default_factory=dict)
 
     @property
     def bytes_read(self) -> int:

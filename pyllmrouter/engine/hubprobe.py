@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from pyllmrouter import hubfiles
+from pyllmrouter.engine.probe import probe
 from pyllmrouter.memory import MemoryEstimate, ProbeError, cache_dir
 from pyllmrouter.spec import ModelSpec
 
@@ -52,7 +53,7 @@ class HubOptions:
 @dataclass(frozen=True)
 class HubProbe:
     estimate: MemoryEstimate
-    plan: hubfiles.Plan
+    plan: hubfiles.HubPlan
     reading: hubfiles.Reading
     seconds: float
 
@@ -94,7 +95,7 @@ def head_cache() -> Path:
 @contextlib.contextmanager
 def standing(opts: HubOptions, *, use_cache: bool = True,
              listing: Mapping[str, list[hubfiles.HubFile]] | None = None
-             ) -> Iterator[tuple[ModelSpec, hubfiles.Plan, hubfiles.Reading]]:
+             ) -> Iterator[tuple[ModelSpec, hubfiles.HubPlan, hubfiles.Reading]]:
     """A spec over sparse stand-ins of the files ``opts`` name on the hub, while the
     ``with`` lasts (the stand-ins are removed after)."""
     base = hubfiles.endpoint()
@@ -120,15 +121,29 @@ def standing(opts: HubOptions, *, use_cache: bool = True,
         yield ModelSpec(str(paths[plan.model[0]]), tuple(args)), plan, reading
 
 
-def _paths(spec: ModelSpec, plan: hubfiles.Plan) -> list[Path]:
+def _paths(spec: ModelSpec, plan: hubfiles.HubPlan) -> list[Path]:
     root = Path(spec.path).parents[len(Path(plan.model[0].path).parts)]
     return [root / f.repo.replace("/", "--") / f.path for f in plan.files]
 
 
+def probe_any(spec: ModelSpec | str | None = None, *, use_cache: bool = True, refresh: bool = False,
+              hub: str | Sequence[str] | None = None) -> MemoryEstimate:
+    """``engine.probe.probe`` of a file (``spec``), or of a model on a hub (``hub``), as
+    llama-server names it ("org/repo[:quant]", or its command line: ["-hf",
+    "org/repo:Q4_K_M", "-c", "8192"]): the same bytes, from its files' headers (HTTP range
+    requests), without the download; ``use_cache`` then keeps the headers read."""
+    if hub is None:
+        if spec is None:
+            raise ProbeError("(arguments)", "no model: give a spec, a file or hub=")
+        return probe(spec, use_cache=use_cache, refresh=refresh)
+    opts = hub_options(["-hf", hub] if isinstance(hub, str) else list(hub))
+    if opts is None:
+        raise ProbeError("(arguments)", "no hub model in the arguments (-hf org/repo[:quant])")
+    return probe_hub(opts, use_cache=use_cache).estimate
+
+
 def probe_hub(opts: HubOptions, *, use_cache: bool = True) -> HubProbe:
     """The exact bytes of the hub model ``opts`` names, from its headers (see the module)."""
-    from pyllmrouter.engine.probe import probe  # noqa: PLC0415
-
     t0 = time.perf_counter()
     with standing(opts, use_cache=use_cache) as (spec, plan, reading):
         try:

@@ -15,7 +15,7 @@ measures the very structs the engine loads with.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any
 
 from pyllmrouter.config import MiB
 from pyllmrouter.engine.backend import forward_log, native
@@ -32,29 +32,15 @@ def _rows(raw: list[dict[str, Any]]) -> tuple[BufferUse, ...]:
     return tuple(BufferUse(**r) for r in raw)
 
 
-def probe(spec: ModelSpec | str | None = None, *, use_cache: bool = True, refresh: bool = False,
-          hub: str | Sequence[str] | None = None) -> MemoryEstimate:
+def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = False) -> MemoryEstimate:
     """Bytes that loading ``spec`` allocates, per buffer type and device, exactly.
 
     Reads only the GGUF metadata (tensor data is never touched). Runs in the
     calling process with the devices it can see: a masked process sees only
     its devices.  ``refresh`` probes again and rewrites the cache entry;
-    ``use_cache=False`` neither reads nor writes it.
-
-    ``hub``: a model on a hub instead, as llama-server names it ("org/repo[:quant]", or
-    its command line: ["-hf", "org/repo:Q4_K_M", "-c", "8192"]): the same bytes, from
-    its files' headers (HTTP range requests), without the download (engine/hubprobe.py);
-    ``use_cache`` then keeps the headers read.
+    ``use_cache=False`` neither reads nor writes it.  (A model on a hub:
+    engine/hubprobe.py ``probe_any``, which ``pyllmrouter.probe`` is.)
     """
-    if hub is not None:
-        from pyllmrouter.engine.hubprobe import hub_options, probe_hub  # noqa: PLC0415
-
-        opts = hub_options(["-hf", hub] if isinstance(hub, str) else list(hub))
-        if opts is None:
-            raise ProbeError("(arguments)", "no hub model in the arguments (-hf org/repo[:quant])")
-        return probe_hub(opts, use_cache=use_cache).estimate
-    if spec is None:
-        raise ProbeError("(arguments)", "no model: give a spec, a file or hub=")
     if not isinstance(spec, ModelSpec):
         spec = ModelSpec(spec)
     stats = check_file(spec.path)
