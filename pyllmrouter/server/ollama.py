@@ -44,7 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pyllmrouter import endpoints, gguf_header
 from pyllmrouter.errors import NeverFits, RouterError, UnknownModel
 from pyllmrouter.router.api import Router
-from pyllmrouter.server import ollama_wire as wire
+from pyllmrouter.server import ollama_pull, ollama_wire as wire
 from pyllmrouter.server.body import departed
 from pyllmrouter.server.api_errors import ApiError, from_router_error
 from pyllmrouter.server.ollama_wire import OllamaError
@@ -56,7 +56,6 @@ _LOG = logging.getLogger("pyllmrouter.ollama")
 NDJSON = "application/x-ndjson"
 TRIES = 3  # sends of a prompt cut to fit, the engine counting each (a cut text may tokenize longer)
 NEVER = 253402300799.0  # 9999-12-31T23:59:59Z: a model kept for ever expires then
-PULL_POLL = 0.25  # seconds between readings of a pull's progress
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -512,7 +511,7 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
                 await asyncio.to_thread(router.pull, name)
             except ValueError as e:
                 raise OllamaError(400, str(e)) from None
-        progress = _pulled(router, listed or name)
+        progress = ollama_pull.progress(router, listed or name)
         if data.get("stream", True) is False:
             last: dict[str, Any] = {}
             async for last in progress:
@@ -590,26 +589,3 @@ def _arrays(path: str) -> dict[str, list]:
 
     return {name: field.contents() for name, field in GGUFReader(path).fields.items()
             if field.types and field.types[0] == GGUFValueType.ARRAY}
-
-
-async def _pulled(router: Router, name: str) -> AsyncIterator[dict[str, Any]]:
-    """Ollama's pull progress lines for ``name``: until it is listed (success) or its download failed."""
-    yield {"status": "pulling manifest"}
-    while True:
-        if router.scheduler.canonical(name) is not None:
-            yield {"status": "success"}
-            return
-        d = router.status()["downloads"].get(name)
-        if d is not None and d["status"] == "failed":
-            yield {"error": f"pull of '{name}' failed: {d['error']}"}
-            return
-        if d is None:  # ended (a model that came is listed before its download ends), or stopped
-            if router.scheduler.canonical(name) is None:
-                yield {"error": f"pull of '{name}' ended with no model file (no such repository or tag?), "
-                                f"or was stopped"}
-                return
-            continue
-        for url, p in (d or {}).get("progress", {}).items():
-            yield {"status": f"pulling {url.rsplit('/', 1)[-1]}", "digest": url, "total": p["total"],
-                   "completed": p["done"]}
-        await asyncio.sleep(PULL_POLL)

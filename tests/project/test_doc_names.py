@@ -45,7 +45,8 @@ class Index:
 
     def _read(self, f: Path, tree: ast.Module) -> None:
         top = self.modules[f.stem if f.stem != "__init__" else f.parent.name]
-        for n in tree.body:
+        body = [*tree.body, *(m for n in tree.body if isinstance(n, ast.If) for m in n.body)]  # TYPE_CHECKING too
+        for n in body:
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 top.add(n.name)
             for target in (n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign)
@@ -54,6 +55,8 @@ class Index:
                     top.add(target.id)
             if isinstance(n, (ast.Import, ast.ImportFrom)):
                 top.update((a.asname or a.name).split(".")[0] for a in n.names)
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in n.targets):
+                top.update(e.value for e in getattr(n.value, "elts", ()) if isinstance(e, ast.Constant))
         for c in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             self.bases[c.name] |= {b.id for b in c.bases if isinstance(b, ast.Name)}
             for m in ast.walk(c):
