@@ -146,8 +146,9 @@ def _check(native: Any, name: str, keys: list[list[Any]], base_args: list[str]) 
 
 
 def _main() -> None:
-    from pyllmrouter.engine.backend import native  # noqa: PLC0415 - this process only
+    from pyllmrouter.engine.backend import bindings_only, native  # noqa: PLC0415 - this process only
 
+    bindings_only()
     request = json.loads(sys.stdin.read())
     try:
         base = request.get("base_args", [])

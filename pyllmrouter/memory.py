@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -242,6 +241,8 @@ def _installation() -> tuple[str, tuple[str, ...]]:
     """The llama.cpp build and the GPUs of this machine (fixed while a process lives)."""
     gpus_dir = "/proc/driver/nvidia/gpus"
     gpus = tuple(sorted(os.listdir(gpus_dir))) if os.path.isdir(gpus_dir) else ()
+    import importlib.metadata  # noqa: PLC0415 - here: its import is most of an idle ``import pyllmrouter``
+
     return importlib.metadata.version("llama-cpp-python"), gpus
 
 

@@ -9,12 +9,14 @@ what lets the router process stay free of any GPU context.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from types import ModuleType
 
-__all__ = ["llama_cpp_module", "native", "forward_log"]
+__all__ = ["llama_cpp_module", "native", "forward_log", "bindings_only"]
 
 # llama.cpp is chatty: its errors become exceptions anyway, so nothing here is
 # louder than WARNING and information is DEBUG (quiet unless asked for).
@@ -73,6 +75,20 @@ def _openmp_policy() -> None:
     if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = "active"
         os.environ["GOMP_SPINCOUNT"] = "300000"
+
+
+def bindings_only() -> None:
+    """In a process of ours that uses llama.cpp through ``_native`` and the bindings alone
+    (a worker, a checking process): ``llama_cpp``'s package registered without running its
+    ``__init__``, which imports the high-level ``Llama`` (numpy, jinja2, the chat formats:
+    a quarter of a second) that such a process never uses.  ``llama_cpp.llama_cpp`` (ctypes
+    only) then loads libllama as it does under the package.  Call it before ``native()``."""
+    if "llama_cpp" in sys.modules:
+        return
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return  # not installed as a package: the import below says so
+    sys.modules["llama_cpp"] = importlib.util.module_from_spec(spec)
 
 
 @functools.cache

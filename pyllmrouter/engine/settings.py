@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import sys
 
-from pyllmrouter.engine.backend import native
+from pyllmrouter.engine.backend import bindings_only, native
 
 
 def main(argv: list[str]) -> int:
+    bindings_only()
     try:
         print(native().router_settings(argv), flush=True)
     except ValueError as e:

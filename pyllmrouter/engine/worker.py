@@ -259,9 +259,10 @@ def worker_main(conn, conduit_fd: int, router_pid: int | None = None) -> None:
     # the pipe came through pass_fds, inheritable: a process this worker starts (an MCP
     # server, a tool's shell) would hold it open, and the router would not see us end
     os.set_inheritable(conn.fileno(), False)
-    from pyllmrouter.engine.backend import native  # noqa: PLC0415 - imports llama_cpp under the mask
+    from pyllmrouter.engine.backend import bindings_only, native  # noqa: PLC0415 - llama_cpp under the mask
     from pyllmrouter.devices import RPC_ENV  # noqa: PLC0415
 
+    bindings_only()  # nothing here uses llama_cpp's Llama: its imports are not paid for
     rpc = [e for e in os.environ.get(RPC_ENV, "").split(",") if e]
     if rpc:
         native().add_rpc_servers(rpc)  # this worker's devices: its rpc-servers, as RPC0, RPC1...

@@ -88,6 +88,7 @@ class Router(Methods):
         models = list(models)
         _check_own(models, "Router(models=...)")
         self._sched = Scheduler(models, inventory or SystemInventory(), options)
+        self._sched.jobs.start_early()  # the first model's worker starts while the app goes on
         self._sources = sources or Sources()
         self._reloading = threading.Lock()  # one reading of the sources at a time
         self._downloads = Downloads(self._sched.bus, self._downloaded)

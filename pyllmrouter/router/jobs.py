@@ -9,6 +9,7 @@ through the Book's methods.
     spill()     ──▶ kept prompt states leave RAM
     stop_worker(w) ──▶ retired at once, its process ended in the background
     replicate(rec) ──▶ an extra instance loaded by a lease of its own
+    start_early() ──▶ the first model's worker, before any request (Router's start)
 
 After a job changes a model, ``settle(rec)`` (the roster's: a retiring model's next
 step) runs, as after any change.  Jobs owns nothing but its threads.
@@ -16,6 +17,7 @@ step) runs, as after any change.  Jobs owns nothing but its threads.
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -35,6 +37,8 @@ from pyllmrouter.router.workers.handle import WorkerHandle
 from pyllmrouter.spec import ModelSpec
 
 __all__ = ["Jobs"]
+
+_LOG = logging.getLogger(__name__)
 
 # llama.cpp's words for a device that could not hold what a load allocates
 _OUT_OF_MEMORY = re.compile(r"out of memory|failed to allocate|unable to allocate|cudaMalloc failed|"
@@ -132,6 +136,39 @@ class Jobs:
             else:
                 book.measuring(rec, fitting=False)
                 book.failed(rec, f"cannot fit: {error}")
+
+    def start_early(self) -> None:
+        """The worker the first listed model will load in, started now in the background (an
+        app goes on to its first request meanwhile), where that model has one device set
+        to go to and empty workers are kept (``worker_idle_timeout`` not 0).  Its bytes are
+        reserved until it runs, as for a load's; a worker that fails to start is logged,
+        and the first request starts one again and says why."""
+        book = self._book
+        records = [r for r in book.records() if r.primary is None]
+        if not records or self._options.worker_idle_timeout == 0:
+            return
+        candidates = book.candidates(records[0])
+        if len(candidates) != 1:
+            return
+        with book.locked():
+            if book.closed or book.workers.get(candidates[0]) is not None:
+                return
+            token = book.workers.reserve(candidates[0], book.workers.overhead_of(candidates[0])[0])
+        self.spawn(self._start_worker, candidates[0], token)
+
+    def _start_worker(self, device_set: frozenset[str], token: int | None) -> None:
+        book = self._book
+        try:
+            worker = book.workers.ensure(device_set)
+        except WorkerDied as e:
+            _LOG.warning("the worker of %s did not start early: %s", "+".join(sorted(device_set)), e)
+            return
+        finally:
+            book.workers.unreserve(token)
+        with book.locked():  # the router closed meanwhile: its close() did not see this worker
+            stray = book.closed and book.workers.forget(worker)
+        if stray:
+            worker.stop()
 
     def refresh_overhead(self, worker: WorkerHandle) -> None:
         """A worker's own cost on its GPUs: what the device reports for the process

@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from pyllmrouter.config import MiB, RouterOptions
@@ -191,6 +192,29 @@ def listen(host: str, port: int) -> list[socket.socket]:
     return sockets
 
 
+def _server_modules() -> None:
+    import uvicorn  # noqa: F401, PLC0415
+
+    import pyllmrouter.server.app  # noqa: F401, PLC0415
+
+
+def _settings_and_router(a: argparse.Namespace) -> tuple[dict[str, Any], Router]:
+    """What llama-server's HTTP layer makes of the arguments (CORS, keys, tools...) and the
+    router, read side by side (each asks llama.cpp in a short-lived process) while the
+    server's own modules are imported."""
+    with ThreadPoolExecutor(2) as pool:
+        checked = pool.submit(settings, a.llama_args)
+        imported = pool.submit(_server_modules)
+        router = router_from_args(a)
+        try:
+            cfg = checked.result()
+        except ValueError as e:
+            router.close()
+            raise SystemExit(f"pyllmrouter serve: {e}") from None
+        imported.result()
+    return cfg, router
+
+
 def serve(a: argparse.Namespace) -> int:
     import uvicorn  # noqa: PLC0415
 
@@ -235,11 +259,7 @@ def serve(a: argparse.Namespace) -> int:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
-    try:
-        cfg = settings(a.llama_args)  # what llama-server's HTTP layer makes of them (CORS, keys, tools...)
-    except ValueError as e:
-        raise SystemExit(f"pyllmrouter serve: {e}") from None
-    router = router_from_args(a)
+    cfg, router = _settings_and_router(a)
     services = None
     if wanted(cfg):  # as llama-server: its MCP servers start before it serves
         services = Services(tuple(a.llama_args), router.scheduler.inventory.mask_env(frozenset()))

@@ -17,6 +17,7 @@ short-lived process (engine_args.py): the router process loads no llama.cpp.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +50,16 @@ class Sources:
 
     def read(self) -> tuple[list[ModelConfig], dict[str, Any]]:
         """The models the sources list now, and the preset's router-wide options;
-        PresetError for a bad preset (nothing else is read then)."""
+        PresetError for a bad preset (the cache, listed meanwhile, left unread)."""
         by_name: dict[str, ModelConfig] = {}
         router: dict[str, Any] = {}
-        preset = read_preset(self.preset, self.base_args) if self.preset else None
+        with ThreadPoolExecutor(1) as pool:  # the two checking processes side by side
+            listing = pool.submit(cached_models) if self.cache else None
+            preset = read_preset(self.preset, self.base_args) if self.preset else None
+            cache = listing.result() if listing is not None else None
         dedup = preset.dedup if preset is not None else frozenset()
-        if self.cache:
-            where, models = cached_models()
+        if cache is not None:
+            where, models = cache
             self._cache_dir = Path(where)
             for m in models:
                 if m["path"] and not m["error"]:
