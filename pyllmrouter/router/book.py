@@ -115,8 +115,7 @@ class Book:
             return self._registry.get(name)
 
     def named(self, name: str) -> Record | None:
-        """The record whose own name is ``name`` (no alias: the scheduler's own lookups, of
-        a resident or an instance, never a client's name)."""
+        """The record whose own name is ``name`` (no alias: the scheduler's own lookups)."""
         with self._cond:
             return self._registry.named(name)
 
@@ -151,7 +150,6 @@ class Book:
 
     def capacity(self, device: str) -> int:
         return capacity(self.devices[device], self.options)
-
     def _tally(self) -> tuple[dict[str, int], dict[str, int]]:
         """(held, settled) bytes per device (policy/accounting.py ``tally``)."""
         kept = (self.keep.held_ram(), self.keep.kept_ram()) if self.keep is not None else (0, 0)
@@ -207,11 +205,13 @@ class Book:
             free = [ds for ds in base if ds not in others]
             return free if free or rec.primary is not None else base
 
-    def busy_sets(self) -> set[frozenset[str]]:
-        """Device sets in use: a model there, or a waiting request that may go there."""
+    def busy_sets(self, upto: Ticket | None = None) -> set[frozenset[str]]:
+        """Device sets in use: a model there, or a waiting request that may go there (``upto``:
+        it, or one ranked before it: one behind never keeps an empty worker from it)."""
         with self._cond:
             busy = {r.device_set for r in self._registry.records() if holds_memory(r.state) and r.device_set}
-            for t in self._queue:
+            now = time.monotonic()
+            for t in (t for t in self._queue if upto is None or t is upto or self.rank(t, now) < self.rank(upto, now)):
                 busy.update(self.candidates(t.rec))
             return busy
 

@@ -140,9 +140,10 @@ class Jobs:
     def start_early(self) -> None:
         """The worker the first listed model will load in, started now in the background (an
         app goes on to its first request meanwhile), where that model has one device set
-        to go to and empty workers are kept (``worker_idle_timeout`` not 0).  Its bytes are
-        reserved until it runs, as for a load's; a worker that fails to start is logged,
-        and the first request starts one again and says why."""
+        to go to and empty workers are kept (``worker_idle_timeout`` not 0), and where it
+        fits now beside what the devices hold (else the first request's admission starts it,
+        evicting for it).  Its bytes are reserved until it runs, as for a load's; a worker
+        that fails to start is logged, and the first request starts one again and says why."""
         book = self._book
         records = [r for r in book.records() if r.primary is None]
         if not records or self._options.worker_idle_timeout == 0:
@@ -150,10 +151,14 @@ class Jobs:
         candidates = book.candidates(records[0])
         if len(candidates) != 1:
             return
+        mark, free = book.mark(), self._inventory.free()
         with book.locked():
-            if book.closed or book.workers.get(candidates[0]) is not None:
+            if book.closed or book.workers.get(candidates[0]) is not None or book.mark() != mark:
                 return
-            token = book.workers.reserve(candidates[0], book.workers.overhead_of(candidates[0])[0])
+            need, starts = book.workers.overhead_of(candidates[0])
+            if not starts or placement.shortfall(need, book.available(free)):
+                return
+            token = book.workers.reserve(candidates[0], need)
         self.spawn(self._start_worker, candidates[0], token)
 
     def _start_worker(self, device_set: frozenset[str], token: int | None) -> None:

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from typing import Any, Mapping
 
 from pyllmrouter.memory import cache_dir
@@ -50,7 +51,7 @@ def known_keys() -> frozenset[str]:
     except (ValueError, IndexError):
         return frozenset()  # not askable: nothing refused rather than everything
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f".{cached.name}.{os.getpid()}")
+    tmp = cached.with_name(f".{cached.name}.{os.getpid()}.{threading.get_ident()}")  # one per thread: no two race
     tmp.write_text(json.dumps(keys))
     os.replace(tmp, cached)
     return frozenset(keys)

@@ -422,7 +422,7 @@ class Scheduler:
         if isinstance(decision, admission.Wait):
             if decision.probe:
                 book.measuring(rec, probing=True)
-                token = book.workers.reserve(*request.probe_worker) if request.probe_worker else None
+                token = book.workers.reserve(request.probe_worker[0], decision.worker) if request.probe_worker else None
                 self._jobs.spawn(self._jobs.probe, rec, token)  # its worker's bytes held until it runs
             if decision.fit is not None:
                 book.measuring(rec, fitting=True)
@@ -472,8 +472,8 @@ class Scheduler:
         kept = book.keep.kept_ram() if book.keep is not None else 0
         if kept:  # kept prompt states give way first (spilled to disk or dropped), before any model
             residents.append(placement.Resident(KEPT, {HOST: kept}, float("-inf"), not book.spilling))
-        book.workers.note(book.busy_sets(), time.monotonic())
-        residents += [book.workers.resident(w) for w in book.workers.running()]
+        book.workers.note(book.busy_sets(), time.monotonic())  # the reaper's view (any waiting request)
+        residents += [book.workers.resident(w, book.workers.empty(w, book.busy_sets(ticket))) for w in book.workers.running()]
         residents += [book.workers.resident(w, leaving) for w in book.workers.stopping()]  # their bytes go soon
         return residents
 
@@ -486,21 +486,21 @@ class Scheduler:
                               tuple(self._residents(ticket, ignore_busy=True, leaving=True)), hoped)
 
     def _request(self, rec: Record, ticket: Ticket) -> admission.Request:
-        options, probe_worker = None, None
+        options, probe_worker, workers = None, None, self._book.workers
         if rec.requirements is None:
-            probe_worker = self._book.workers.probe_cost(self._book.candidates(rec), self._book.hosts_models,
-                                                         rec.name)
+            probe_worker = workers.probe_cost(self._book.candidates(rec), self._book.hosts_models, rec.name)
         else:
             options = []
             for ds in self._book.candidates(rec):
                 local = self.inventory.to_local(ds)  # a fit can only move bytes off real devices
                 spec = worker_spec(rec.config.spec, ds, local)
-                worker, starts = self._book.workers.overhead_of(ds)
+                worker, starts = workers.overhead_of(ds)
                 options.append(admission.Option(ds, rec.requirements[ds], spec, fit_over(ds, local, rec.params[ds]),
-                                                worker, starts))
+                                                worker, starts, starts and workers.costs.guessed(ds)))
             options = tuple(options)
         return admission.Request(rec.name, options, rec.fits, self._earlier_loader_blocks(rec, ticket),
-                                 rec.probing, rec.fitting, probe_worker)
+                                 rec.probing, rec.fitting, probe_worker,
+                                 any(workers.costs.guessed(ds) for ds in self._book.candidates(rec)))
 
     # -- workers ----------------------------------------------------------------------------------
 

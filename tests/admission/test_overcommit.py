@@ -93,7 +93,8 @@ def test_two_loads_asked_at_once_are_never_admitted_on_the_same_free_bytes(tiny)
 
 
 def sim(tmp: Path, models: dict[str, tuple[SimModel, tuple[str, ...] | None, int]],
-        others: dict[str, int] | None = None, host: int = 1200, **options) -> tuple[Scheduler, SimWorld]:
+        others: dict[str, int] | None = None, host: int = 1200, costs: dict[str, int] | None = None,
+        **options) -> tuple[Scheduler, SimWorld]:
     """A Scheduler over the simulated world (two GPUs of 1000 bytes, a worker's context 60 on
     each GPU of its set and 40 on the host, a margin of 20): models as name -> (bytes, pinned
     devices, replicas), their files in ``tmp``."""
@@ -108,7 +109,7 @@ def sim(tmp: Path, models: dict[str, tuple[SimModel, tuple[str, ...] | None, int
     opts = RouterOptions(**{"margin": 20, "queue_timeout": 5, "turn": 0.4, "worker_idle_timeout": -1,
                             "heartbeat": 0, "kv_keep_ram": 200, **options})
     configs = [ModelConfig(n, ModelSpec(paths[n]), devices=devs, replicas=k) for n, (_, devs, k) in models.items()]
-    sched = Scheduler(configs, world.devices, opts, launch=world.launch, costs=WorkerCosts(world.devices, None, COSTS))
+    sched = Scheduler(configs, world.devices, opts, launch=world.launch, costs=WorkerCosts(world.devices, None, costs or COSTS))
     if sched.keep is not None:
         world.ram_dir = sched.keep.ram_dir
         sched.keep.page, sched.keep.sidecar = simworld.PAGE, simworld.SIDECAR  # the world's file system
@@ -874,5 +875,56 @@ def test_a_request_that_meets_a_dead_worker_waits_for_the_reload(tmp_path):
         lease = asking.done().lease
         assert lease is not None and lease.worker is not worker, asking.error
         sched.release(lease)
+    finally:
+        sched.close()
+
+
+def test_a_request_behind_a_newcomer_never_keeps_an_empty_worker_from_it(tmp_path):
+    """c (on G0+G1) needs the room of a, b and their workers; a and b are evicted for it and
+    asked for again while it waits: those later requests do not keep the empty workers of G0
+    and G1 from c, which would wait out its timeout with nothing busy (before: QueueTimeout
+    for c, then for a and b)."""
+    sched, world = sim(tmp_path, {"a": (SimModel(600), ("G0",), 1), "b": (SimModel(600), ("G1",), 1),
+                                  "c": (SimModel(1760), ("G0", "G1"), 1)})
+    try:
+        sched.release(load_now(sched, world, "a"))
+        sched.release(load_now(sched, world, "b"))
+        c = Asking(sched, "c", 5)
+        until(lambda: len(world.unloads) == 2, "a's and b's unloads")
+        again = [Asking(sched, "a", 8), Asking(sched, "b", 8)]
+        time.sleep(0.2)  # they wait behind c
+        for u in list(world.unloads):
+            world.finish_unload(u, False)
+        deadline = time.monotonic() + 6
+        while c.thread.is_alive() and time.monotonic() < deadline:
+            for load in [x for x in world.loads if x.msg.name == "c"]:
+                with sched.book.locked():
+                    world.finish_load(load)
+            time.sleep(0.01)
+        c.done()
+        assert c.lease is not None, c.error
+        assert not world.unexplained, world.unexplained
+        sched.release(c.lease)
+        for a in again:
+            a.thread.join(10)
+            if a.lease is not None:
+                sched.release(a.lease)
+    finally:
+        sched.close()
+
+
+def test_a_guessed_worker_cost_never_makes_a_model_never_fit(tmp_path):
+    """No worker of the host's kind has run yet, and the default for one is more than the host
+    can hold: the model is served (its worker started, its cost learned), the guess given at
+    most the room the model leaves (before: NeverFits, "its worker's own ... bytes", for
+    ever, since no worker ever started to say what it costs)."""
+    sched, world = sim(tmp_path, {"d": (SimModel(100), ("CPU",), 1)}, host=300, costs={"host/cpu": 500})
+    try:
+        d = served(sched, world, "d")
+        assert d is not None
+        assert sched.book.workers.costs.learned() == {"host/cpu": world.host_overhead}
+        assert not world.unexplained, world.unexplained
+        sched.check_invariant()
+        sched.release(d)
     finally:
         sched.close()

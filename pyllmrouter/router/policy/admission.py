@@ -33,7 +33,7 @@ one (``Wait.fit``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping
 
 from pyllmrouter.router.policy import placement
@@ -56,6 +56,7 @@ class Option:
     worker: Mapping[str, int] = field(default_factory=dict)  # bytes per device the set's worker
     # holds before any model (never reserved for the model)
     starts: bool = False  # the load starts that worker: placing the model takes its bytes too
+    guessed: bool = False  # its worker's bytes are partly a default (none of its kind has run yet)
 
     @property
     def fitting(self) -> bool:
@@ -102,6 +103,7 @@ class Request:
     fitting: bool = False  # a fit runs already
     # the worker a probe starts (the model's only device set, where none runs): its bytes
     probe_worker: tuple[frozenset[str], Mapping[str, int]] | None = None
+    probe_guessed: bool = False  # its bytes are partly a default (no worker of that kind has run yet)
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,7 @@ class Wait:
     fit: FitJob | None = None  # start this fit
     drain: tuple[str, ...] = ()  # busy models in the way: they take new requests for one turn only
     short: Mapping[str, int] = field(default_factory=dict)  # waiting for memory: bytes missing per device
+    worker: Mapping[str, int] = field(default_factory=dict)  # the probe's workers: the bytes to reserve
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,11 @@ def decide(view: View, request: Request) -> Decision:
     if request.options is None:
         if request.probing:
             return Wait("measuring its memory")
-        return _room_for_worker(view, request.probe_worker) or Wait("measuring its memory", probe=True)
+        worker = request.probe_worker
+        if worker is not None and request.probe_guessed:  # a guess asks for no more than there can be
+            worker = (worker[0], _guess(view, worker[1], {}))
+        return _room_for_worker(view, worker) or Wait("measuring its memory", probe=True,
+                                                      worker=dict(worker[1]) if worker else {})
     ready, why, never, job = _ready(view, request)
     room = _room_for_worker(view, (job.device_set, job.worker)) if job is not None and job.worker else None
     if room is not None:  # the fit would start its set's worker, which has no room yet: not now
@@ -183,6 +190,15 @@ def decide(view: View, request: Request) -> Decision:
     if now is None:
         return Wait(SETTLING, fit=job)
     return Admit(plan.device_set, dict(option.need), fit.spec if fit else option.spec, fit, dict(option.overhead))
+
+
+def _guess(view: View, worker: Mapping[str, int], need: Mapping[str, int]) -> dict[str, int]:
+    """A worker's guessed bytes (none of its kind has run: starting one is how its cost is
+    learned) given at most what ``need`` leaves of the room there can be: available now and
+    what the evictable residents hold, within each device's capacity."""
+    room = placement.grant(worker, view.available, view.evictable)
+    return {d: min(n, max(0, min(room.get(d, 0), view.capacity.get(d, 0)) - need.get(d, 0)))
+            for d, n in worker.items()}
 
 
 def _room_for_worker(view: View, worker: tuple[frozenset[str], Mapping[str, int]] | None) -> Decision | None:
@@ -215,6 +231,8 @@ def _ready(view: View, request: Request):
     never: Never | None = None
     job: FitJob | None = None
     for option in request.options or ():
+        if option.guessed:  # a guess never makes a model never fit: at most the room the model leaves
+            option = replace(option, worker=_guess(view, option.worker, option.need))
         worst = placement.never_fits(option.room(option.need, worker=True), view.capacity)
         if worst is not None and (worst.device == placement.COUNT or not option.fitting):
             # the message names the candidate closest to fitting (the biggest device)

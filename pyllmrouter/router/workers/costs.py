@@ -19,6 +19,7 @@ whenever a measurement changes it; a file that cannot be read or written is an e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -57,7 +58,9 @@ class WorkerCosts:
         the estimate until one is measured (a kind not there: 0, a device that holds nothing
         of a worker's, as an rpc-server's)."""
         self._inventory = inventory
-        self._kinds = {d.name: d.kind for d in inventory.devices()}
+        devices = inventory.devices()
+        self._kinds = {d.name: d.kind for d in devices}
+        self._totals = {d.name: d.total for d in devices}  # no cost is more than a device holds
         self._path = path
         self._defaults = dict(DEFAULTS if defaults is None else defaults)
         self._lock = threading.Lock()
@@ -72,9 +75,17 @@ class WorkerCosts:
                 learned = self._learned.get(key)
                 n = self._defaults.get(key, 0) if learned is None else learned + learned // SLACK
                 if n:
-                    out[d] = n
+                    out[d] = min(n, self._totals.get(d, n))
         out.update(self._inventory.worker_overhead(device_set))  # configured: exact
         return out
+
+    def guessed(self, device_set: frozenset[str]) -> bool:
+        """Whether a part of the estimate is a default (no worker of that kind has run)."""
+        configured = self._inventory.worker_overhead(device_set)
+        with self._lock:
+            return any(key not in self._learned and self._defaults.get(key, 0)
+                       for d in {*device_set, HOST} if d not in configured
+                       for key in (kind_of(d, device_set, self._kinds),))
 
     def learn(self, device_set: frozenset[str], measured: Mapping[str, int]) -> None:
         """A started worker's measured bytes per device (only those measured)."""
@@ -110,6 +121,7 @@ def _read(path: Path | None) -> dict[str, int]:
 
 
 def _write(path: Path, table: dict[str, int]) -> None:
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".workers-", dir=path.parent)
@@ -118,3 +130,6 @@ def _write(path: Path, table: dict[str, int]) -> None:
         os.replace(tmp, path)
     except OSError as e:
         _LOG.warning("cannot keep the workers' costs in %s: %s", path, e)
+        if tmp is not None:
+            with contextlib.suppress(OSError):  # (a part written: nothing to keep of it)
+                os.unlink(tmp)

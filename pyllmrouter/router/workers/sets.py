@@ -186,6 +186,10 @@ class WorkerSet:
             else:
                 self._idle_since.setdefault(w, now)
 
+    def empty(self, worker: WorkerHandle, busy: Iterable[frozenset[str]]) -> bool:
+        """Whether ``worker`` is empty for a request that sees ``busy`` device sets in use."""
+        return worker.devices not in set(busy) and not worker.in_flight()
+
     def idle(self, now: float) -> dict[WorkerHandle, float]:
         """Empty workers (as of the last ``note``) and for how many seconds."""
         return {w: now - t for w, t in self._idle_since.items()}
