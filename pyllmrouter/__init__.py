@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from typing import Any
 
     from pyllmrouter.config import ModelConfig, RouterOptions
-    from pyllmrouter.engine.probe import probe
+    from pyllmrouter.engine.hubprobe import probe
     from pyllmrouter.errors import (LoadFailed, NeverFits, NotLoaded, QueueFull, QueueTimeout, RequestFailed,
                                     RequestTimeout, RouterClosed, RouterError, RouterForked, UnknownModel,
                                     WorkerDied)
@@ -33,7 +33,7 @@ _WHERE = {
         "RouterClosed", "RouterError", "RouterForked", "UnknownModel", "WorkerDied")},
     **{name: "pyllmrouter.memory" for name in ("BufferUse", "DeviceUse", "MemoryEstimate", "ModelFacts",
                                                "ProbeError")},
-    "probe": "pyllmrouter.engine.probe",
+    "probe": "pyllmrouter.engine.hubprobe",  # a file, or a hub model from its headers
     "Router": "pyllmrouter.router.api",
     "ModelSpec": "pyllmrouter.spec", "SpecError": "pyllmrouter.spec",
 }

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
 from pyllmrouter import hubfiles
-from pyllmrouter.engine.probe import probe
+from pyllmrouter.engine.probe import probe as probe_file
 from pyllmrouter.memory import MemoryEstimate, ProbeError, cache_dir
 from pyllmrouter.spec import ModelSpec
 
@@ -126,8 +126,8 @@ def _paths(spec: ModelSpec, plan: hubfiles.HubPlan) -> list[Path]:
     return [root / f.repo.replace("/", "--") / f.path for f in plan.files]
 
 
-def probe_any(spec: ModelSpec | str | None = None, *, use_cache: bool = True, refresh: bool = False,
-              hub: str | Sequence[str] | None = None) -> MemoryEstimate:
+def probe(spec: ModelSpec | str | None = None, *, use_cache: bool = True, refresh: bool = False,
+          hub: str | Sequence[str] | None = None) -> MemoryEstimate:
     """``engine.probe.probe`` of a file (``spec``), or of a model on a hub (``hub``), as
     llama-server names it ("org/repo[:quant]", or its command line: ["-hf",
     "org/repo:Q4_K_M", "-c", "8192"]): the same bytes, from its files' headers (HTTP range
@@ -135,7 +135,7 @@ def probe_any(spec: ModelSpec | str | None = None, *, use_cache: bool = True, re
     if hub is None:
         if spec is None:
             raise ProbeError("(arguments)", "no model: give a spec, a file or hub=")
-        return probe(spec, use_cache=use_cache, refresh=refresh)
+        return probe_file(spec, use_cache=use_cache, refresh=refresh)
     opts = hub_options(["-hf", hub] if isinstance(hub, str) else list(hub))
     if opts is None:
         raise ProbeError("(arguments)", "no hub model in the arguments (-hf org/repo[:quant])")
@@ -147,7 +147,7 @@ def probe_hub(opts: HubOptions, *, use_cache: bool = True) -> HubProbe:
     t0 = time.perf_counter()
     with standing(opts, use_cache=use_cache) as (spec, plan, reading):
         try:
-            est = probe(spec, use_cache=False)
+            est = probe_file(spec, use_cache=False)
         except ProbeError as e:  # said of the hub's file, not of its stand-in
             names = {str(p): f.name for f, p in zip(plan.files, _paths(spec, plan))}
             raise ProbeError(names.get(e.path, plan.model[0].name), e.reason) from None

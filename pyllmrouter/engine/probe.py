@@ -39,7 +39,7 @@ def probe(spec: ModelSpec | str, *, use_cache: bool = True, refresh: bool = Fals
     calling process with the devices it can see: a masked process sees only
     its devices.  ``refresh`` probes again and rewrites the cache entry;
     ``use_cache=False`` neither reads nor writes it.  (A model on a hub:
-    engine/hubprobe.py ``probe_any``, which ``pyllmrouter.probe`` is.)
+    engine/hubprobe.py's ``probe``, which ``pyllmrouter.probe`` is.)
     """
     if not isinstance(spec, ModelSpec):
         spec = ModelSpec(spec)

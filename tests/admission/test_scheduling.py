@@ -71,8 +71,9 @@ def test_a_models_queue_and_the_routers_are_bounded(story, tiny):
     """Past a model's max-queue (requests waiting for its slots), 429; past the router's
     --max-queue (all models together), 503; both with Retry-After and the limit named.
     Nothing waiting is dropped: the waiting requests are answered once the slot frees."""
-    models = [ModelConfig("story", ModelSpec(story, ("-np", "1", "-c", "4096")), max_queue=2),
-              ModelConfig("other", ModelSpec(story, ("-np", "1", "-c", "4096", "--temp", "0.5")))]
+    # the streams go on past their context (shifted), so none ends while the limits are tried
+    models = [ModelConfig("story", ModelSpec(story, ("-np", "1", "-c", "4096", "--context-shift")), max_queue=2),
+              ModelConfig("other", ModelSpec(story, ("-np", "1", "-c", "4096", "--temp", "0.5", "--context-shift")))]
     with Router(models, inventory=EmulatedInventory({"GPU0": 4 << 30}), margin=0, max_queue=3) as r, \
             serving(r) as base:
         streams, first = Streams(base), threading.Event()
