@@ -64,7 +64,7 @@ def instances(router: Router, model: str) -> dict[str, dict]:
 
 
 def one_instance_per_gpu(story, gpus: int = 3) -> tuple[ModelSpec, EmulatedInventory]:
-    spec = ModelSpec(story, ("-np", "1", "-c", "2048"))
+    spec = ModelSpec(story, ("-np", "1", "-c", "2048", "--context-shift"))  # its streams last until stopped
     one = probe(spec).total
     return spec, EmulatedInventory({f"GPU{i}": one + one // 2 for i in range(gpus)})
 
@@ -79,7 +79,7 @@ def test_an_instance_name_still_held_by_an_old_instance_is_not_taken_again(story
     be unloaded)."""
     _, inventory = one_instance_per_gpu(story)
     preset = tmp_path / "models.ini"
-    preset.write_text(f"[m]\nmodel = {story}\nnp = 1\nc = 2048\nreplicas = 2\n")
+    preset.write_text(f"[m]\nmodel = {story}\nnp = 1\nc = 2048\ncontext-shift = true\nreplicas = 2\n")
     with Router.from_preset(preset, inventory=inventory, margin=0) as r, serving(r) as base:
         first, second = Stream(base, "m"), Stream(base, "m")
         wait_for(lambda: state(r, "m#2") == "loaded", 120, "the second instance")
@@ -87,7 +87,7 @@ def test_an_instance_name_still_held_by_an_old_instance_is_not_taken_again(story
         wait_for(lambda: instances(r, "m")["m#2"]["leases"] == 1, 60, "a request on m#2")
         first.close()
         second.close()
-        preset.write_text(f"[m]\nmodel = {story}\nnp = 1\nc = 1024\nreplicas = 2\n")  # m changes
+        preset.write_text(f"[m]\nmodel = {story}\nnp = 1\nc = 1024\ncontext-shift = true\nreplicas = 2\n")  # m changes
         assert httpx.get(base + "/models?reload=1", timeout=60).status_code == 200
         wait_for(lambda: r.status()["models"]["m"].get("pending") is None, 60, "the new m")
         assert "m#2" in r.status()["models"]  # the old extra instance still serves
@@ -154,7 +154,7 @@ def test_a_reload_that_lists_a_removed_model_again_keeps_it(tiny, story, tmp_pat
     was gone: "unknown model")."""
     preset = tmp_path / "models.ini"
     a = f"[a]\nmodel = {tiny['tiny-llama']}\nc = 512\n"
-    b = f"[b]\nmodel = {story}\nnp = 1\nc = 2048\n"
+    b = f"[b]\nmodel = {story}\nnp = 1\nc = 2048\ncontext-shift = true\n"
     preset.write_text(a + b)
     with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 8 << 30}), margin=0) as r, \
             serving(r) as base:
@@ -179,12 +179,12 @@ def test_a_model_renamed_while_it_serves_is_listed_at_once_and_its_old_name_name
     old model finishes its request (before: the reload raised half-way, the alias still
     ``old``'s; then ``new`` waited for ``old`` to go)."""
     preset = tmp_path / "models.ini"
-    preset.write_text(f"[old]\nmodel = {story}\nnp = 1\nc = 2048\n")
+    preset.write_text(f"[old]\nmodel = {story}\nnp = 1\nc = 2048\ncontext-shift = true\n")
     with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 8 << 30}), margin=0) as r, \
             serving(r) as base:
         busy = Stream(base, "old")
         assert busy.started.wait(60)
-        preset.write_text(f"[new]\nmodel = {story}\nnp = 1\nc = 2048\nalias = old\n")
+        preset.write_text(f"[new]\nmodel = {story}\nnp = 1\nc = 2048\ncontext-shift = true\nalias = old\n")
         reloaded = httpx.get(base + "/models?reload=1", timeout=60)
         assert reloaded.status_code == 200, reloaded.text
         assert [c.name for c in r.models()] == ["new"]

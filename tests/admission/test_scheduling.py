@@ -105,7 +105,7 @@ def test_a_reload_that_lowers_a_queue_limit_loses_nothing_queued(story, tmp_path
     next one past the new limit is refused, naming it."""
     preset = tmp_path / "q.ini"
     write = lambda limit: preset.write_text(  # noqa: E731
-        f"[*]\nmemory-margin = 0\n[story]\nmodel = {story}\nnp = 1\nc = 4096\nmax-queue = {limit}\n")
+        f"[*]\nmemory-margin = 0\n[story]\nmodel = {story}\nnp = 1\nc = 4096\ncontext-shift = true\nmax-queue = {limit}\n")
     write(4)
     with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 4 << 30})) as r, serving(r) as base:
         streams, first = Streams(base), threading.Event()
@@ -131,7 +131,7 @@ def _loads_after_two_waiters(story, priority_c: int = 0, waited_c: float = 0.0) 
     """Three models that fit one at a time: while a is busy, a request for b comes, then one
     for c (its preset ``priority``, and the seconds it ``waited`` on a lost node, as a
     cluster's ingress sends it on); a's turn then ends.  (the loads in order, the answers)"""
-    spec = ModelSpec(story, ("-np", "1", "-c", "2048"))
+    spec = ModelSpec(story, ("-np", "1", "-c", "2048", "--context-shift"))  # its streams last until stopped
     one = probe(spec).total
     models = [ModelConfig("a", spec), ModelConfig("b", spec.replace(args=(*spec.args, "--temp", "0.7"))),
               ModelConfig("c", spec.replace(args=(*spec.args, "--temp", "0.9")), priority=priority_c)]
