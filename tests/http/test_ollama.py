@@ -48,7 +48,7 @@ def models(tiny, projector, tmp_path_factory):
     story = scripted.write_scripted(d / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
     return [ModelConfig("think", ModelSpec(str(think), ("-np", "1"), n_ctx=1024)),
             ModelConfig("tool", ModelSpec(str(tool), ("-np", "1"), n_ctx=2048)),
-            ModelConfig("story", ModelSpec(str(story), ("-np", "2"), n_ctx=4096)),
+            ModelConfig("story", ModelSpec(str(story), ("-np", "2", "--context-shift"), n_ctx=4096)),  # streams last until stopped
             ModelConfig("llama", ModelSpec(tiny["tiny-llama"], ("-np", "1"), n_ctx=512)),
             ModelConfig("org/vision:Q8_0", ModelSpec(tiny["tiny-llama"], ("-np", "1", "--mmproj", str(projector)),
                                                      n_ctx=512)),

@@ -294,9 +294,9 @@ def test_a_model_s_instances_show_where_each_is_and_how_busy(tmp_path, browser):
     from test_scheduling import Streams
 
     story = scripted.write_scripted(tmp_path / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT, loop=True)
-    one = probe(ModelSpec(str(story), ("-np", "1", "-c", "2048"))).total
+    one = probe(ModelSpec(str(story), ("-np", "1", "-c", "2048", "--context-shift"))).total
     preset = tmp_path / "hot.ini"
-    preset.write_text(f"version = 1\n[*]\nmemory-margin = 0\n\n[hot]\nmodel = {story}\nnp = 1\nc = 2048\nreplicas = 2\n")
+    preset.write_text(f"version = 1\n[*]\nmemory-margin = 0\n\n[hot]\nmodel = {story}\nnp = 1\nc = 2048\ncontext-shift = true\nreplicas = 2\n")
     gpu = one + one // 2  # one instance per GPU
     proc, base = start_serve(["--models-preset", str(preset), "--api-key", KEY,
                               "--emulate-devices", f"GPU0={gpu},GPU1={gpu}"])
