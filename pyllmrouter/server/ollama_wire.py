@@ -198,14 +198,19 @@ def _common(req: dict[str, Any], model: str, stream: bool) -> tuple[dict[str, An
     return body, ignored, num_ctx
 
 
-def streamed(req: dict[str, Any]) -> bool:
-    """``stream``: true unless false (Ollama's default); anything but a boolean is refused."""
-    value = req.get("stream", True)
+def _flag(req: dict[str, Any], key: str) -> bool:
+    """``key``: true unless false (Ollama's default for ``stream`` and ``truncate``);
+    anything but a boolean is refused."""
+    value = req.get(key, True)
     if value is None:
         return True
     if not isinstance(value, bool):
-        raise OllamaError(400, f"stream must be true or false, not {value!r}")
+        raise OllamaError(400, f"{key} must be true or false, not {value!r}")
     return value
+
+
+def streamed(req: dict[str, Any]) -> bool:
+    return _flag(req, "stream")
 
 
 def chat_request(req: dict[str, Any], model: str, stream: bool) -> tuple[str, dict[str, Any], list[str], int | None]:
@@ -289,13 +294,7 @@ def normalize(vector: list[float], dimensions: int | None) -> list[float]:
 # -- context: what a request gets, and what does not fit --------------------------------------
 
 def truncating(req: dict[str, Any]) -> bool:
-    """``truncate``: true unless false (Ollama's default); anything but a boolean is refused."""
-    value = req.get("truncate", True)
-    if value is None:
-        return True
-    if not isinstance(value, bool):
-        raise OllamaError(400, f"truncate must be true or false, not {value!r}")
-    return value
+    return _flag(req, "truncate")
 
 
 def refusal(model: str, caps: list[str], req: dict[str, Any], kind: str) -> OllamaError | None:
