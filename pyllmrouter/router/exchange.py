@@ -173,8 +173,8 @@ class Exchange:
             except BaseException:
                 self.stop()
                 raise
-            departure_ = (lambda: departure(ask.gone)) if ask.hand is None else (lambda: None)
-            first = await self.afirst(self.deadline, self.timeout, self._watch, departure_)
+            # handed over or not, a native request's client is not watched after its lease (aserve)
+            first = await self.afirst(ask.gone if ask.hand is None else None)
             reply, stream = self.opened(first)
             return self._checked(reply), stream
         finally:
@@ -363,19 +363,20 @@ class Exchange:
             self.stop()
             raise
 
-    async def afirst(self, deadline: float | None, timeout: float | None,
-                     watch: "asyncio.Future | None", departure_: Callable[[], "asyncio.Future | None"]) -> Any:
+    async def afirst(self, gone: Callable[[], Awaitable[Any]] | None) -> Any:
         """The first reply, awaited in the event loop (woken by the worker's reader thread);
-        the request stopped if the caller leaves (its task cancelled, ``watch`` done: an HTTP
-        client gone, Withdrawn) or ``deadline`` passes (RequestTimeout)."""
+        the request stopped if the caller leaves (its task cancelled, the departure watched
+        since the wait for the lease done or ``gone()`` returned: an HTTP client gone,
+        Withdrawn) or the deadline passes (RequestTimeout)."""
+        watch = self._watch
         try:
             while (first := self._pending.get_nowait()) is None:
-                watch = watch or departure_()
-                left = remaining(deadline)
+                watch = watch or departure(gone)
                 try:
-                    await asyncio.wait_for(unless_gone(self._pending.wait_async(), watch, self.name), left)
+                    await asyncio.wait_for(unless_gone(self._pending.wait_async(), watch, self.name),
+                                           remaining(self.deadline))
                 except asyncio.TimeoutError:
-                    raise RequestTimeout(self.name, timeout) from None
+                    raise RequestTimeout(self.name, self.timeout) from None
             return first
         except BaseException:
             self.stop()

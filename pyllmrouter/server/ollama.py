@@ -1,7 +1,7 @@
 """Ollama's API on the same server, answered by each model's llama.cpp engine through the router.
 
     client ──/api/chat, /api/generate──▶ the model (name:tag, :latest) resolved to a listed one
-        ──ollama_wire.*_request──▶ Router.arelay(model, /v1/chat/completions | /completion | /infill)
+        ──ollama_wire.*_request──▶ Router.arelay(Ask(model, /v1/chat/completions | /completion | /infill))
         ◀── SSE events ──Translator──▶ NDJSON objects (stream: true, the default), or one object
         a prompt the engine refuses for its length: cut to fit and sent again (truncate): a chat's
         oldest turns dropped (counted by /chat/completions/input_tokens), a prompt or input cut
