@@ -20,22 +20,20 @@ request fails that request at once and the next request starts a new worker.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import os
 import subprocess
 import threading
 import time
-from typing import Any, Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
 from pyllmrouter.engine_args import check_specs
 from pyllmrouter.router import home
 from pyllmrouter.router.registry import API
-from pyllmrouter.errors import QueueTimeout, RequestTimeout, RouterError, Unclaimed, UnknownModel, Withdrawn
-from pyllmrouter.router.exchange import Exchange, departure
+from pyllmrouter.errors import RouterError, UnknownModel
+from pyllmrouter.router.exchange import Ask, Exchange, Hand
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.router.services.conversations import Conversations
 from pyllmrouter.router.services import pullcheck
@@ -43,9 +41,9 @@ from pyllmrouter.router.services.downloads import Downloads
 from pyllmrouter.router.services.sources import Sources
 from pyllmrouter.protocol import HttpReply
 from pyllmrouter.replies import Status
-from pyllmrouter.router.scheduler import Lease, Scheduler
-from pyllmrouter.router.methods import Methods, body_of, checked_seconds, ok_or_raise, remaining
-from pyllmrouter.router.services.streams import Stream, unless_gone
+from pyllmrouter.router.scheduler import Scheduler
+from pyllmrouter.router.methods import Methods
+from pyllmrouter.router.services.streams import Stream
 
 __all__ = ["Router"]
 
@@ -163,7 +161,7 @@ class Router(Methods):
         """Load ``name`` (evicting idle models if needed) and return once LOADED, within
         ``timeout`` seconds (default: queue_timeout; then QueueTimeout)."""
         home.here(self._pid)
-        self._sched.release(self._sched.lease(name, timeout, autoload=True))
+        self._exchange(Ask(name, "", "")).load(timeout)
 
     def unload(self, name: str, wait: float | None = None) -> bool:
         """Unload ``name`` once its requests in flight end, waiting at most ``wait`` seconds
@@ -308,72 +306,8 @@ class Router(Methods):
         included (then RequestTimeout, the request stopped); ``wait``: seconds it may wait
         for its model (default: the router's queue_timeout; then QueueTimeout)."""
         home.here(self._pid)
-        timeout = checked_seconds("timeout", timeout)
-        wait = checked_seconds("wait", wait, zero=True)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._wait_within(model, deadline, timeout, wait) as bound:
-            lease = self._sched.lease(model, bound, autoload)
-        if self.options.debug_fake_timing > 0:
-            time.sleep(self.options.debug_fake_timing)  # busy on the model meanwhile (the lease is held)
-        ex = self._exchange(lease)
-        ex.send(method, path, body_of(body), query, headers)
-        reply, stream = ex.opened(ex.first(deadline, timeout), deadline, timeout)
-        return (ok_or_raise(model, reply) if raise_for_status else reply), stream
-
-    def _exchange(self, lease: Lease) -> Exchange:
-        return Exchange(lease, self._sched.release, self._stop.is_set)
-
-    @contextlib.contextmanager
-    def _wait_within(self, model: str, deadline: float | None, timeout: float | None,
-                     wait: float | None) -> Iterator[float]:
-        """The seconds a request may wait for its model: ``wait`` (default queue_timeout), and
-        no later than the request's own ``deadline``; a QueueTimeout that the deadline caused
-        is the request's RequestTimeout."""
-        wait = self.options.queue_timeout if wait is None else wait
-        left = remaining(deadline)
-        try:
-            yield wait if left is None else min(wait, left)
-        except QueueTimeout:
-            if left is not None and left < wait:
-                raise RequestTimeout(model, timeout) from None
-            raise
-
-    async def _may_run(self, lease: Lease, running: Callable[[], Awaitable[bool]]) -> bool:
-        """``running()``, under ``lease``: released where it says no, or fails."""
-        try:
-            if await running():
-                return True
-        except BaseException:
-            self._sched.release(lease)
-            raise
-        self._sched.release(lease)
-        return False
-
-    async def _alease(self, model: str, timeout: float | None, autoload: bool | None,
-                      gone: Callable[[], Awaitable[Any]] | None,
-                      prefer: str | None = None, waited: float = 0.0,
-                      slot: bool = False) -> "tuple[Lease, asyncio.Future | None]":
-        """The model's lease, taken in the event loop where it can be now, else waited for
-        with the caller's departure watched (a task: made only for a wait).  The watch comes
-        back with the lease, for the caller to go on with or to cancel.  ``slot``: with one
-        of the instance's slots free (Scheduler.lease)."""
-        watch = None
-        try:
-            lease = self._sched.try_lease(model, prefer, slot)
-            if lease is None:
-                watch = departure(gone)
-                lease = await self._await_lease(model, timeout, autoload, watch, prefer, waited, slot)
-            if self.options.debug_fake_timing > 0:
-                try:  # busy on the model meanwhile (the lease is held)
-                    await asyncio.sleep(self.options.debug_fake_timing)
-                except BaseException:
-                    self._sched.release(lease)
-                    raise
-        except BaseException:
-            if watch is not None:
-                watch.cancel()
-            raise
-        return lease, watch
+        return self._exchange(Ask(model, method, path, body, query, headers, timeout=timeout, wait=wait,
+                                  autoload=autoload, raise_for_status=raise_for_status)).run()
 
     async def acall(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
@@ -385,47 +319,16 @@ class Router(Methods):
         model (no lease, no load, no eviction) and stops a request in flight.  ``timeout``
         bounds the first reply (a stream's reader bounds the rest); ``wait`` and
         ``raise_for_status`` as in ``call``."""
-        return await self.arelay(model, method, path, body, query, timeout=timeout, autoload=autoload,
-                                 headers=headers, wait=wait, raise_for_status=raise_for_status)
+        return await self.arelay(Ask(model, method, path, body, query, headers, timeout=timeout, wait=wait,
+                                     autoload=autoload, raise_for_status=raise_for_status))
 
-    async def arelay(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
-                     query: dict[str, str] | None = None, *, timeout: float | None = None,
-                     autoload: bool | None = None, gone: Callable[[], Awaitable[Any]] | None = None,
-                     headers: dict[str, str] | None = None,
-                     files: dict[str, tuple[str, str, bytes]] | None = None,
-                     leased: Callable[[str], None] | None = None,
-                     prefer: str | None = None, wait: float | None = None,
-                     raise_for_status: bool = True, waited: float = 0.0,
-                     running: Callable[[], Awaitable[bool]] | None = None) -> "tuple[HttpReply, Stream | None]":
-        """``acall`` as the HTTP server relays a client's request: ``gone()`` returns when the
-        client disconnected (a wait for the model withdrawn: Withdrawn; a request in flight
-        stopped); ``files``: a multipart request's files (its fields are ``body``, as JSON);
-        ``leased`` gets the name of the instance that takes the request (the model's, or an
-        extra one's); ``prefer``: the instance to take where it has a free slot (a
-        conversation's last); ``waited``: seconds the request already waited on another
-        node (it keeps its place in line here); with ``running``, the lease waits for one of
-        the instance's slots to be free (the request runs at once, never queued in its
-        engine), then ``running()`` says whether it may run: False (its cluster's ingress
-        gave it up, ray/ledger.py) ends it, the lease released, with Unclaimed."""
+    async def arelay(self, ask: Ask) -> "Served | tuple[HttpReply, Stream | None]":
+        """One request, as ``ask`` says it is sent (router/exchange.py, ``Ask``): the HTTP
+        server's relayed requests, a conversation's turn, a cluster node's claimed run, and
+        ``acall``.  (reply, stream); Served where ``ask.hand`` had the worker answer on the
+        client's connection itself."""
         home.here(self._pid)
-        timeout = checked_seconds("timeout", timeout)
-        wait = checked_seconds("wait", wait, zero=True)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._wait_within(model, deadline, timeout, wait) as bound:
-            lease, watch = await self._alease(model, bound, autoload, gone, prefer, waited, running is not None)
-        try:
-            if running is not None and not await self._may_run(lease, running):
-                raise Unclaimed(model)
-            if leased is not None:
-                leased(lease.name)
-            ex = self._exchange(lease)
-            ex.send(method, path, body_of(body), query, headers, files)
-            first = await ex.afirst(deadline, timeout, watch, lambda: departure(gone))
-            reply, stream = ex.opened(first)
-            return (ok_or_raise(model, reply) if raise_for_status else reply), stream
-        finally:
-            if watch is not None:
-                watch.cancel()
+        return await self._exchange(ask).arun()
 
     async def aserve(self, model: str, method: str, path: str, body: bytes, query: dict[str, str],
                      headers: dict[str, str], connection: Connection, *, query_string: str = "",
@@ -438,15 +341,8 @@ class Router(Methods):
         (reply, stream).  ``gone`` withdraws a wait for the model, as in ``acall``; once
         handed over, a client that leaves is the worker's to notice."""
         home.here(self._pid)
-        lease, watch = await self._alease(model, timeout, autoload, gone)
-        if watch is not None:
-            watch.cancel()
-        served = self._hand(lease, method, path, body, query, headers, connection, query_string)
-        if served is not None:
-            return await asyncio.shield(served)  # the worker's answer; the lease ends with it
-        ex = self._exchange(lease)
-        ex.send(method, path, body, query, headers)
-        return ex.opened(await ex.afirst(None, None, None, lambda: None))
+        return await self.arelay(Ask(model, method, path, body, query, headers, wait=timeout, autoload=autoload,
+                                     raise_for_status=False, gone=gone, hand=Hand(connection, query_string)))
 
     def serve_now(self, model: str, method: str, path: str, body: bytes, query: dict[str, str],
                   headers: dict[str, str], connection: Connection, follow: dict | None = None,
@@ -461,84 +357,13 @@ class Router(Methods):
         model it must see the requests of again: ``Scheduler.end_follows``); ``progress``
         gets the answers listed meanwhile, the answer the rest."""
         home.here(self._pid)
-        if self.options.debug_fake_timing > 0:
-            return None
-        try:
-            lease = self._sched.try_lease(model)
-        except RouterError:
-            return None
-        if lease is None:
-            return None
-        if follow is not None:  # the router's later ends cover it (its epoch)
-            follow = {**follow, "epoch": lease.epoch}
-        if follow is not None and lease.until is not None:  # a drained model: the worker follows within its turn
-            ms = int((lease.until - time.monotonic()) * 1000)
-            follow = {**follow, "end_ms": ms} if ms > 0 else None
-        try:
-            served = self._hand(lease, method, path, body, query, headers, connection, "", follow, progress)
-        except RouterError:
-            return None  # the lease is released, the connection undone
-        if served is None:
-            self._sched.release(lease)
-        return served
+        return self._exchange(Ask(model, method, path, body, query, headers,
+                                  hand=Hand(connection, "", follow, progress))).run_now()
 
-    def _hand(self, lease: Lease, method: str, path: str, body: bytes, query: dict[str, str],
-              headers: dict[str, str], connection: Connection, query_string: str,
-              follow: dict | None = None, progress: Callable[[tuple], None] | None = None) -> "asyncio.Future | None":
-        """The request and its connection handed to the lease's worker: the future of its
-        answer (the lease released when it comes), or None where the worker cannot take it
-        now (nothing was sent; the lease is still held).  Withdrawn (the lease released)
-        where the client has gone by now."""
-        conduit = lease.worker.conduit
-        if conduit is None:
-            return None
-        header = {"model": lease.name, "method": method, "path": path, "query": dict(query),
-                  "query_string": query_string, "headers": dict(headers),
-                  "extra": [list(h) for h in connection.extra_headers], "keep_alive": connection.keep_alive}
-        if follow is not None:
-            header["follow"] = follow
-        fd = connection.begin()  # the connection's descriptor now, sent at once (no await between)
-        if fd is None:  # the client has gone: nobody to answer
-            self._sched.release(lease)
-            raise Withdrawn(lease.name)
-        try:
-            served = conduit.hand(header, body, fd, progress)
-        except BaseException:
-            connection.undo()
-            self._sched.release(lease)
-            raise
-        if served is None:
-            connection.undo()
-            return None
-        served.add_done_callback(lambda f: self._served(lease, f))
-        return served
-
-    def _served(self, lease: Lease, fut: "asyncio.Future") -> None:
-        """The worker's answer to a request handed over came (or the worker died): the
-        lease ends; an error is the awaiting caller's (if it left, it is dropped here)."""
-        self._sched.release(lease)
-        if not fut.cancelled():
-            fut.exception()
-
-    async def _await_lease(self, model: str, timeout: float | None, autoload: bool | None,
-                           watch: "asyncio.Future | None", prefer: str | None = None,
-                           waited: float = 0.0, slot: bool = False) -> Lease:
-        """A lease waited for in a thread; withdrawn if the caller leaves meanwhile (a lease
-        the thread took all the same is released when it returns)."""
-        left = threading.Event()
-        fut = asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self._sched.lease, model, timeout, autoload, left, prefer, waited=waited,
-                                    slot=slot))
-        try:
-            return await unless_gone(asyncio.shield(fut), watch, model)
-        except BaseException:
-            self._sched.withdraw(left)
-            fut.add_done_callback(self._release_if_leased)
-            raise
-
-    def _release_if_leased(self, fut: "asyncio.Future") -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            self._sched.release(fut.result())
+    def _exchange(self, ask: Ask) -> Exchange:
+        """The one owner of ``ask``'s life, from its lease to its release."""
+        return Exchange(self._sched, ask, self.options.queue_timeout, self.options.debug_fake_timing,
+                        self._stop.is_set)
 
 
 def _check_own(models: list[ModelConfig], where: str) -> None:

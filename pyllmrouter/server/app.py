@@ -3,7 +3,8 @@
     client ──HTTP──▶ guard (API key, body limit) ──▶ per-model request: the model named by the
                      body's "model" (POST, taken by the guard past FastAPI's routing) or
                      ?model= (GET), as llama-server's router picks it
-                       ──▶ Router.arelay(model, method, path, body) ──▶ the model's engine
+                       ──▶ server/dispatch.py: its path chosen (native, relayed, session) ──▶
+                           the model's engine
                        ◀── llama.cpp's status, headers and body, written unchanged; a stream
                            chunk by chunk as the engine yields it; a client that leaves cancels
 
@@ -27,27 +28,23 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, Awaitable, Callable
-from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pyllmrouter.endpoints import ENGINE_GET, LABELLED, is_engine_post
-from pyllmrouter.errors import RouterError, UnknownModel, WorkerDied
+from pyllmrouter.errors import RouterError, UnknownModel
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage, ollama, page
 from pyllmrouter.server.api_errors import ApiError, error_response, from_router_error
 from pyllmrouter.router.services.tools import Services
-from pyllmrouter.server.body import (BODY_METHODS, departed, engine_body, json_object, json_value, model_in,
-                                    read_or_refuse, replay)
-from pyllmrouter.router.workers.conduit import Connection, Served
+from pyllmrouter.server.body import BODY_METHODS, departed, json_object, read_or_refuse, replay
+from pyllmrouter.server.dispatch import CORS_HEADERS, NOT_FORWARDED, Dispatch
 from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Blocked
-from pyllmrouter.server.connection import HANDOVER, Handover, HttpProtocol
-from pyllmrouter.server.forwarded import forwarded_of
+from pyllmrouter.server.connection import Handover, HttpProtocol
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
@@ -60,14 +57,8 @@ HTTP_PROTOCOL = HttpProtocol
 # the default headers of every answer (uvicorn.Config's headers), as a worker writes them on
 # the native path (csrc/conduit.cpp, stamp): llama-server's Server; uvicorn adds Date
 DEFAULT_HEADERS = [("Server", "llama.cpp")]
-CORS_HEADERS = "pyllmrouter.cors"  # scope extension: the CORS headers a response gets
-
-MAX_CONVERSATION_ID = 256  # characters of an X-Conversation-Id (a UUID has 36)
 _DISABLED = json.dumps({"error": {"message": "this feature is disabled", "type": "feature_disabled"}}).encode()
 PUBLIC = frozenset({"/health", "/v1/health"})  # llama-server's: no API key asked
-# request headers that stay here: the connection's own, and the router's secrets
-_NOT_FORWARDED = frozenset({"host", "content-length", "connection", "transfer-encoding", "authorization", "x-api-key",
-                            "cookie", "keep-alive", "upgrade", "te", "trailer", "proxy-authorization"})
 def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
                close_router: bool = True, max_threads: int = 1024, settings: dict[str, Any] | None = None,
                services: Services | None = None, allowed_hosts: frozenset[str] | None = None,
@@ -88,6 +79,8 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     write_timeout = (settings or {}).get("timeout_write") or None  # llama-server's --timeout: a relay's writes
     metrics = Metrics(router.status, LABELLED, router.scheduler.canonical)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
+    dispatch = Dispatch(router, metrics, native=native, follow_ms=follow_ms, max_body=max_body,
+                        write_timeout=write_timeout)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -110,39 +103,11 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     async def body(request: Request) -> dict[str, Any]:
         return json_object(await request.body())  # the guard has read it, within the limit
 
-    def autoload_param(request: Request) -> bool | None:
-        return _autoload(request.query_params.get("autoload"))
-
-    async def forward(request: Request, model: str, raw: bytes, autoload: bool | None = None,
-                      gone: Callable[[], Awaitable[Any]] | None = None,
-                      files: dict[str, tuple[str, str, bytes]] | None = None,
-                      leased: Callable[[str], None] | None = None, prefer: str | None = None) -> Response:
-        """The request to ``model``'s engine, with its client's headers; its reply unchanged.
-        ``gone``: what withdraws the request before it reaches the engine (default: the
-        client's disconnect)."""
-        t0 = time.perf_counter()
-        endpoint, query, headers = _for_engine(request)
-        relayed = forwarded_of(request.scope)
-        try:
-            reply, stream = await router.arelay(model, request.method, endpoint, raw, query,
-                                               autoload=autoload_param(request) if autoload is None else autoload,
-                                               gone=gone or (lambda: _disconnected(request)), headers=headers,
-                                               files=files, leased=leased, prefer=prefer, raise_for_status=False,
-                                               waited=relayed.waited if relayed is not None else 0.0,
-                                               running=relayed.running if relayed is not None else None)
-        except RouterError as e:
-            err = from_router_error(e)
-            metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
-            raise err from None
-        metrics.relayed.inc()
-        return relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0),
-                     write_timeout)
-
     async def service(request: Request) -> Response:
         """/tools and /cors-proxy: llama-server's services, or its 403 when they are off."""
         if services is None:  # server.cpp's res_403, without starting a process to say it
             return Response(_DISABLED, 403, media_type="application/json")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_FORWARDED}
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
         try:
             reply, stream = await services.acall(request.method, request.url.path, await request.body(),
                                                  dict(request.query_params), headers,
@@ -153,188 +118,6 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
     for path in ("/tools", "/cors-proxy"):
         app.add_api_route(path, service, methods=["GET", "POST"], include_in_schema=False)
-
-    async def engine_post(scope, receive, send, headers: dict[str, str], raw: bytes) -> None:
-        """A POST to one of a model's llama-server endpoints, in plain ASGI: the hot path
-        takes no routing, dependency solving or request object (the guard has checked key
-        and length, and gives the headers by lower-case name and the body it read)."""
-        query = _query(scope)
-        try:
-            raw, files, data = engine_body(headers.get("content-type", ""), raw)
-            model = model_in(data, query)
-            if not model:
-                raise ApiError(400, "'model' is required (a model id from GET /v1/models), in the body or as "
-                                    "?model=", param="model")
-            conv_id = headers.get("x-conversation-id")
-            if conv_id and len(conv_id) > MAX_CONVERSATION_ID:
-                raise ApiError(400, f"X-Conversation-Id is {len(conv_id)} characters long, more than the "
-                                    f"{MAX_CONVERSATION_ID} a conversation id may have", param="X-Conversation-Id")
-            listed = router.scheduler.canonical(model) if conv_id else None
-            handover = scope.get("extensions", {}).get(HANDOVER)
-            if listed is not None:  # its stream survives the connection: GET /v1/stream finds it at this model
-                response = await session(Request(scope, replay(raw, receive)), model, listed, conv_id, raw, files)
-            elif native and handover is not None and not files and handover.usable:
-                response = await hand_over(scope, receive, model, raw, headers, query, handover)
-                if response is None:
-                    return  # the worker answered on the connection itself
-            else:  # a model nobody lists remembers nothing: the request's 404 is all it gets
-                response = await forward(Request(scope, replay(raw, receive)), model, raw, files=files)
-        except ApiError as e:
-            response = error_response(e)
-        await response(scope, receive, send)
-
-    async def hand_over(scope, receive, model: str, raw: bytes, headers: dict[str, str], query: dict[str, str],
-                        handover: Handover) -> Response | None:
-        """The request answered by its model's worker on the client's connection (None once it
-        has: the native data path, router/workers/conduit.py), or relayed where the worker cannot take
-        the connection now (the response to write)."""
-        t0 = time.perf_counter()
-        endpoint = scope["path"]
-        began = False  # the connection is the worker's (until undone)
-
-        def begin() -> int | None:
-            nonlocal began
-            fd = handover.begin()
-            began = fd is not None
-            return fd
-
-        def undo() -> None:
-            nonlocal began
-            began = False
-            handover.undo()
-
-        extra = tuple((k.decode("latin-1"), v.decode("latin-1"))
-                      for k, v in scope.get("extensions", {}).get(CORS_HEADERS, ()))
-        connection = Connection(handover.keep_alive, extra, begin, undo)
-        try:
-            out = await router.aserve(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
-                                      connection, autoload=_autoload(query.get("autoload")),
-                                      gone=lambda: departed(receive))
-        except asyncio.CancelledError:
-            if began:
-                handed_back(model, endpoint, t0, handover, None, None)
-            raise
-        except RouterError as e:
-            if not began:
-                err = from_router_error(e)
-                metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
-                raise err from None
-            err = handed_back(model, endpoint, t0, handover, None, e)
-            if err is not None:
-                raise err from None
-            return None
-        if isinstance(out, Served):
-            handed_back(model, endpoint, t0, handover, out, None)
-            return None
-        reply, stream = out
-        metrics.relayed.inc()
-        return relay(reply, stream, lambda code: metrics.observe(model, endpoint, code, time.perf_counter() - t0),
-                     write_timeout)
-
-    def take(scope, headers: dict[str, str], raw: bytes, handover: Handover,
-             answer: Callable[[Callable], None]) -> bool:
-        """``engine_post`` and ``hand_over`` where nothing need wait, without a coroutine or
-        a task (server/connection.py): a JSON body naming its model, no conversation id, a
-        model that can take the request now and a worker that takes the connection: handed
-        over (True).  Anything else is the task's (False: nothing was done).  The worker's
-        answer completes the request in a callback; a worker that died before it wrote has
-        ``answer`` write the error a relay would give."""
-        if not native or not handover.usable or "x-conversation-id" in headers or \
-                headers.get("content-type", "").lower().startswith("multipart/form-data"):
-            return False
-        try:
-            data = json_value(raw)
-        except ApiError:
-            return False  # the task answers the 400
-        query = _query(scope)
-        model = model_in(data, query)
-        if not model:
-            return False
-        endpoint = scope["path"]
-        named = data.get("model") if isinstance(data, dict) else None
-        kept = {k: v for k, v in headers.items() if k in _NOT_FORWARDED}  # the engine's copy has the rest
-        follow = handover.follow(kept, named if isinstance(named, str) else "", max_body, follow_ms)
-        t0 = time.perf_counter()
-        lead, first = 0.0, True  # the router's part of the first request's time; that one not counted yet
-
-        def count(answers: tuple[tuple[int, int, float], ...]) -> None:
-            """The answers a worker following the connection lists (as it goes, then as it gives
-            the connection back): each timed and logged; the first is the one handed over."""
-            nonlocal first
-            for i, (status, written, seconds) in enumerate(answers):
-                metrics.observe(model, endpoint, str(status or 502), seconds + (lead if first and i == 0 else 0.0))
-                handover.logged(status, written)
-            metrics.native.inc(len(answers))
-            metrics.followed.inc(len(answers) - (1 if first else 0))
-            first = False
-
-        served = router.serve_now(model, "POST", endpoint, raw, _engine_query(query), _engine_headers(headers),
-                                  Connection(handover.keep_alive, (), handover.begin, handover.undo),
-                                  follow, count if follow is not None else None)
-        if served is None:
-            return False
-        lead = time.perf_counter() - t0
-
-        def done(fut: asyncio.Future) -> None:
-            failed = None if fut.cancelled() else fut.exception()
-            out = fut.result() if not fut.cancelled() and failed is None else None
-            err = handed_back(model, endpoint, t0, handover, out, failed, count)
-            if err is not None:
-                answer(error_response(err))
-        served.add_done_callback(done)
-        return True
-
-    def handed_back(model: str, endpoint: str, t0: float, handover: Handover, out: Served | None,
-                    failed: BaseException | None, count: Callable[[tuple], None] | None = None) -> ApiError | None:
-        """The end of a request handed over to a worker (``hand_over``, ``take``): its answer
-        counted (by ``count`` where the worker read the next requests itself and lists the
-        answers) and the connection the router's again (None); or, for a worker
-        that died before it wrote a byte, the connection taken back unused and the error a
-        relay gives, for the caller to write.  Anything else (no answer, or one cut short):
-        502, and the connection closes, since the worker may have written part of a response."""
-        if out is not None:
-            if out.answers is not None and count is not None:
-                count(out.answers)
-            else:
-                metrics.observe(model, endpoint, str(out.status or 502), time.perf_counter() - t0)
-                metrics.native.inc()
-                handover.logged(out.status, out.bytes)
-            handover.finish(out.keep)
-            return None
-        if isinstance(failed, WorkerDied) and handover.untouched():
-            handover.undo()
-            err = from_router_error(failed)
-            metrics.observe(model, endpoint, str(err.status), time.perf_counter() - t0)
-            return err
-        metrics.observe(model, endpoint, "502", time.perf_counter() - t0)
-        handover.finish(False)
-        return None
-
-    async def session(request: Request, model: str, listed: str, conv_id: str, raw: bytes,
-                      files: dict[str, tuple[str, str, bytes]]) -> Response:
-        """A request of a resumable stream, as llama-server's router takes it: its model (by
-        its listed name) is remembered before the wait for a load, a client that drops
-        meanwhile does not withdraw it (its stream is still wanted: a page reload), a stop
-        does (DELETE /v1/stream), answered with llama-server's error."""
-        loop = asyncio.get_running_loop()
-        stopped = loop.create_future()
-
-        def stop() -> None:
-            loop.call_soon_threadsafe(lambda: stopped.done() or stopped.set_result(None))
-
-        last = router.conversations.owner(conv_id)  # the instance that served it last: its prompt is cached there
-        ticket = router.conversations.remember(conv_id, listed)
-        off = router.conversations.on_end(conv_id, ticket, stop)
-        try:
-            return await forward(request, model, raw, gone=lambda: asyncio.shield(stopped), files=files,
-                                 leased=lambda instance: router.conversations.served_by(conv_id, ticket, instance),
-                                 prefer=last)
-        except ApiError as e:
-            if e.status == 499 and stopped.done():
-                raise ApiError(400, "request cancelled by a stop while the model was loading") from None
-            raise
-        finally:
-            off()
 
     @app.get("/health")
     @app.get("/v1/health")
@@ -368,12 +151,12 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
         name = request.query_params.get("model")
         if not name:
             raise ApiError(400, "'?model=' is required: which model's " + request.url.path, param="model")
-        return await forward(request, name, b"")
+        return await dispatch.forward(request, name, b"")
 
     for path in ENGINE_GET:
         app.add_api_route(path, engine_get, methods=["GET"], include_in_schema=False)
 
-    manage.mount(app, router, forward, body, settings)
+    manage.mount(app, router, dispatch.forward, body, settings)
     ollama_posts = ollama.mount(app, router)
     page.mount(app)
 
@@ -383,42 +166,12 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
             return await engine_get(request)  # llama-server's own counters (needs --metrics)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
-    return _Guard(app, keys, max_body, engine_post, cors, gate, take, ollama_posts)
-
-
-def _for_engine(request: Request) -> tuple[str, dict[str, str], dict[str, str]]:
-    """(path, query, headers) of a request as its model's engine gets it: the router's own
-    query parameters and the headers that stay here left out."""
-    return (request.scope["path"], _engine_query(dict(request.query_params.items())),
-            _engine_headers(dict(request.headers.items())))
-
-
-def _engine_query(query: dict[str, str]) -> dict[str, str]:
-    """A request's query parameters as its model's engine gets them: the router's own left out."""
-    return {k: v for k, v in query.items() if k not in ("model", "autoload")}
-
-
-def _engine_headers(headers: dict[str, str]) -> dict[str, str]:
-    """A request's headers (by lower-case name) as its model's engine gets them: those that
-    stay here left out."""
-    return {k: v for k, v in headers.items() if k not in _NOT_FORWARDED}
+    return _Guard(app, keys, max_body, dispatch.engine_post, cors, gate, dispatch.take, ollama_posts)
 
 
 def _header_dict(scope) -> dict[str, str]:
     """A request's headers by lower-case name (the last of a name given twice)."""
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-
-
-def _query(scope) -> dict[str, str]:
-    """A request's query parameters, as Starlette reads them (latin-1, blank values kept, the
-    last of a name given twice)."""
-    raw = scope.get("query_string", b"")
-    return dict(parse_qsl(raw.decode("latin-1"), keep_blank_values=True)) if raw else {}
-
-
-def _autoload(value: str | None) -> bool | None:
-    """?autoload= as llama-server's router reads it (absent: None, the router's default)."""
-    return None if value is None else value.lower() in ("1", "true", "yes", "on")
 
 
 async def _disconnected(request: Request) -> None:

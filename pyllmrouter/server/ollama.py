@@ -1,7 +1,7 @@
 """Ollama's API on the same server, answered by each model's llama.cpp engine through the router.
 
     client ──/api/chat, /api/generate──▶ the model (name:tag, :latest) resolved to a listed one
-        ──ollama_wire.*_request──▶ Router.arelay(model, /v1/chat/completions | /completion | /infill)
+        ──ollama_wire.*_request──▶ Router.arelay(Ask(model, /v1/chat/completions | /completion | /infill))
         ◀── SSE events ──Translator──▶ NDJSON objects (stream: true, the default), or one object
         a prompt the engine refuses for its length: cut to fit and sent again (truncate): a chat's
         oldest turns dropped (counted by /chat/completions/input_tokens), a prompt or input cut
@@ -44,6 +44,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pyllmrouter import endpoints, gguf_header
 from pyllmrouter.errors import NeverFits, RouterError, UnknownModel
 from pyllmrouter.router.api import Router
+from pyllmrouter.router.exchange import Ask
 from pyllmrouter.server import ollama_pull, ollama_wire as wire
 from pyllmrouter.server.body import departed
 from pyllmrouter.server.api_errors import ApiError, from_router_error
@@ -171,11 +172,11 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             router.scheduler.keep_alive(model, keep)
         relayed = forwarded_of(request.scope)
         try:
-            reply, chunks = await router.arelay(
-                model, "POST", path, json.dumps(body).encode(), {}, headers={"content-type": "application/json"},
+            reply, chunks = await router.arelay(Ask(
+                model, "POST", path, json.dumps(body).encode(), {}, {"content-type": "application/json"},
                 gone=lambda: departed(request.receive), leased=leased, raise_for_status=False,
                 waited=relayed.waited if relayed is not None else 0.0,
-                running=relayed.running if relayed is not None else None)
+                running=relayed.running if relayed is not None else None))
         except RouterError as e:
             raise _router_error(e) from None
         return reply, chunks, int(((took[0] if took else asked) - asked) * 1e9)

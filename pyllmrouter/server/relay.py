@@ -1,7 +1,7 @@
 """A model's reply written by the router itself (the relay: ``--no-native``, TLS, a body too
 big to hand over, a multipart form, a GET), as llama-server's HTTP layer writes it.
 
-    Router.arelay ──(HttpReply, Stream | None)──▶ relay() ──▶ Response | RelayedStream
+    Router.arelay(Ask) ──(HttpReply, Stream | None)──▶ relay() ──▶ Response | RelayedStream
         the reply's status, headers and content type unchanged; a stream chunk by chunk as
         the engine yields it, its generation stopped when the client leaves; a stream that
         fails under way left unfinished (the connection closes without its last chunk)

@@ -16,6 +16,7 @@ import pytest
 
 from pyllmrouter import ModelConfig, ModelSpec, Router, probe
 from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.router.exchange import Ask
 from pyllmrouter.errors import LoadFailed
 from pyllmrouter.tools import tinymodels
 from test_live import serving, sse_events, wait_for
@@ -142,8 +143,8 @@ def _loads_after_two_waiters(story, priority_c: int = 0, waited_c: float = 0.0) 
 
         def ask(model, waited):
             async def call():
-                reply, _ = await r.arelay(model, "POST", "/v1/chat/completions",
-                                          {"messages": CHAT, "max_tokens": 4}, waited=waited)
+                reply, _ = await r.arelay(Ask(model, "POST", "/v1/chat/completions",
+                                              {"messages": CHAT, "max_tokens": 4}, waited=waited))
                 return reply.status
             answers.append((model, asyncio.run(call())))
 

@@ -1,5 +1,5 @@
 """A request a cluster's node runs only once it holds a free slot and its claim came back
-(Router.arelay's ``running``, server/forwarded.py): it waits for a slot at the router, in
+(``Ask.running``, router/exchange.py; server/forwarded.py): it waits for a slot at the router, in
 the order requests came, never in its engine's queue; a claim refused ends it with its
 lease released and nothing sent to the engine."""
 
@@ -12,6 +12,7 @@ import pytest
 
 from pyllmrouter import ModelConfig, ModelSpec, Router, probe
 from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.router.exchange import Ask
 from pyllmrouter.errors import Unclaimed
 
 pytestmark = pytest.mark.slow
@@ -47,7 +48,7 @@ def test_a_relayed_request_waits_for_a_free_slot_then_claims_in_arrival_order(st
             return running
 
         async def relayed(name: str, body: bytes, until: asyncio.Event | None = None) -> int:
-            reply, stream = await r.arelay("a", "POST", "/v1/completions", body, running=claim(name))
+            reply, stream = await r.arelay(Ask("a", "POST", "/v1/completions", body, running=claim(name)))
             if until is not None:
                 await until.wait()
                 await stream.aclose()
@@ -80,7 +81,7 @@ def test_a_refused_claim_runs_nothing_and_releases_its_lease(tiny):
 
         async def scenario():
             with pytest.raises(Unclaimed):
-                await r.arelay("a", "POST", "/v1/completions", SHORT, running=refused)
+                await r.arelay(Ask("a", "POST", "/v1/completions", SHORT, running=refused))
 
         asyncio.run(scenario())
         assert r.status()["models"]["a"]["leases"] == 0
@@ -106,10 +107,10 @@ def test_a_wait_for_a_slot_starts_another_instance_and_has_no_queue_timeout(stor
         r.load("m")
 
         async def grown():
-            _, first = await r.arelay("m", "POST", "/v1/completions", LONG, running=yes)
+            _, first = await r.arelay(Ask("m", "POST", "/v1/completions", LONG, running=yes))
             taken: list[str] = []
-            second = asyncio.ensure_future(r.arelay("m", "POST", "/v1/completions", SHORT, running=yes,
-                                                    leased=taken.append))
+            second = asyncio.ensure_future(r.arelay(Ask("m", "POST", "/v1/completions", SHORT, running=yes,
+                                                        leased=taken.append)))
             reply, _ = await asyncio.wait_for(second, 120)  # the first still holds m's slot
             await first.aclose()
             return reply.status, taken
@@ -120,8 +121,8 @@ def test_a_wait_for_a_slot_starts_another_instance_and_has_no_queue_timeout(stor
         r.load("m")
 
         async def waited():
-            _, first = await r.arelay("m", "POST", "/v1/completions", LONG, running=yes)
-            second = asyncio.ensure_future(r.arelay("m", "POST", "/v1/completions", SHORT, running=yes))
+            _, first = await r.arelay(Ask("m", "POST", "/v1/completions", LONG, running=yes))
+            second = asyncio.ensure_future(r.arelay(Ask("m", "POST", "/v1/completions", SHORT, running=yes)))
             await asyncio.sleep(3)  # three queue timeouts
             assert not second.done() and r.status()["models"]["m"]["waiting"]["why"] == "waiting for a free slot"
             await first.aclose()

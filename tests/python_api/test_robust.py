@@ -22,6 +22,7 @@ import pytest
 
 from pyllmrouter import ModelConfig, ModelSpec, Router
 from pyllmrouter.devices import EmulatedInventory
+from pyllmrouter.router.exchange import Ask
 from pyllmrouter.errors import LoadFailed, Withdrawn
 from pyllmrouter.router.workers.keep import KeepStore
 from pyllmrouter.router.workers.handle import Pending
@@ -219,7 +220,7 @@ def test_a_lease_is_released_when_the_cancel_cannot_be_sent(tiny, monkeypatch):
 
         async def leave():
             with pytest.raises((Withdrawn, OSError)):
-                await r.arelay("a", "POST", "/v1/completions", body, gone=lambda: asyncio.sleep(0.1))
+                await r.arelay(Ask("a", "POST", "/v1/completions", body, gone=lambda: asyncio.sleep(0.1)))
 
         asyncio.run(leave())
         wait_for(lambda: r.status()["models"]["a"]["leases"] == 0, timeout=60, what="the lease released")
