@@ -15,12 +15,12 @@ from pyllmrouter.tools.raynodes import add_node
 
 @contextlib.contextmanager
 def deployed(directory: Path, tiny: dict, models: dict[str, tuple[str, int]], sizes_mib: list[int],
-             queue_timeout: int) -> Iterator[tuple]:
+             queue_timeout: int, serve_args: tuple[str, ...] = ()) -> Iterator[tuple]:
     """A head and one node per size (one emulated device of that many MiB each, the probe
     cache shared), ``models`` (name: (tiny model, context), one slot each) deployed by
     ``pyllmrouter ray``: (cluster, port, nodes, start_node(mib) for a node started again).
     Each node's replica logs the requests it ran (those with an X-Request-Id) to
-    ``directory/runs`` (replica.py)."""
+    ``directory/runs`` (replica.py).  ``serve_args``: more of serve's arguments."""
     from ray.cluster_utils import Cluster
 
     from pyllmrouter import cli
@@ -41,7 +41,7 @@ def deployed(directory: Path, tiny: dict, models: dict[str, tuple[str, int]], si
     try:
         # serve's arguments plus the cluster's address
         assert cli.main(["ray", "--models-preset", str(preset), "--models-memory-margin", "0",
-                         "--queue-timeout", str(queue_timeout), "--port", str(port), "--address", c.address]) == 0
+                         "--queue-timeout", str(queue_timeout), "--port", str(port), "--address", c.address, *serve_args]) == 0
         yield c, port, nodes, start_node, preset
     finally:
         from ray import serve

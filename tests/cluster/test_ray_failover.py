@@ -38,8 +38,10 @@ def ray_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(tiny, ray_dir):
+    # no heartbeat: a worker stopped on purpose (a machine that hangs before it dies) stays
+    # stopped until its node is killed, however slow the machine running the test
     with deployed(ray_dir, tiny, MODELS, [NODE_MIB] * 3,
-                  queue_timeout=120) as (c, port, nodes, start_node, _):
+                  queue_timeout=120, serve_args=("--heartbeat", "0")) as (c, port, nodes, start_node, _):
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=180)
         _wait_measured(client, {n.node_id for n in nodes})
         yield c, client, nodes, start_node
