@@ -136,8 +136,8 @@ def test_a_ctrl_c_while_a_worker_starts_leaves_the_worker_alone(tiny):
             seen.append(starting_worker())
             os.killpg(os.getpgrp(), signal.SIGINT)  # the terminal's Ctrl-C: its whole group
         with router("-c", "512") as r:
-            threading.Thread(target=ctrl_c, daemon=True).start()
-            try:
+            try:  # (the worker may be up before the thread has started: the router starts it early)
+                threading.Thread(target=ctrl_c, daemon=True).start()
                 r.load("m")
                 interrupted = False
             except KeyboardInterrupt:
