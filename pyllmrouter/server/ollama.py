@@ -15,6 +15,9 @@
     /api/pull, /api/delete: llama.cpp's cache (Router.pull, Router.delete), with Ollama's progress lines
     /api/create, /api/copy, /api/push, /api/blobs: 501, saying why
 
+The routes are OllamaApi's methods; what they ask of the engine (the relay, token counts, cuts
+to fit, num_ctx, loads) is server/ollama_engine.py's OllamaEngine.
+
 | endpoint                        | here                                                          |
 | GET  /api/version               | the Ollama API mirrored (ollama_wire.VERSION)                  |
 | GET  /api/tags, /api/ps         | listed models; loaded ones with their bytes                   |
@@ -29,7 +32,6 @@ Errors are Ollama's ``{"error": "..."}``; the key, Host and Origin rules are the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
 import json
 import logging
@@ -42,42 +44,30 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pyllmrouter import endpoints, gguf_header
-from pyllmrouter.errors import NeverFits, RouterError, UnknownModel
+from pyllmrouter.errors import RouterError
 from pyllmrouter.router.api import Router
-from pyllmrouter.router.exchange import Ask
 from pyllmrouter.server import ollama_pull, ollama_wire as wire
-from pyllmrouter.server.body import departed
-from pyllmrouter.server.api_errors import ApiError, from_router_error
+from pyllmrouter.server.api_errors import ApiError
+from pyllmrouter.server.ollama_engine import OllamaEngine, engine_error, router_error
 from pyllmrouter.server.ollama_wire import OllamaError
-from pyllmrouter.server.forwarded import forwarded_of
 
 __all__ = ["error", "mount"]
 
 _LOG = logging.getLogger("pyllmrouter.ollama")
 NDJSON = "application/x-ndjson"
-TRIES = 3  # sends of a prompt cut to fit, the engine counting each (a cut text may tokenize longer)
 NEVER = 253402300799.0  # 9999-12-31T23:59:59Z: a model kept for ever expires then
+ANY_METHOD = ["GET", "POST", "PUT", "DELETE", "HEAD", "PATCH"]
+# Ollama's routes that make or move models: 501, saying why
+REFUSED = (("/api/create", ("creates no model: name a GGUF file in the model list (a preset, or "
+                            "POST /models to pull one)")),
+           ("/api/copy", "copies no model: give the model an alias in the preset"),
+           ("/api/push", "pushes no model to a registry"),
+           ("/api/blobs/{digest}", "takes no blobs: name a GGUF file in the model list"))
 
 
 def error(status: int, message: str) -> JSONResponse:
     """Ollama's error shape."""
     return JSONResponse({"error": message}, status_code=status)
-
-
-def _router_error(e: Exception) -> OllamaError:
-    err = from_router_error(e)
-    if isinstance(e, UnknownModel):
-        return OllamaError(404, f"model '{e.args[0] if e.args else ''}' not found")
-    return OllamaError(err.status, err.message)
-
-
-def _engine_error(status: int, body: bytes) -> OllamaError:
-    try:
-        data = json.loads(body)
-        message = data["error"]["message"] if isinstance(data.get("error"), dict) else data.get("error")
-    except (ValueError, KeyError, TypeError, AttributeError):
-        message = body.decode(errors="replace")
-    return OllamaError(status, str(message or f"HTTP {status}"))
 
 
 def _sse_events(buffer: bytearray) -> list[dict[str, Any]]:
@@ -98,61 +88,96 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
     """Ollama's routes on ``app``; returns its POSTs that run a model (chat, generate,
     embed), by path, for the server's guard to call past FastAPI's routing and middleware
     (server/app.py's ``_Guard``: a stream's every line would go through their wrappers)."""
-    headers_cache: dict[tuple[str, int, int], tuple[dict[str, Any], int]] = {}  # this event loop's only
+    api = OllamaApi(router)
+    app.get("/api/version")(api.version)
+    app.get("/api/tags")(_handled(api.tags))
+    app.post("/api/show")(_handled(api.show))
+    app.get("/api/ps")(_handled(api.ps))
+    app.post("/api/pull")(_handled(api.pull))
+    app.delete("/api/delete")(_handled(api.delete))
+    for path, what in REFUSED:
+        app.add_api_route(path, _refusal(what), methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
+                          include_in_schema=False)
+    # registered last: what no route above answers
+    app.api_route("/api/{rest:path}", methods=ANY_METHOD, include_in_schema=False)(api.unknown)
+    return {"/api/chat": _handled(api.chat), "/api/generate": _handled(api.generate),
+            "/api/embed": _handled(api.embed_new), "/api/embeddings": _handled(api.embed_legacy)}
 
-    def handled(fn: Callable[..., Any]) -> Callable[..., Any]:
-        async def run(request: Request) -> Response:
-            try:
-                return await fn(request)
-            except OllamaError as e:
-                return error(e.status, e.message)
-            except ApiError as e:
-                return error(e.status, e.message)
-            except RouterError as e:
-                e2 = _router_error(e)
-                return error(e2.status, e2.message)
-            except Exception as e:  # noqa: BLE001 - a bug: said in Ollama's shape, logged, the server goes on
-                _LOG.exception("%s %s", request.method, request.url.path)
-                return error(500, f"internal error: {type(e).__name__}: {e}")
-        run.__name__ = fn.__name__
-        return run
 
-    async def read(request: Request) -> dict[str, Any]:
-        raw = await request.body()
+def _handled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its errors answered in Ollama's shape (a bug's too: logged, the server goes on)."""
+    async def run(request: Request) -> Response:
         try:
-            data = json.loads(raw or b"{}")
-        except (ValueError, RecursionError) as e:
-            raise OllamaError(400, f"invalid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise OllamaError(400, "the request body must be a JSON object")
-        return data
+            return await fn(request)
+        except OllamaError as e:
+            return error(e.status, e.message)
+        except ApiError as e:
+            return error(e.status, e.message)
+        except RouterError as e:
+            e2 = router_error(e)
+            return error(e2.status, e2.message)
+        except Exception as e:  # noqa: BLE001 - a bug: said in Ollama's shape, logged, the server goes on
+            _LOG.exception("%s %s", request.method, request.url.path)
+            return error(500, f"internal error: {type(e).__name__}: {e}")
+    run.__name__ = fn.__name__
+    return run
 
-    def resolve(data: dict[str, Any], missing: Any = OllamaError) -> Any:
+
+def _refusal(what: str) -> Callable[[Request], Awaitable[Response]]:
+    async def refused(request: Request):
+        return error(501, f"pyllmrouter {what}")
+    return refused
+
+
+async def _read(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        data = json.loads(raw or b"{}")
+    except (ValueError, RecursionError) as e:
+        raise OllamaError(400, f"invalid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise OllamaError(400, "the request body must be a JSON object")
+    return data
+
+
+def _warnings(ignored: list[str]) -> dict[str, str]:
+    return {"x-pyllmrouter-ignored-options": ", ".join(ignored)} if ignored else {}
+
+
+class OllamaApi:
+    """Ollama's routes, one method each, over one router; the GGUF headers they read, cached
+    by file (this event loop's only)."""
+
+    def __init__(self, router: Router):
+        self.router = router
+        self.engine = OllamaEngine(router)
+        self.headers: dict[tuple[str, int, int], tuple[dict[str, Any], int]] = {}
+
+    def resolve(self, data: dict[str, Any], missing: Any = OllamaError) -> Any:
         """The listed model a request names (as given, then without ":latest"); none:
         404, or ``missing`` where it is not OllamaError."""
         name = data.get("model") or data.get("name")
         if not isinstance(name, str) or not name:
             raise OllamaError(400, "model is required")
         for candidate in wire.listed_candidates(name):
-            listed = router.scheduler.canonical(candidate)
+            listed = self.router.scheduler.canonical(candidate)
             if listed is not None:
                 return listed
         if missing is OllamaError:
             raise OllamaError(404, f"model '{name}' not found")
         return missing
 
-    async def header(path: str) -> tuple[dict[str, Any], int]:
+    async def header(self, path: str) -> tuple[dict[str, Any], int]:
         st = os.stat(path)
         key = (path, st.st_size, st.st_mtime_ns)
-        if key not in headers_cache:
-            headers_cache[key] = await asyncio.to_thread(gguf_header.metadata, path)
-        return headers_cache[key]
+        if key not in self.headers:
+            self.headers[key] = await asyncio.to_thread(gguf_header.metadata, path)
+        return self.headers[key]
 
-
-    async def describe(name: str) -> dict[str, Any]:
-        cfg = router.scheduler.configs()[name]
+    async def describe(self, name: str) -> dict[str, Any]:
+        cfg = self.router.scheduler.configs()[name]
         path = cfg.spec.path
-        kv, parameters = await header(path)
+        kv, parameters = await self.header(path)
         st = os.stat(path)
         # an id of the file as it is (no need to read gigabytes): its path, size and time
         digest = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()
@@ -160,207 +185,44 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
                 "modified_at": wire.timestamp(st.st_mtime), "size": st.st_size, "digest": digest,
                 "details": wire.details(kv, parameters)}
 
-    async def take(request: Request, model: str, path: str, body: dict[str, Any],
-                   keep: float | None) -> tuple[Any, Any, int]:
-        """The engine's reply to ``body`` at ``path``, its stream, and the nanoseconds the
-        request waited for its model (Ollama's load_duration: a load, where it needed one); the
-        model's idle time set as the request takes it (a cluster's node: as ``forward``
-        relays, server/forwarded.py)."""
-        asked, took = time.perf_counter(), []
-        def leased(_instance: str) -> None:
-            took.append(time.perf_counter())
-            router.scheduler.keep_alive(model, keep)
-        relayed = forwarded_of(request.scope)
-        try:
-            reply, chunks = await router.arelay(Ask(
-                model, "POST", path, json.dumps(body).encode(), {}, {"content-type": "application/json"},
-                gone=lambda: departed(request.receive), leased=leased, raise_for_status=False,
-                waited=relayed.waited if relayed is not None else 0.0,
-                running=relayed.running if relayed is not None else None))
-        except RouterError as e:
-            raise _router_error(e) from None
-        return reply, chunks, int(((took[0] if took else asked) - asked) * 1e9)
-
-    async def engine_json(request: Request, model: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """A counting or tokenizer endpoint's answer (an error status: the engine's error)."""
-        reply, _, _ = await take(request, model, path, body, None)
-        if reply.status >= 400:
-            raise _engine_error(reply.status, reply.body)
-        return json.loads(reply.body)
-
-    async def tokens(request: Request, model: str, text: str, special: bool) -> list[int]:
-        out = await engine_json(request, model, "/tokenize", {"content": text, "add_special": special})
-        return [t if isinstance(t, int) else t["id"] for t in out["tokens"]]
-
-    async def detokenize(request: Request, model: str, ids: list[int]) -> str:
-        return (await engine_json(request, model, "/detokenize", {"tokens": ids}))["content"]
-
-    async def counted(request: Request, model: str, body: dict[str, Any]) -> int:
-        """The tokens of a chat request's prompt: its model's template and tokenizer, as the
-        engine will make it."""
-        out = await engine_json(request, model, "/chat/completions/input_tokens", body)
-        return int(out["input_tokens"])
-
-    async def load_only(model: str, keep: float | None) -> str:
-        """No prompt: Ollama's load; with keep_alive 0, its unload: now where it is idle, else
-        once its requests end (its idle time is 0: the reaper's next round after them)."""
-        try:
-            if keep == 0:
-                router.scheduler.keep_alive(model, 0)
-                m = router.status()["models"].get(model) or {}
-                if m.get("state") == "loaded" and not m.get("leases"):
-                    await asyncio.to_thread(router.unload, model)
-                return "unload"
-            await asyncio.to_thread(router.load, model)
-            router.scheduler.keep_alive(model, keep)
-        except RouterError as e:
-            raise _router_error(e) from None
-        return "load"
-
-    async def refuse_unable(model: str, data: dict[str, Any], kind: str) -> None:
+    async def refuse_unable(self, model: str, data: dict[str, Any], kind: str) -> None:
         """What the model cannot do (its GGUF header and projector say), refused as Ollama
         refuses it: an embedding model's chat, thinking, images."""
         try:
-            kv, _ = await header(router.scheduler.configs()[model].spec.path)
+            kv, _ = await self.header(self.router.scheduler.configs()[model].spec.path)
         except (OSError, ValueError, KeyError):
             return  # its load says what is wrong
-        projector = bool((router.status()["models"].get(model) or {}).get("projector"))
+        projector = bool((self.router.status()["models"].get(model) or {}).get("projector"))
         refused = wire.refusal(model, wire.capabilities(kv, projector), data, kind)
         if refused is not None:
             raise refused
 
-    def warnings(ignored: list[str]) -> dict[str, str]:
-        return {"x-pyllmrouter-ignored-options": ", ".join(ignored)} if ignored else {}
-
-    def context_of(model: str) -> dict[str, Any] | None:
-        return (router.status()["models"].get(model) or {}).get("context")
-
-    async def give_context(model: str, num_ctx: int | None) -> None:
-        """``num_ctx`` given where the model's slots hold less: the model reloaded with the
-        context that gives each slot ``num_ctx`` (as far as its training context), admitted
-        by its probed bytes as any load, and kept so for later requests, as Ollama keeps it.
-        Where no state of the router fits it, the model keeps its config and the error names
-        the bytes."""
-        if num_ctx is None:
-            return
-        if context_of(model) is None:  # never probed: its load says how its context is shared
-            await asyncio.to_thread(router.load, model)
-        context = context_of(model) or {}
-        want = wire.context_asked(num_ctx, context)
-        if want is None:
-            return
-        old = router.scheduler.configs()[model]
-        total = wire.total_context(context, want)
-        new = dataclasses.replace(old, spec=old.spec.replace(n_ctx=total))
-        _LOG.info("model %s: num_ctx %d asks for %d tokens a slot (-c %d): reloading", model, num_ctx, want, total)
-        await asyncio.to_thread(router.replace_model, new)
-        try:
-            await asyncio.to_thread(router.load, model)
-        except NeverFits as e:
-            await asyncio.to_thread(router.replace_model, old)
-            raise OllamaError(507, f"num_ctx {num_ctx} cannot be given: model '{model}' with {want} tokens a slot "
-                                   f"(-c {total}) {str(e).split(': ', 1)[-1]}") from None
-        except RouterError:
-            await asyncio.to_thread(router.replace_model, old)
-            raise
-
-    async def fit_turns(request: Request, model: str, body: dict[str, Any], n_ctx: int) -> dict[str, Any]:
-        """``body`` with its oldest turns dropped until its prompt holds fewer than ``n_ctx``
-        tokens (the fewest dropped; its system messages kept), as Ollama's chat truncates."""
-        messages = body["messages"]
-        starts = wire.turn_starts(messages)
-        def cut(i: int) -> dict[str, Any]:
-            return {**body, "messages": wire.kept_turns(messages, starts[i])}
-        if not starts or await counted(request, model, cut(len(starts) - 1)) >= n_ctx:
-            raise OllamaError(400, f"{wire.TOO_LONG}: the system messages and the newest turn alone take "
-                                   f"{n_ctx} tokens or more, the context a request gets")
-        lo, hi = 0, len(starts) - 1  # the first start that fits is in [lo, hi]; hi fits
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if await counted(request, model, cut(mid)) < n_ctx:
-                hi = mid
-            else:
-                lo = mid + 1
-        return cut(lo)
-
-    async def cut_text(request: Request, model: str, text: str, drop: int, keep: int) -> str:
-        """``text`` without ``drop`` of its tokens after its first ``keep`` (the cut text
-        tokenized again: where the two sides merge into more tokens, more are dropped)."""
-        ids = await tokens(request, model, text, False)
-        target = len(ids) - drop
-        for _ in range(TRIES):
-            if drop >= len(ids) - min(keep, len(ids)):
-                raise OllamaError(400, f"{wire.TOO_LONG}: the prompt cannot be cut to fit")
-            text = await detokenize(request, model, wire.cut_prompt(ids, drop, keep))
-            n = len(await tokens(request, model, text, False))
-            if n <= target:
-                return text
-            drop += n - target
-        raise OllamaError(400, f"{wire.TOO_LONG}: the prompt's cut still tokenizes past {target} tokens")
-
-    async def shortened(request: Request, model: str, path: str, body: dict[str, Any],
-                        over: tuple[int, int], data: dict[str, Any]) -> dict[str, Any]:
-        """``body`` cut to fit the ``over[1]`` tokens the engine takes (it counted ``over[0]``):
-        a chat's oldest turns dropped; a generate's prompt cut after its first num_keep tokens
-        (none where it is templated), as Ollama's runner cuts it."""
-        n_tokens, n_ctx = over
-        if data.get("messages") is not None:
-            return await fit_turns(request, model, body, n_ctx)
-        drop = n_tokens - n_ctx + 1
-        if path == "/completion":
-            keep = int(((data.get("options") or {}).get("num_keep")) or 0)
-            return {**body, "prompt": await cut_text(request, model, body["prompt"], drop, keep)}
-        last = body.get("messages", [{}])[-1]
-        if path != "/v1/chat/completions" or not isinstance(last.get("content"), str):
-            raise OllamaError(400, f"{wire.TOO_LONG} ({n_tokens} tokens, the context a request gets is {n_ctx})")
-        cut = {**last, "content": await cut_text(request, model, last["content"], drop, 0)}
-        return {**body, "messages": [*body["messages"][:-1], cut]}
-
-    async def fitted(request: Request, model: str, path: str, body: dict[str, Any], keep: float | None,
-                     data: dict[str, Any]) -> tuple[Any, Any, int]:
-        """The engine's reply to ``body``; one refused for its length cut to fit and sent again
-        (``truncate``, Ollama's default), else Ollama's 400."""
-        truncate, load_ns = wire.truncating(data), 0
-        for _ in range(TRIES):
-            reply, chunks, waited = await take(request, model, path, body, keep)
-            load_ns += waited
-            over = wire.exceeded(reply.status, reply.body) if reply.status >= 400 else None
-            if over is None:
-                return reply, chunks, load_ns
-            if chunks is not None:
-                chunks.abandon()
-            if not truncate:
-                raise OllamaError(400, f"{wire.TOO_LONG} ({over[0]} tokens, the context a request gets is "
-                                       f"{over[1]})")
-            body = await shortened(request, model, path, body, over, data)
-        raise OllamaError(400, f"{wire.TOO_LONG}: still too long after {TRIES} cuts")
-
-    async def infer(request: Request, kind: str) -> Response:
+    async def infer(self, request: Request, kind: str) -> Response:
         t0, created = time.perf_counter(), time.time()
-        data = await read(request)
-        model = resolve(data)
+        data = await _read(request)
+        model = self.resolve(data)
         keep = wire.keep_alive_seconds(data.get("keep_alive"))
         stream = wire.streamed(data)
         wire.truncating(data)  # checked, whether or not it is needed
-        await refuse_unable(model, data, kind)
+        await self.refuse_unable(model, data, kind)
         build = wire.chat_request if kind == "chat" else wire.generate_request
         path, body, ignored, num_ctx = build(data, model, stream)  # checked, whether or not it is sent
         if endpoints.load_only(f"/api/{kind}", data):
-            reason = await load_only(model, keep)
+            reason = await self.engine.load_only(model, keep)
             out: dict[str, Any] = {"model": data.get("model") or model, "created_at": wire.timestamp(created)}
             out.update({"message": {"role": "assistant", "content": ""}} if kind == "chat" else {"response": ""})
             out.update(done=True, done_reason=reason)
             return JSONResponse(out)
-        extra = warnings(ignored)
+        extra = _warnings(ignored)
         reloaded = time.perf_counter()
-        await give_context(model, num_ctx)
+        await self.engine.give_context(model, num_ctx)
         reloaded = time.perf_counter() - reloaded
-        reply, chunks, load_ns = await fitted(request, model, path, body, keep, data)
+        reply, chunks, load_ns = await self.engine.fitted(request, model, path, body, keep, data)
         translator = wire.Translator(kind, path, data.get("model") or model, time.time, load_ns + int(reloaded * 1e9))
         if reply.status >= 400:
             if chunks is not None:
                 chunks.abandon()
-            raise _engine_error(reply.status, reply.body)
+            raise engine_error(reply.status, reply.body)
         if chunks is None:
             try:
                 whole = json.loads(reply.body)
@@ -369,10 +231,10 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             return JSONResponse(translator.whole(whole, int((time.perf_counter() - t0) * 1e9)), headers=extra)
         return StreamingResponse(_ndjson(chunks, translator, t0), media_type=NDJSON, headers=extra)
 
-    async def embed(request: Request, legacy: bool) -> Response:
+    async def embed(self, request: Request, legacy: bool) -> Response:
         t0 = time.perf_counter()
-        data = await read(request)
-        model = resolve(data)
+        data = await _read(request)
+        model = self.resolve(data)
         keep = wire.keep_alive_seconds(data.get("keep_alive"))
         dimensions = data.get("dimensions")
         if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
@@ -381,15 +243,15 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
         body = wire.embed_request(data, model, legacy)
         wire.truncating(data)  # checked, whether or not it is needed
         if body["input"] in ("", []):  # nothing to embed: the model loaded, as Ollama does
-            await load_only(model, keep)
+            await self.engine.load_only(model, keep)
             return JSONResponse({"embedding": []} if legacy else {"model": data.get("model") or model,
                                                                     "embeddings": []})
-        reply, load_ns = await embedded(request, model, body, keep, data)
+        reply, load_ns = await self.engine.embedded(request, model, body, keep, data)
         if reply.status == 501:  # llama.cpp's "start it with --embeddings": this router's word for it
-            raise OllamaError(400, f"{_engine_error(reply.status, reply.body).message} (model '{model}' is "
+            raise OllamaError(400, f"{engine_error(reply.status, reply.body).message} (model '{model}' is "
                                    f"not served for embeddings: embedding = true in its preset)")
         if reply.status >= 400:
-            raise _engine_error(reply.status, reply.body)
+            raise engine_error(reply.status, reply.body)
         answer = json.loads(reply.body)
         vectors = [wire.normalize(d["embedding"], dimensions)
                    for d in sorted(answer.get("data") or [], key=lambda d: d.get("index", 0))]
@@ -400,69 +262,46 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
                              "load_duration": load_ns,
                              "prompt_eval_count": int((answer.get("usage") or {}).get("prompt_tokens") or 0)})
 
-    async def embedded(request: Request, model: str, body: dict[str, Any], keep: float | None,
-                       data: dict[str, Any]) -> tuple[Any, int]:
-        """The engine's embeddings of ``body``; inputs refused for their length cut to fit and
-        sent again (``truncate``, Ollama's default), else Ollama's 400."""
-        load_ns = 0
-        for _ in range(TRIES):
-            reply, _, waited = await take(request, model, "/v1/embeddings", body, keep)
-            load_ns += waited
-            over = wire.exceeded(reply.status, reply.body)
-            if over is None:
-                return reply, load_ns
-            if not wire.truncating(data):
-                raise OllamaError(400, f"{wire.TOO_LONG} (an input of {over[0]} tokens, the most the model "
-                                       f"takes is {over[1]})")
-            body = {**body, "input": await cut_inputs(request, model, body["input"], over[1])}
-        raise OllamaError(400, f"{wire.TOO_LONG}: still too long after {TRIES} cuts")
+    async def chat(self, request: Request) -> Response:
+        return await self.infer(request, "chat")
 
-    async def cut_inputs(request: Request, model: str, given: str | list[str], limit: int) -> str | list[str]:
-        """Each input longer than ``limit`` tokens (its special ones counted) cut to its first
-        ones, as Ollama's embed truncates."""
-        async def cut(text: str) -> str:
-            whole = await tokens(request, model, text, True)
-            if len(whole) <= limit:
-                return text
-            ids = await tokens(request, model, text, False)
-            room = limit - (len(whole) - len(ids))
-            if room <= 0:
-                raise OllamaError(400, f"{wire.TOO_LONG}: the model's special tokens alone fill {limit} tokens")
-            return await detokenize(request, model, ids[:room])
-        if isinstance(given, str):
-            return await cut(given)
-        return [await cut(t) for t in given]
+    async def generate(self, request: Request) -> Response:
+        return await self.infer(request, "generate")
 
-    @app.get("/api/version")
-    async def version():
+    async def embed_new(self, request: Request) -> Response:
+        return await self.embed(request, legacy=False)
+
+    async def embed_legacy(self, request: Request) -> Response:
+        return await self.embed(request, legacy=True)
+
+    async def version(self):
         return {"version": wire.VERSION}
 
-    @app.get("/api/tags")
-    @handled
-    async def tags(request: Request):
-        names = [c.name for c in router.models() if not c.hidden]
+    async def unknown(self, rest: str):
+        return error(404, f"404 page not found: /api/{rest} (or not with this method)")
+
+    async def tags(self, request: Request):
+        names = [c.name for c in self.router.models() if not c.hidden]
         models = []
         for name in names:
             try:
-                models.append(await describe(name))
+                models.append(await self.describe(name))
             except (OSError, ValueError, KeyError):
                 continue  # a file gone or unreadable: its load says why
         return JSONResponse({"models": models})
 
-    @app.post("/api/show")
-    @handled
-    async def show(request: Request):
-        data = await read(request)
-        name = resolve(data)
-        cfg = router.scheduler.configs()[name]
+    async def show(self, request: Request):
+        data = await _read(request)
+        name = self.resolve(data)
+        cfg = self.router.scheduler.configs()[name]
         try:
-            kv, parameters = await header(cfg.spec.path)
+            kv, parameters = await self.header(cfg.spec.path)
         except (OSError, ValueError) as e:
             raise OllamaError(500, f"model '{name}': {e}") from None
         verbose = data.get("verbose", False)
         if not isinstance(verbose, bool):
             raise OllamaError(400, f"verbose must be true or false, not {verbose!r}")
-        m = router.status()["models"].get(name) or {}
+        m = self.router.status()["models"].get(name) or {}
         st = os.stat(cfg.spec.path)
         arrays = await asyncio.to_thread(_arrays, cfg.spec.path) if verbose else None
         return JSONResponse({
@@ -473,19 +312,17 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             "capabilities": wire.capabilities(kv, bool(m.get("projector"))),
             "modified_at": wire.timestamp(st.st_mtime)})
 
-    @app.get("/api/ps")
-    @handled
-    async def ps(request: Request):
-        st = router.status()
+    async def ps(self, request: Request):
+        st = self.router.status()
         kinds = {n: d["kind"] for n, d in st["devices"].items()}
         now = time.time()
-        configs = {c.name: c for c in router.models() if not c.hidden}
+        configs = {c.name: c for c in self.router.models() if not c.hidden}
         out = []
         for name, m in st["models"].items():
             if name not in configs or m["state"] not in ("loaded", "loading"):
                 continue
             try:
-                entry = await describe(name)
+                entry = await self.describe(name)
             except (OSError, ValueError, KeyError):
                 continue
             ttl, idle = m["ttl"], m["idle_seconds"]
@@ -499,20 +336,18 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             out.append(entry)
         return JSONResponse({"models": out})
 
-    @app.post("/api/pull")
-    @handled
-    async def pull(request: Request):
-        data = await read(request)
+    async def pull(self, request: Request):
+        data = await _read(request)
         name = data.get("model") or data.get("name")
         if not isinstance(name, str) or not name:
             raise OllamaError(400, "model is required")
-        listed = resolve({"model": name}, missing=None)
+        listed = self.resolve({"model": name}, missing=None)
         if listed is None:
             try:
-                await asyncio.to_thread(router.pull, name)
+                await asyncio.to_thread(self.router.pull, name)
             except ValueError as e:
                 raise OllamaError(400, str(e)) from None
-        progress = ollama_pull.progress(router, listed or name)
+        progress = ollama_pull.progress(self.router, listed or name)
         if data.get("stream", True) is False:
             last: dict[str, Any] = {}
             async for last in progress:
@@ -520,48 +355,14 @@ def mount(app: FastAPI, router: Router) -> dict[str, Callable[[Request], Awaitab
             return error(500, last["error"]) if "error" in last else JSONResponse(last)
         return StreamingResponse((wire.lines([o]) async for o in progress), media_type=NDJSON)
 
-    @app.delete("/api/delete")
-    @handled
-    async def delete(request: Request):
-        data = await read(request)
-        name = resolve(data)
+    async def delete(self, request: Request):
+        data = await _read(request)
+        name = self.resolve(data)
         try:
-            await asyncio.to_thread(router.delete, name)
+            await asyncio.to_thread(self.router.delete, name)
         except ValueError as e:
             raise OllamaError(400, str(e)) from None
         return Response(status_code=200)
-
-    for path, what in (("/api/create", ("creates no model: name a GGUF file in the model list (a preset, or "
-                                         "POST /models to pull one)")),
-                       ("/api/copy", "copies no model: give the model an alias in the preset"),
-                       ("/api/push", "pushes no model to a registry"),
-                       ("/api/blobs/{digest}", "takes no blobs: name a GGUF file in the model list")):
-        def refuse(what: str = what):
-            async def refused(request: Request):
-                return error(501, f"pyllmrouter {what}")
-            return refused
-        app.add_api_route(path, refuse(), methods=["POST", "HEAD"] if "blobs" in path else ["POST"],
-                          include_in_schema=False)
-
-    @app.api_route("/api/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "HEAD", "PATCH"],
-                   include_in_schema=False)
-    async def unknown(rest: str):  # registered last: what no route above answers
-        return error(404, f"404 page not found: /api/{rest} (or not with this method)")
-
-    async def chat(request: Request) -> Response:
-        return await infer(request, "chat")
-
-    async def generate(request: Request) -> Response:
-        return await infer(request, "generate")
-
-    async def embed_new(request: Request) -> Response:
-        return await embed(request, legacy=False)
-
-    async def embed_legacy(request: Request) -> Response:
-        return await embed(request, legacy=True)
-
-    return {"/api/chat": handled(chat), "/api/generate": handled(generate), "/api/embed": handled(embed_new),
-            "/api/embeddings": handled(embed_legacy)}
 
 
 async def _ndjson(chunks, translator: wire.Translator, t0: float) -> AsyncIterator[bytes]:
@@ -578,7 +379,7 @@ async def _ndjson(chunks, translator: wire.Translator, t0: float) -> AsyncIterat
     except OllamaError as e:
         yield wire.lines([{"error": e.message}])
     except RouterError as e:
-        yield wire.lines([{"error": _router_error(e).message}])
+        yield wire.lines([{"error": router_error(e).message}])
     finally:
         chunks.abandon()  # a client that left stops generation
 
