@@ -19,13 +19,12 @@ request fails that request at once and the next request starts a new worker.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import subprocess
 import threading
 import time
-from typing import Any, Awaitable, Callable, Iterable, Mapping
+from typing import Any, Iterable
 
 from pyllmrouter.config import ModelConfig, RouterOptions
 from pyllmrouter.devices import Inventory, SystemInventory
@@ -33,17 +32,14 @@ from pyllmrouter.engine_args import check_specs
 from pyllmrouter.router import home
 from pyllmrouter.router.registry import API
 from pyllmrouter.errors import RouterError, UnknownModel
-from pyllmrouter.router.exchange import Ask, Exchange, Hand
-from pyllmrouter.router.workers.conduit import Connection, Served
+from pyllmrouter.router.exchange import Ask, Exchange
 from pyllmrouter.router.services.conversations import Conversations
 from pyllmrouter.router.services import pullcheck
 from pyllmrouter.router.services.downloads import Downloads
 from pyllmrouter.router.services.sources import Sources
-from pyllmrouter.protocol import HttpReply
 from pyllmrouter.replies import Status
 from pyllmrouter.router.scheduler import Scheduler
 from pyllmrouter.router.methods import Methods
-from pyllmrouter.router.services.streams import Stream
 
 __all__ = ["Router"]
 
@@ -74,6 +70,7 @@ class Router(Methods):
         """``sources``: where ``reload()`` reads the model list again (a preset, a models
         directory, llama.cpp's cache); ``watch``: read them again within this many seconds
         of a change (0: only on ``reload()``)."""
+        super().__init__(self._exchange)
         self._pid = os.getpid()  # its workers, threads and pipes are this process's (home.py)
         options = options or RouterOptions()
         if option_overrides:
@@ -291,77 +288,12 @@ class Router(Methods):
     def scheduler(self) -> Scheduler:
         return self._sched
 
-    # -- requests ---------------------------------------------------------------
-
-    def call(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
-             query: dict[str, str] | None = None, timeout: float | None = None, autoload: bool | None = None,
-             headers: dict[str, str] | None = None, *, wait: float | None = None,
-             raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
-        """Any llama-server request for one model (``method`` GET, POST or DELETE, ``path``
-        as llama-server serves it, ``body`` bytes or a dict sent as JSON, ``headers`` as its
-        client sent them): llama.cpp's reply, and for a stream the Stream of its body's
-        chunks (bytes).  The model is loaded first if it must be.  An error status raises
-        RequestFailed (``raise_for_status=False``: the reply is returned as it is).
-        ``timeout``: seconds the whole request may take, the stream read to its end
-        included (then RequestTimeout, the request stopped); ``wait``: seconds it may wait
-        for its model (default: the router's queue_timeout; then QueueTimeout)."""
-        home.here(self._pid)
-        return self._exchange(Ask(model, method, path, body, query, headers, timeout=timeout, wait=wait,
-                                  autoload=autoload, raise_for_status=raise_for_status)).run()
-
-    async def acall(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
-                    query: dict[str, str] | None = None, timeout: float | None = None,
-                    autoload: bool | None = None, headers: dict[str, str] | None = None, *,
-                    wait: float | None = None, raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
-        """``call`` awaited in the running event loop.  A model that can take the request now
-        is leased in the loop (no thread hop before the worker has it); otherwise the lease
-        is waited for in a thread.  Cancelling the awaiting task withdraws a wait for the
-        model (no lease, no load, no eviction) and stops a request in flight.  ``timeout``
-        bounds the first reply (a stream's reader bounds the rest); ``wait`` and
-        ``raise_for_status`` as in ``call``."""
-        return await self.arelay(Ask(model, method, path, body, query, headers, timeout=timeout, wait=wait,
-                                     autoload=autoload, raise_for_status=raise_for_status))
-
-    async def arelay(self, ask: Ask) -> "Served | tuple[HttpReply, Stream | None]":
-        """One request, as ``ask`` says it is sent (router/exchange.py, ``Ask``): the HTTP
-        server's relayed requests, a conversation's turn, a cluster node's claimed run, and
-        ``acall``.  (reply, stream); Served where ``ask.hand`` had the worker answer on the
-        client's connection itself."""
-        home.here(self._pid)
-        return await self._exchange(ask).arun()
-
-    async def aserve(self, model: str, method: str, path: str, body: bytes, query: dict[str, str],
-                     headers: dict[str, str], connection: Connection, *, query_string: str = "",
-                     timeout: float | None = None, autoload: bool | None = None,
-                     gone: Callable[[], Awaitable[Any]] | None = None) -> "Served | tuple[HttpReply, Stream | None]":
-        """``acall``, answered by the model's worker on the client's ``connection`` itself (the
-        native data path: no Python between the engine and the client's socket): Served,
-        once it has.  Where the worker cannot take the connection now (a request too big
-        for one datagram, its channel full), the request is relayed as ``acall`` relays it:
-        (reply, stream).  ``gone`` withdraws a wait for the model, as in ``acall``; once
-        handed over, a client that leaves is the worker's to notice."""
-        home.here(self._pid)
-        return await self.arelay(Ask(model, method, path, body, query, headers, wait=timeout, autoload=autoload,
-                                     raise_for_status=False, gone=gone, hand=Hand(connection, query_string)))
-
-    def serve_now(self, model: str, method: str, path: str, body: bytes, query: dict[str, str],
-                  headers: dict[str, str], connection: Connection, follow: dict | None = None,
-                  progress: Callable[[tuple], None] | None = None) -> "asyncio.Future | None":
-        """``aserve`` where nothing need wait, in the event loop without a coroutine: the
-        request and its connection handed over at once where the model can take it now and
-        its worker the connection (the future of the worker's answer, the lease released when
-        it comes); None where not (nothing taken, nothing sent: ``aserve`` says why).
-        ``follow``: the next requests like this one that the worker may read itself on the
-        connection (server/connection.py, ``Handover.follow``), under this lease, never past
-        the turn of a model being drained for a waiter (the scheduler ends the follows of a
-        model it must see the requests of again: ``Scheduler.end_follows``); ``progress``
-        gets the answers listed meanwhile, the answer the rest."""
-        home.here(self._pid)
-        return self._exchange(Ask(model, method, path, body, query, headers,
-                                  hand=Hand(connection, "", follow, progress))).run_now()
+    # -- requests (Methods: call, acall, arelay, serve_now, chat...) ---------------------------
 
     def _exchange(self, ask: Ask) -> Exchange:
-        """The one owner of ``ask``'s life, from its lease to its release."""
+        """The one owner of ``ask``'s life, from its lease to its release (every request of
+        Methods is made one here)."""
+        home.here(self._pid)
         return Exchange(self._sched, ask, self.options.queue_timeout, self.options.debug_fake_timing,
                         self._stop.is_set)
 
@@ -375,9 +307,3 @@ def _check_own(models: list[ModelConfig], where: str) -> None:
             raise ValueError(f"{where}: item {i} is a {type(m).__name__} ({m!r}), not a ModelConfig: "
                              f"ModelConfig(name, ModelSpec(path, (llama-server arguments...)))")
     check_specs([(m.name, m.spec.path, m.spec.args) for m in models if m.source == API])
-
-
-# the methods Router takes from its mixin are Router's in tracebacks and help()
-for _name, _fn in vars(Methods).items():
-    if callable(_fn) and hasattr(_fn, "__qualname__") and not _name.startswith("__"):
-        _fn.__qualname__ = f"Router.{_name}"

@@ -1,6 +1,6 @@
 """One request from its lease to its release: the one object that owns it, on every path.
 
-    Router.call/acall/arelay/aserve/serve_now ──Ask──▶ Exchange
+    Router.call/acall/arelay/serve_now (Methods) ──Ask──▶ Exchange
         lease: taken here (hold: waited for in this thread; ahold: in the event loop, or in
                a thread with the caller's departure watched; take_now: only where it can be now)
         claim: a cluster's node asks whether the request may run (``Ask.running``)
@@ -32,19 +32,67 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
+import math
+import numbers
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator, Mapping
 
-from pyllmrouter.errors import (QueueTimeout, RequestTimeout, RouterClosed, RouterError, Unclaimed, Withdrawn)
+from pyllmrouter.errors import (QueueTimeout, RequestFailed, RequestTimeout, RouterClosed, RouterError, Unclaimed,
+                                Withdrawn)
 from pyllmrouter.protocol import Call, Chunk, Failed, HttpReply
-from pyllmrouter.router.methods import body_of, checked_seconds, ok_or_raise, remaining
 from pyllmrouter.router.services.streams import Stream, error_of, unless_gone
 from pyllmrouter.router.workers.conduit import Connection, Served
 
-__all__ = ["Ask", "Exchange", "Hand"]
+__all__ = ["Ask", "Exchange", "Hand", "body_of", "checked_seconds", "ok_or_raise", "remaining"]
+
+_POOLING_HINT = ("; an embedding model served for /v1/embeddings needs a pooling: start it with "
+                 "ModelSpec(path, ('--embedding', '--pooling', 'mean')) (or cls, last, rank)")
+
+
+def body_of(body: bytes | Mapping[str, Any]) -> bytes:
+    """A request body: bytes as they are, a dict as JSON."""
+    return body if isinstance(body, (bytes, bytearray)) else json.dumps(dict(body)).encode()
+
+
+def remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def checked_seconds(name: str, value: Any, zero: bool = False) -> float | None:
+    """``value`` as seconds (None, or more than a thread can wait: no bound): a TypeError for
+    what is not a real number (numpy's included), a ValueError for a negative one, NaN, or 0
+    where ``zero`` is not allowed."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's bool is no Real
+        raise TypeError(f"{name} must be a number of seconds (an int or a float) or None, "
+                        f"not {type(value).__name__} {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = math.inf
+    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not zero):
+        raise ValueError(f"{name} must be {'0 or more' if zero else 'more than 0'} seconds, not {value!r}")
+    return None if seconds > threading.TIMEOUT_MAX else seconds
+
+
+def ok_or_raise(model: str, reply: HttpReply) -> HttpReply:
+    """``reply``, or RequestFailed carrying its status and llama.cpp's message."""
+    if reply.status < 400:
+        return reply
+    try:
+        data = json.loads(reply.body)
+    except ValueError:
+        data = None
+    err = data.get("error") if isinstance(data, dict) else None
+    message = err.get("message") if isinstance(err, dict) else reply.body.decode(errors="replace")
+    if "Pooling type 'none'" in message:
+        message += _POOLING_HINT
+    raise RequestFailed(model, f"HTTP {reply.status}", message, status=reply.status)
 
 
 @dataclass(frozen=True)
@@ -154,7 +202,7 @@ class Exchange:
         return self._checked(reply), stream
 
     async def arun(self) -> "Served | tuple[HttpReply, Stream | None]":
-        """The request in the event loop (``Router.acall``, ``arelay``, ``aserve``): Served where
+        """The request in the event loop (``Router.acall``, ``arelay``): Served where
         the worker answered on the client's connection (``Ask.hand``), else (reply, stream)."""
         ask = self.ask
         await self.ahold(slot=ask.running is not None)
@@ -173,7 +221,7 @@ class Exchange:
             except BaseException:
                 self.stop()
                 raise
-            # handed over or not, a native request's client is not watched after its lease (aserve)
+            # handed over or not, a native request's client is not watched after its lease
             first = await self.afirst(ask.gone if ask.hand is None else None)
             reply, stream = self.opened(first)
             return self._checked(reply), stream

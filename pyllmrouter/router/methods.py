@@ -27,53 +27,30 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import functools
 import json
-import math
-import numbers
 import threading
 import time
 from typing import (Any, Awaitable, Callable, Generator, Generic, Iterator, Literal, Mapping,
                     Sequence, TypeVar, overload)
 
-from pyllmrouter.errors import RequestFailed, RequestTimeout
+from pyllmrouter.errors import RequestTimeout
 from pyllmrouter.protocol import HttpReply
 from pyllmrouter.replies import ChatCompletion, ChatCompletionChunk, Completion, Embeddings, Message
+from pyllmrouter.router.exchange import Ask, Exchange, checked_seconds, remaining
 from pyllmrouter.router.options import check
 from pyllmrouter.router.services.streams import Stream
+from pyllmrouter.router.workers.conduit import Served
 
-__all__ = ["Methods", "Events", "AsyncEvents", "body_of", "checked_seconds", "ok_or_raise", "remaining"]
+__all__ = ["Methods", "Events", "AsyncEvents"]
 
 E = TypeVar("E")
 
-_POOLING_HINT = ("; an embedding model served for /v1/embeddings needs a pooling: start it with "
-                 "ModelSpec(path, ('--embedding', '--pooling', 'mean')) (or cls, last, rank)")
 
 
-def body_of(body: bytes | Mapping[str, Any]) -> bytes:
-    """A request body: bytes as they are, a dict as JSON."""
-    return body if isinstance(body, (bytes, bytearray)) else json.dumps(dict(body)).encode()
-
-
-def remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def checked_seconds(name: str, value: Any, zero: bool = False) -> float | None:
-    """``value`` as seconds (None, or more than a thread can wait: no bound): a TypeError for
-    what is not a real number (numpy's included), a ValueError for a negative one, NaN, or 0
-    where ``zero`` is not allowed."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's bool is no Real
-        raise TypeError(f"{name} must be a number of seconds (an int or a float) or None, "
-                        f"not {type(value).__name__} {value!r}")
-    try:
-        seconds = float(value)
-    except OverflowError:
-        seconds = math.inf
-    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not zero):
-        raise ValueError(f"{name} must be {'0 or more' if zero else 'more than 0'} seconds, not {value!r}")
-    return None if seconds > threading.TIMEOUT_MAX else seconds
+def _post(model: str, path: str, timeout: Any, wait: Any, autoload: bool | None) -> Ask:
+    return Ask(model, "POST", path, timeout=timeout, wait=wait, autoload=autoload)
 
 
 def _checked_stream(where: str, stream: Any) -> bool:
@@ -93,21 +70,6 @@ def _checked_messages(where: str, messages: Any) -> list[Any]:
             raise TypeError(f"{where}(): messages[{i}] must be a dict such as {{'role': 'user', 'content': 'hi'}}, "
                             f"not {type(m).__name__} {m!r}")
     return list(messages)
-
-
-def ok_or_raise(model: str, reply: HttpReply) -> HttpReply:
-    """``reply``, or RequestFailed carrying its status and llama.cpp's message."""
-    if reply.status < 400:
-        return reply
-    try:
-        data = json.loads(reply.body)
-    except ValueError:
-        data = None
-    err = data.get("error") if isinstance(data, dict) else None
-    message = err.get("message") if isinstance(err, dict) else reply.body.decode(errors="replace")
-    if "Pooling type 'none'" in message:
-        message += _POOLING_HINT
-    raise RequestFailed(model, f"HTTP {reply.status}", message, status=reply.status)
 
 
 def _sse(model: str, buffer: bytearray) -> Iterator[dict[str, Any]]:
@@ -248,23 +210,59 @@ class AsyncEvents(Generic[E]):
 
 
 class Methods:
-    """The request methods of ``pyllmrouter.Router``: chat, completions, embeddings,
-    tokenize and detokenize, each plain or awaited, whole or streamed (``Router`` gives the
-    two they rest on, ``call`` and ``acall``)."""
+    """The request methods of ``pyllmrouter.Router``: any llama-server request (``call``,
+    ``acall``), chat, completions, embeddings, tokenize and detokenize, each plain or
+    awaited, whole or streamed.  Each request is an ``Ask`` whose whole life one
+    ``Exchange`` owns (router/exchange.py); ``exchange`` makes it (the router's)."""
+
+    def __init__(self, exchange: Callable[[Ask], Exchange]):
+        self._exchange_of = exchange
 
     def call(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
              query: dict[str, str] | None = None, timeout: float | None = None, autoload: bool | None = None,
              headers: dict[str, str] | None = None, *, wait: float | None = None,
              raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
-        """Any llama-server request for one model (``Router.call``)."""
-        raise NotImplementedError
+        """Any llama-server request for one model (``method`` GET, POST or DELETE, ``path``
+        as llama-server serves it, ``body`` bytes or a dict sent as JSON, ``headers`` as its
+        client sent them): llama.cpp's reply, and for a stream the Stream of its body's
+        chunks (bytes).  The model is loaded first if it must be.  An error status raises
+        RequestFailed (``raise_for_status=False``: the reply is returned as it is).
+        ``timeout``: seconds the whole request may take, the stream read to its end
+        included (then RequestTimeout, the request stopped); ``wait``: seconds it may wait
+        for its model (default: the router's queue_timeout; then QueueTimeout)."""
+        return self._exchange_of(Ask(model, method, path, body, query, headers, timeout=timeout, wait=wait,
+                                     autoload=autoload, raise_for_status=raise_for_status)).run()
 
     async def acall(self, model: str, method: str, path: str, body: bytes | Mapping[str, Any] = b"",
                     query: dict[str, str] | None = None, timeout: float | None = None,
                     autoload: bool | None = None, headers: dict[str, str] | None = None, *,
                     wait: float | None = None, raise_for_status: bool = True) -> "tuple[HttpReply, Stream | None]":
-        """``call`` awaited (``Router.acall``)."""
-        raise NotImplementedError
+        """``call`` awaited in the running event loop.  A model that can take the request now
+        is leased in the loop (no thread hop before the worker has it); otherwise the lease
+        is waited for in a thread.  Cancelling the awaiting task withdraws a wait for the
+        model (no lease, no load, no eviction) and stops a request in flight.  ``timeout``
+        bounds the first reply (a stream's reader bounds the rest); ``wait`` and
+        ``raise_for_status`` as in ``call``."""
+        return await self.arelay(Ask(model, method, path, body, query, headers, timeout=timeout, wait=wait,
+                                     autoload=autoload, raise_for_status=raise_for_status))
+
+    async def arelay(self, ask: Ask) -> "Served | tuple[HttpReply, Stream | None]":
+        """One request, sent as ``ask`` says (router/exchange.py, ``Ask``): the HTTP server's
+        requests (relayed, or with ``ask.hand`` answered by the worker on the client's
+        connection itself: then Served, once it has), a conversation's turn, a cluster node's
+        claimed run, and ``acall``: (reply, stream), or Served."""
+        return await self._exchange_of(ask).arun()
+
+    def serve_now(self, ask: Ask) -> "asyncio.Future | None":
+        """A native request (``ask.hand``) where nothing need wait, in the event loop without a
+        coroutine: handed over at once where the model can take it now and its worker the
+        connection (the future of the worker's answer, the lease released when it comes);
+        None where not (nothing taken, nothing sent).  ``ask.hand.follow``: the next
+        requests like this one that the worker may read itself on the connection
+        (server/connection.py, ``Handover.follow``), under this lease, never past the turn of
+        a model being drained for a waiter (``Scheduler.end_follows``); ``ask.hand.progress``
+        gets the answers listed meanwhile, the answer the rest."""
+        return self._exchange_of(ask).run_now()
 
     # -- chat ---------------------------------------------------------------------------------
 
@@ -294,8 +292,8 @@ class Methods:
         the request stopped); ``wait``: seconds it may wait for the model (then
         QueueTimeout)."""
         fixed = {"messages": _checked_messages("chat", messages)}
-        return self._openai("chat", model, "/v1/chat/completions", fixed, options, extra_body, stream, timeout,
-                            wait, autoload)
+        return self._openai("chat", _post(model, "/v1/chat/completions", timeout, wait, autoload),
+                            fixed, options, extra_body, stream)
 
     @overload
     def achat(self, model: str, messages: Sequence[Message | Mapping[str, Any]], *,
@@ -319,8 +317,8 @@ class Methods:
         """``chat`` in the running event loop: awaited for a reply, or with ``stream=True``
         its events (``AsyncEvents``: ``async for`` it, inside ``async with``)."""
         fixed = {"messages": _checked_messages("achat", messages)}
-        return self._aopenai("achat", model, "/v1/chat/completions", fixed, options, extra_body, stream, timeout,
-                             wait, autoload)
+        return self._aopenai("achat", _post(model, "/v1/chat/completions", timeout, wait, autoload),
+                             fixed, options, extra_body, stream)
 
     # -- completions ------------------------------------------------------------------------------
 
@@ -344,8 +342,8 @@ class Methods:
         """An OpenAI completion of ``prompt`` (text or token ids, ``POST /v1/completions``):
         its JSON, or with ``stream=True`` its events (``Events``).  Options, ``timeout`` and
         ``wait`` as for ``chat``."""
-        return self._openai("complete", model, "/v1/completions", {"prompt": prompt}, options, extra_body, stream,
-                            timeout, wait, autoload)
+        return self._openai("complete", _post(model, "/v1/completions", timeout, wait, autoload),
+                            {"prompt": prompt}, options, extra_body, stream)
 
     @overload
     def acomplete(self, model: str, prompt: str | list[int], *, stream: Literal[False] = False,
@@ -366,8 +364,8 @@ class Methods:
     def acomplete(self, model, prompt, *, stream=False, timeout=None, wait=None, autoload=None,
                   extra_body=None, **options):
         """``complete`` in the running event loop (``AsyncEvents`` with ``stream=True``)."""
-        return self._aopenai("acomplete", model, "/v1/completions", {"prompt": prompt}, options, extra_body,
-                             stream, timeout, wait, autoload)
+        return self._aopenai("acomplete", _post(model, "/v1/completions", timeout, wait, autoload),
+                             {"prompt": prompt}, options, extra_body, stream)
 
     # -- embeddings ---------------------------------------------------------------------------------
 
@@ -377,15 +375,15 @@ class Methods:
         as an embedding model with a pooling, as llama-server's OpenAI endpoint requires
         (``ModelSpec(path, ("--embedding", "--pooling", "mean"))``, or a model whose file
         says its pooling)."""
-        return self._openai("embed", model, "/v1/embeddings", {"input": input}, options, extra_body, False, timeout,
-                            wait, autoload)
+        return self._openai("embed", _post(model, "/v1/embeddings", timeout, wait, autoload),
+                            {"input": input}, options, extra_body, False)
 
     def aembed(self, model: str, input: str | list[str], *, timeout: float | None = None,
                wait: float | None = None, autoload: bool | None = None,
                extra_body: Mapping[str, Any] | None = None, **options: Any) -> Awaitable[Embeddings]:
         """``embed`` awaited in the running event loop."""
-        return self._aopenai("aembed", model, "/v1/embeddings", {"input": input}, options, extra_body, False,
-                             timeout, wait, autoload)
+        return self._aopenai("aembed", _post(model, "/v1/embeddings", timeout, wait, autoload),
+                             {"input": input}, options, extra_body, False)
 
     # -- tokens ---------------------------------------------------------------------------------------
 
@@ -420,33 +418,29 @@ class Methods:
 
     # -- the shared part -------------------------------------------------------------------------------
 
-    def _body(self, where: str, model: str, fixed: dict[str, Any], options: Mapping[str, Any],
-              extra: Mapping[str, Any] | None, stream: Any,
-              timeout: Any, wait: Any) -> tuple[dict[str, Any], float | None, float | None]:
-        """The request's body and its timeout and wait in seconds, its mistakes raised here,
-        before anything is sent."""
+    def _asked(self, where: str, ask: Ask, fixed: dict[str, Any], options: Mapping[str, Any],
+               extra: Mapping[str, Any] | None, stream: Any) -> Ask:
+        """``ask`` with its body (llama-server's keys, checked; ``extra``, unchecked) and its
+        timeout and wait in seconds: its mistakes raised here, before anything is sent."""
         check(where, options)
         stream = _checked_stream(where, stream)
-        timeout, wait = checked_seconds("timeout", timeout), checked_seconds("wait", wait, zero=True)
-        body = {**options, **fixed, "model": model, **({"stream": True} if stream else {}), **(extra or {})}
-        return body, timeout, wait
+        timeout, wait = checked_seconds("timeout", ask.timeout), checked_seconds("wait", ask.wait, zero=True)
+        body = {**options, **fixed, "model": ask.model, **({"stream": True} if stream else {}), **(extra or {})}
+        return dataclasses.replace(ask, body=body, timeout=timeout, wait=wait)
 
-    def _openai(self, where: str, model: str, path: str, fixed: dict[str, Any], options: Mapping[str, Any],
-                extra: Mapping[str, Any] | None, stream: bool, timeout: float | None, wait: float | None,
-                autoload: bool | None):
-        body, timeout, wait = self._body(where, model, fixed, options, extra, stream, timeout, wait)
-        reply, chunks = self.call(model, "POST", path, body, timeout=timeout, wait=wait, autoload=autoload)
-        return Events(model, chunks) if chunks is not None else json.loads(reply.body)
+    def _openai(self, where: str, ask: Ask, fixed: dict[str, Any], options: Mapping[str, Any],
+                extra: Mapping[str, Any] | None, stream: Any):
+        ask = self._asked(where, ask, fixed, options, extra, stream)
+        reply, chunks = self._exchange_of(ask).run()
+        return Events(ask.model, chunks) if chunks is not None else json.loads(reply.body)
 
-    def _aopenai(self, where: str, model: str, path: str, fixed: dict[str, Any],
-                 options: Mapping[str, Any], extra: Mapping[str, Any] | None, stream: bool,
-                 timeout: float | None, wait: float | None, autoload: bool | None):
-        body, timeout, wait = self._body(where, model, fixed, options, extra, stream, timeout, wait)
-        opening = lambda: self.acall(model, "POST", path, body, timeout=timeout, wait=wait,  # noqa: E731
-                                     autoload=autoload)
+    def _aopenai(self, where: str, ask: Ask, fixed: dict[str, Any], options: Mapping[str, Any],
+                 extra: Mapping[str, Any] | None, stream: Any):
+        ask = self._asked(where, ask, fixed, options, extra, stream)
+        opening = functools.partial(self.arelay, ask)
         if stream:
-            deadline = None if timeout is None else time.monotonic() + timeout
-            return AsyncEvents(model, opening, deadline, timeout)
+            deadline = None if ask.timeout is None else time.monotonic() + ask.timeout
+            return AsyncEvents(ask.model, opening, deadline, ask.timeout)
         return self._awhole(opening)
 
     async def _awhole(self, opening: Callable[[], Awaitable["tuple[HttpReply, Stream | None]"]]) -> Any:

@@ -26,10 +26,12 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -49,7 +51,7 @@ from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
 from pyllmrouter.server.metrics import Metrics
 
-__all__ = ["create_app", "guard_error", "HTTP_PROTOCOL", "DEFAULT_HEADERS"]
+__all__ = ["AppOptions", "create_app", "guard_error", "HTTP_PROTOCOL", "DEFAULT_HEADERS"]
 
 # uvicorn's protocol for every server of this app: its httptools protocol (the fastest it has),
 # whose connections a request can hand over to a worker (server/connection.py)
@@ -59,52 +61,87 @@ HTTP_PROTOCOL = HttpProtocol
 DEFAULT_HEADERS = [("Server", "llama.cpp")]
 _DISABLED = json.dumps({"error": {"message": "this feature is disabled", "type": "feature_disabled"}}).encode()
 PUBLIC = frozenset({"/health", "/v1/health"})  # llama-server's: no API key asked
-def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 << 20,
-               close_router: bool = True, max_threads: int = 1024, settings: dict[str, Any] | None = None,
-               services: Services | None = None, allowed_hosts: frozenset[str] | None = None,
-               native: bool = True, follow_ms: int = 0) -> "_Guard":
-    """``settings``: what llama.cpp's parser made of the router's llama-server arguments
-    (router/services.settings: CORS, more API keys); ``services``: llama-server's /tools
-    and /cors-proxy (None: llama-server's 403, the features are off); ``allowed_hosts``:
-    the Host names accepted beside the local ones (None: no Host check, see browser.py);
-    ``native``: a worker answers a model's request on the client's connection itself where it
-    can (router/workers/conduit.py); False: every response is relayed through this process;
-    ``follow_ms``: how often such a worker, reading the connection's next requests like the
-    last itself, tells the router of its answers (0: it never reads them)."""
-    keys = tuple(k for k in ([api_key] if api_key else []) + list((settings or {}).get("api_keys", ())) if k)
+@dataclass(frozen=True)
+class AppOptions:
+    """The HTTP app's options (``pyllmrouter serve``'s flags).  ``settings``: what llama.cpp's
+    parser made of the router's llama-server arguments (router/services.settings: CORS,
+    more API keys); ``services``: llama-server's /tools and /cors-proxy (None: llama-server's
+    403, the features are off); ``allowed_hosts``: the Host names accepted beside the local
+    ones (None: no Host check, see browser.py); ``native``: a worker answers a model's
+    request on the client's connection itself where it can (router/workers/conduit.py);
+    False: every response is relayed through this process; ``follow_ms``: how often such a
+    worker, reading the connection's next requests like the last itself, tells the router
+    of its answers (0: it never reads them); ``close_router``: the app's end closes the
+    router; ``max_threads``: the threads that wait for leases."""
+
+    api_key: str | None = None
+    max_body: int = 8 << 20
+    close_router: bool = True
+    max_threads: int = 1024
+    settings: dict[str, Any] | None = None
+    services: Services | None = None
+    allowed_hosts: frozenset[str] | None = None
+    native: bool = True
+    follow_ms: int = 0
+
+
+def create_app(router: Router, options: AppOptions | None = None, **overrides: Any) -> "_Guard":
+    """The app serving ``router`` (``options``, any of them given by name in ``overrides``)."""
+    o = dataclasses.replace(options or AppOptions(), **overrides)
+    settings = o.settings or {}
+    keys = tuple(k for k in ([o.api_key] if o.api_key else []) + list(settings.get("api_keys", ())) if k)
     # pages of the local origins only, unless --cors-origins says otherwise ('*': llama-server's default)
-    origins = settings["cors_origins"] if settings and settings.get("cors_origins_explicit") else LOCAL_ORIGINS
-    cors = Cors({**settings, "cors_origins": origins}) if settings else None
-    gate = Gate(origins, allowed_hosts)
-    write_timeout = (settings or {}).get("timeout_write") or None  # llama-server's --timeout: a relay's writes
+    origins = settings["cors_origins"] if settings.get("cors_origins_explicit") else LOCAL_ORIGINS
+    cors = Cors({**settings, "cors_origins": origins}) if o.settings else None
+    write_timeout = settings.get("timeout_write") or None  # llama-server's --timeout: a relay's writes
     metrics = Metrics(router.status, LABELLED, router.scheduler.canonical)
     router.scheduler.on_wait = lambda model, s: metrics.queue_wait.labels(model).observe(s)
-    dispatch = Dispatch(router, metrics, native=native, follow_ms=follow_ms, max_body=max_body,
+    dispatch = Dispatch(router, metrics, native=o.native, follow_ms=o.follow_ms, max_body=o.max_body,
                         write_timeout=write_timeout)
+    app = FastAPI(title="pyllmrouter", lifespan=_lifespan(router, o))
+    app.add_exception_handler(ApiError, _api_error)
+    _mount_services(app, o.services, write_timeout)
+    engine_get = _mount_models(app, router, dispatch)
+    manage.mount(app, router, dispatch.forward, _body, o.settings)
+    ollama_posts = ollama.mount(app, router)
+    page.mount(app)
 
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        if request.query_params.get("model"):
+            return await engine_get(request)  # llama-server's own counters (needs --metrics)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return _Guard(app, keys, o.max_body, dispatch.engine_post, cors, Gate(origins, o.allowed_hosts), dispatch.take,
+                  ollama_posts)
+
+
+def _lifespan(router: Router, o: AppOptions):
     @asynccontextmanager
     async def lifespan(_app):
         # a request for a model that cannot take it at once waits for its lease in a
         # thread: the default pool (cpu count + 4) would make the fifth such wait queue
         asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="router-call"))
+            ThreadPoolExecutor(max_workers=o.max_threads, thread_name_prefix="router-call"))
         yield
-        if services is not None:
-            await asyncio.to_thread(services.close)
-        if close_router:  # after uvicorn has drained requests in flight
+        if o.services is not None:
+            await asyncio.to_thread(o.services.close)
+        if o.close_router:  # after uvicorn has drained requests in flight
             await asyncio.to_thread(router.close)
+    return lifespan
 
-    app = FastAPI(title="pyllmrouter", lifespan=lifespan)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(_req, e: ApiError):
-        return error_response(e)
+async def _api_error(_req, e: ApiError):
+    return error_response(e)
 
-    async def body(request: Request) -> dict[str, Any]:
-        return json_object(await request.body())  # the guard has read it, within the limit
 
+async def _body(request: Request) -> dict[str, Any]:
+    return json_object(await request.body())  # the guard has read it, within the limit
+
+
+def _mount_services(app: FastAPI, services: Services | None, write_timeout: float | None) -> None:
+    """/tools and /cors-proxy: llama-server's services, or its 403 when they are off."""
     async def service(request: Request) -> Response:
-        """/tools and /cors-proxy: llama-server's services, or its 403 when they are off."""
         if services is None:  # server.cpp's res_403, without starting a process to say it
             return Response(_DISABLED, 403, media_type="application/json")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED}
@@ -119,14 +156,19 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
     for path in ("/tools", "/cors-proxy"):
         app.add_api_route(path, service, methods=["GET", "POST"], include_in_schema=False)
 
+
+def _openai_model(name: str, m: dict[str, Any]) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "pyllmrouter",
+            "status": {"value": m["state"]}}
+
+
+def _mount_models(app: FastAPI, router: Router,
+                  dispatch: Dispatch) -> Callable[[Request], Awaitable[Response]]:
+    """/health, the OpenAI model list and a model's GET routes (?model=); the handler of those."""
     @app.get("/health")
     @app.get("/v1/health")
     async def health():
         return {"status": "ok"}
-
-    def _openai_model(name: str, m: dict[str, Any]) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": 0, "owned_by": "pyllmrouter",
-                "status": {"value": m["state"]}}
 
     @app.get("/v1/models")
     async def v1_models():
@@ -155,18 +197,7 @@ def create_app(router: Router, *, api_key: str | None = None, max_body: int = 8 
 
     for path in ENGINE_GET:
         app.add_api_route(path, engine_get, methods=["GET"], include_in_schema=False)
-
-    manage.mount(app, router, dispatch.forward, body, settings)
-    ollama_posts = ollama.mount(app, router)
-    page.mount(app)
-
-    @app.get("/metrics")
-    async def prometheus(request: Request):
-        if request.query_params.get("model"):
-            return await engine_get(request)  # llama-server's own counters (needs --metrics)
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
-
-    return _Guard(app, keys, max_body, dispatch.engine_post, cors, gate, dispatch.take, ollama_posts)
+    return engine_get
 
 
 def _header_dict(scope) -> dict[str, str]:

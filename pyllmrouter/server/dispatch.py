@@ -5,7 +5,7 @@ and the request ended once.
         session: a resumable stream's turn (X-Conversation-Id of a listed model): relayed,
                  its model remembered, a stop withdrawing it (router/services/conversations.py)
         native:  answered by the model's worker on the client's connection itself
-                 (Router.aserve; server/connection.py's Handover), relayed where it cannot be
+                 (Router.arelay with Ask.hand; server/connection.py's Handover), relayed where it cannot be
         relayed: Router.arelay ──(reply, stream)──▶ server/relay.py writes it
     server/connection.py ──a whole POST, nothing to wait for──▶ Dispatch.take: the native path
         without a task (Router.serve_now), or False: the task's (engine_post)
@@ -26,7 +26,7 @@ from fastapi.responses import Response
 
 from pyllmrouter.errors import RouterError, WorkerDied
 from pyllmrouter.router.api import Router
-from pyllmrouter.router.exchange import Ask
+from pyllmrouter.router.exchange import Ask, Hand
 from pyllmrouter.router.workers.conduit import Connection, Served
 from pyllmrouter.server.api_errors import ApiError, error_response, from_router_error
 from pyllmrouter.server.body import departed, engine_body, json_value, model_in, replay
@@ -149,9 +149,9 @@ class Dispatch:
             self._metrics.followed.inc(len(answers) - (1 if first else 0))
             first = False
 
-        served = self._router.serve_now(model, "POST", endpoint, raw, engine_query(query), engine_headers(headers),
-                                        Connection(handover.keep_alive, (), handover.begin, handover.undo),
-                                        follow, count if follow is not None else None)
+        connection = Connection(handover.keep_alive, (), handover.begin, handover.undo)
+        served = self._router.serve_now(Ask(model, "POST", endpoint, raw, engine_query(query), engine_headers(headers),
+                                            hand=Hand(connection, "", follow, count if follow is not None else None)))
         if served is None:
             return False
         lead = time.perf_counter() - t0
@@ -222,10 +222,10 @@ class Dispatch:
                       for k, v in scope.get("extensions", {}).get(CORS_HEADERS, ()))
         connection = Connection(handover.keep_alive, extra, begin, undo)
         try:
-            out = await self._router.aserve(model, "POST", endpoint, raw, engine_query(query),
-                                            engine_headers(headers), connection,
-                                            autoload=autoload_of(query.get("autoload")),
-                                            gone=lambda: departed(receive))
+            out = await self._router.arelay(Ask(model, "POST", endpoint, raw, engine_query(query),
+                                                engine_headers(headers), autoload=autoload_of(query.get("autoload")),
+                                                raise_for_status=False, gone=lambda: departed(receive),
+                                                hand=Hand(connection)))
         except asyncio.CancelledError:
             if began:
                 self._handed_back(model, endpoint, t0, handover, None, None)
