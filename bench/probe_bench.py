@@ -100,8 +100,9 @@ def main() -> None:
         tiny_proj = tinymodels.write_projector(Path(tmp) / "tiny-mmproj.gguf")
         # a CLIP ViT-L/14 at 336 px (LLaVA-1.5's vision tower) projecting into the 7B shape
         vit_l = tinymodels.write_projector(Path(tmp) / "vit-l-mmproj.gguf", n_embd_text=tinymodels.SHAPE_7B.n_embd,
-                                           n_embd=1024, n_layer=24, n_ff=4096, n_head=16, image_size=336,
-                                           patch_size=14, sparse=True)
+                                           vision=tinymodels.VisionShape(n_embd=1024, n_layer=24, n_ff=4096, n_head=16,
+                                                                         image_size=336, patch_size=14),
+                                           sparse=True)
         tiny_draft = tinymodels.write_llama(Path(tmp) / "tiny-draft.gguf", tinymodels.DRAFT, seed=1)
         # a ~0.4B draft with the 7B shape's vocabulary
         draft_7b = tinymodels.write_shape(Path(tmp) / "shape-draft.gguf", tinymodels.Shape(

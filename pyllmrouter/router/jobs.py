@@ -200,27 +200,45 @@ class Jobs:
                 book.workers.unreserve(token)  # (a no-op once the worker runs)
             if not self._still_fits(rec, attempt):
                 return
-            cfg = rec.config
-            spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set, self._inventory.to_local(rec.device_set))
-            ident, keep_dir, restore = None, None, []
-            if book.keep is not None and (ident := identity(cfg.name, spec)) is not None:
-                keep_dir, restore = str(book.keep.dir_for(ident, cfg.name)), book.keep.prepare(ident)
-            alias = rec.primary.name if rec.primary is not None else None  # an extra instance answers as its model
-            pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, keep_dir, tuple(restore),
-                                                          options.stream_interval, alias))
-            deadline = time.monotonic() + options.load_timeout
-            try:
-                while isinstance(reply := pending.get(max(0.0, deadline - time.monotonic())), Progress):
-                    book.bus.publish("load-progress", rec.name, "+".join(sorted(rec.device_set or ())),
-                                     progress=reply.value)
-            except TimeoutError:
-                self._load_timed_out(rec, worker, attempt)
+            answer = self._load_in(worker, rec, attempt)
+            if answer is None:
                 return
-            if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused
-                book.keep.consumed(ident, restore, reply.restored, reply.refused)
+            reply, ident = answer
         except Exception as e:  # noqa: BLE001
-            reply = Failed(0, ErrorKind.WORKER_DIED if isinstance(e, WorkerDied) else ErrorKind.INTERNAL,
-                           f"{type(e).__name__}: {e}")
+            reply, ident = Failed(0, ErrorKind.WORKER_DIED if isinstance(e, WorkerDied) else ErrorKind.INTERNAL,
+                                  f"{type(e).__name__}: {e}"), None
+        self._load_answered(rec, attempt, worker, reply, ident)
+
+    def _load_in(self, worker: WorkerHandle, rec: Record, attempt: int) -> tuple[Loaded | Failed, str | None] | None:
+        """Load ``rec`` in ``worker``, its kept prompt states restored where the store has
+        some: (the worker's answer, the states' identity), or None where the load timed out
+        (handled)."""
+        book, options = self._book, self._options
+        cfg = rec.config
+        spec = rec.load_spec or worker_spec(cfg.spec, rec.device_set, self._inventory.to_local(rec.device_set))
+        ident, keep_dir, restore = None, None, []
+        if book.keep is not None and (ident := identity(cfg.name, spec)) is not None:
+            keep_dir, restore = str(book.keep.dir_for(ident, cfg.name)), book.keep.prepare(ident)
+        alias = rec.primary.name if rec.primary is not None else None  # an extra instance answers as its model
+        pending = worker.call(lambda rid: LoadModel(rid, cfg.name, spec, keep_dir, tuple(restore),
+                                                      options.stream_interval, alias))
+        deadline = time.monotonic() + options.load_timeout
+        try:
+            while isinstance(reply := pending.get(max(0.0, deadline - time.monotonic())), Progress):
+                book.bus.publish("load-progress", rec.name, "+".join(sorted(rec.device_set or ())),
+                                 progress=reply.value)
+        except TimeoutError:
+            self._load_timed_out(rec, worker, attempt)
+            return None
+        if isinstance(reply, Loaded) and restore:  # the states are in the KV now, or refused
+            book.keep.consumed(ident, restore, reply.restored, reply.refused)
+        return reply, ident
+
+    def _load_answered(self, rec: Record, attempt: int, worker: WorkerHandle | None, reply: Loaded | Failed,
+                       ident: str | None) -> None:
+        """Apply a load's answer to ``rec``, while it is still in that attempt: loaded, failed,
+        or (memory short for the first time) planned again on a fresh reading."""
+        book = self._book
         short = _OUT_OF_MEMORY.search(reply.message) is not None if isinstance(reply, Failed) else False
         free = self._inventory.free() if short else {}  # what the devices have now (I/O: before the lock)
         died = isinstance(reply, Failed) and reply.kind is ErrorKind.WORKER_DIED

@@ -200,55 +200,61 @@ class Scheduler:
             if refused is not None:
                 raise QueueFull(rec.name, refused.scope, refused.limit, refused.waiting)
             ticket = book.enqueue(rec, loader, waited, name, slot)
-        deadline = time.monotonic() + timeout
-        reading: tuple[Any, dict[str, int]] | None = None  # (the Book's mark, free memory), since the last wait
         try:
-            while True:
-                with book.locked():
-                    rec = book.follow(ticket)
-                    if book.closed:
-                        raise RouterClosed("router is closed")
-                    if gone is not None and gone.is_set():
-                        raise Withdrawn(rec.name)
-                    if rec.error_epoch > ticket.epoch:
-                        raise LoadFailed(rec.name, rec.reason or "unknown reason")
-                    ready = self._ready_instance(rec, ticket, prefer, slot) if rec.fate is None else None
-                    if ready is not None and slot and book.first_waiting(ticket.rec, slot=True) is not ticket:
-                        ready = None  # one waits for a slot before it: in the order they came
-                    if ready is not None:
-                        return self._take(ready, ticket)
-                    to_load = rec.fate is None and rec.state is State.UNLOADED
-                    if to_load and not autoload:  # it was unloaded while this request waited
-                        raise NotLoaded(rec.name, rec.state.value)
-                    # a later request of a model waiting for its load waits behind the first
-                    # (admission would say so): no reading of free memory, no view of the devices
-                    behind = to_load and book.first_waiting(rec) is not ticket
-                    # a reading taken before bytes settled may not show them allocated: read again
-                    stale = to_load and not behind and (reading is None or reading[0] != book.mark())
-                    if stale and reading is not None and time.monotonic() > deadline:  # bytes settling all along
-                        raise QueueTimeout(rec.name, timeout, ticket.why or "waiting")
-                    if not stale:
-                        why = "waiting" if rec.fate is None else "waiting for its new configuration"
-                        if to_load:
-                            why = admission.BEHIND if behind else self._admit(rec, ticket, reading[1])
-                        # for a free slot of the loaded model: its engine's queue kept here, with no
-                        # limit in time (as the engine's); another instance where it may have one
-                        for_slot = slot and not to_load and rec.fate is None and rec.state is State.LOADED
-                        if for_slot:
-                            why, deadline = "waiting for a free slot", time.monotonic() + timeout
-                            self._roster.grow(rec.primary or rec, arriving=1)
-                        book.note(ticket, why)
-                        remaining = deadline - time.monotonic()
-                        if remaining <= 0:
-                            raise QueueTimeout(rec.name, timeout, why)
-                        book.wait(min(remaining, 0.25))
-                        reading = None
-                if stale:  # I/O, only when admission needs it: never under the lock
-                    reading = self.read_free()
+            return self._wait_for(ticket, timeout, autoload, gone, prefer, slot)
         finally:
             book.dequeue(ticket)
             if ticket.rec.primary is not None:  # an extra instance nobody waits for any more goes
                 self._roster.settle(ticket.rec)
+
+    def _wait_for(self, ticket: Ticket, timeout: float, autoload: bool, gone, prefer: str | None, slot: bool) -> Lease:
+        """``lease``'s wait, its ticket queued: a lease once one may be taken, a load (or an
+        eviction, a drain) admitted meanwhile where the ticket's turn has come."""
+        book = self._book
+        deadline = time.monotonic() + timeout
+        reading: tuple[Any, dict[str, int]] | None = None  # (the Book's mark, free memory), since the last wait
+        while True:
+            with book.locked():
+                rec = book.follow(ticket)
+                if book.closed:
+                    raise RouterClosed("router is closed")
+                if gone is not None and gone.is_set():
+                    raise Withdrawn(rec.name)
+                if rec.error_epoch > ticket.epoch:
+                    raise LoadFailed(rec.name, rec.reason or "unknown reason")
+                ready = self._ready_instance(rec, ticket, prefer, slot) if rec.fate is None else None
+                if ready is not None and slot and book.first_waiting(ticket.rec, slot=True) is not ticket:
+                    ready = None  # one waits for a slot before it: in the order they came
+                if ready is not None:
+                    return self._take(ready, ticket)
+                to_load = rec.fate is None and rec.state is State.UNLOADED
+                if to_load and not autoload:  # it was unloaded while this request waited
+                    raise NotLoaded(rec.name, rec.state.value)
+                # a later request of a model waiting for its load waits behind the first
+                # (admission would say so): no reading of free memory, no view of the devices
+                behind = to_load and book.first_waiting(rec) is not ticket
+                # a reading taken before bytes settled may not show them allocated: read again
+                stale = to_load and not behind and (reading is None or reading[0] != book.mark())
+                if stale and reading is not None and time.monotonic() > deadline:  # bytes settling all along
+                    raise QueueTimeout(rec.name, timeout, ticket.why or "waiting")
+                if not stale:
+                    why = "waiting" if rec.fate is None else "waiting for its new configuration"
+                    if to_load:
+                        why = admission.BEHIND if behind else self._admit(rec, ticket, reading[1])
+                    # for a free slot of the loaded model: its engine's queue kept here, with no
+                    # limit in time (as the engine's); another instance where it may have one
+                    for_slot = slot and not to_load and rec.fate is None and rec.state is State.LOADED
+                    if for_slot:
+                        why, deadline = "waiting for a free slot", time.monotonic() + timeout
+                        self._roster.grow(rec.primary or rec, arriving=1)
+                    book.note(ticket, why)
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise QueueTimeout(rec.name, timeout, why)
+                    book.wait(min(remaining, 0.25))
+                    reading = None
+            if stale:  # I/O, only when admission needs it: never under the lock
+                reading = self.read_free()
 
     def read_free(self) -> tuple[Any, dict[str, int]]:
         """The inventory's free memory and the Book's mark taken just before it (no lock

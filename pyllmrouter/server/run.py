@@ -38,6 +38,15 @@ def _env_bool(name: str, default: bool) -> bool:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """``pyllmrouter serve``'s own options, by subject (in the order ``--help`` lists them)."""
+    _model_arguments(p)
+    _listen_arguments(p)
+    _scheduling_arguments(p)
+    _serving_arguments(p)
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """The models served, the memory kept free for them, the devices they go to."""
     p.add_argument("--models-preset", default=_env("LLAMA_ARG_MODELS_PRESET"), help="llama-server preset INI")
     p.add_argument("--models-dir", default=_env("LLAMA_ARG_MODELS_DIR"), help="directory of GGUF models")
     p.add_argument("--models-max", type=int, default=int(_env("LLAMA_ARG_MODELS_MAX", 0)),
@@ -58,6 +67,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--watch", action=argparse.BooleanOptionalAction, default=False,
                    help="read the preset, the models directory and the cache again when they change "
                         "(GET /models?reload=1 always does)")
+
+
+def _listen_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the server listens, and who may call it."""
     p.add_argument("--host", default=_env("LLAMA_ARG_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(_env("LLAMA_ARG_PORT", 8080)))
     p.add_argument("--api-key", default=_env("LLAMA_API_KEY"), help="required as Bearer token or X-Api-Key")
@@ -65,6 +78,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Host names a request may give beside the local ones (comma-separated): on a loopback "
                         "bind any other is refused (DNS rebinding); on another bind, given, only these and the "
                         "local ones are accepted")
+
+
+def _scheduling_arguments(p: argparse.ArgumentParser) -> None:
+    """How the router schedules (RouterOptions): how long and how many requests wait and in
+    what order, workers' lives (an emulated one's overhead too), prompt states kept across
+    eviction, stream pacing."""
     p.add_argument("--queue-timeout", type=float, default=60.0, help="seconds a request may wait for its model")
     p.add_argument("--max-queue", type=int, default=int(_env("PYLLMROUTER_MAX_QUEUE", 0)), metavar="N",
                    help="most requests that may wait at once, all models together (for a load, or past a model's "
@@ -92,6 +111,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval-ms", type=float, default=1.0, metavar="MS",
                    help="a worker sends a model's stream chunks at most once per MS: tokens that come faster "
                         "leave together (0: each as it comes)")
+
+
+def _serving_arguments(p: argparse.ArgumentParser) -> None:
+    """How responses reach the client (a worker writing them itself, following its
+    connection) and the HTTP server's own: its log, request bodies, shutdown."""
     p.add_argument("--native", action=argparse.BooleanOptionalAction, default=True,
                    help="a worker writes a model's response to the client's connection itself (default); "
                         "--no-native relays every response through the router process")
@@ -215,10 +239,11 @@ def _settings_and_router(a: argparse.Namespace) -> tuple[dict[str, Any], Router]
     return cfg, router
 
 
-def serve(a: argparse.Namespace) -> int:
+def _uvicorn_server(config, router: Router, services: Services | None):
+    """uvicorn's server for ``config``, ending as llama-server ends: on SIGTERM/SIGINT the
+    connections workers follow are given back, tool calls end at once, requests in
+    flight drain, and the process exits 0."""
     import uvicorn  # noqa: PLC0415
-
-    from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, create_app  # noqa: PLC0415
 
     class Server(uvicorn.Server):
         """SIGTERM/SIGINT: drain, shut down, exit 0 (uvicorn would re-raise the signal).
@@ -259,15 +284,30 @@ def serve(a: argparse.Namespace) -> int:
                 for s, handler in previous.items():
                     signal.signal(s, handler)
 
+    return Server(config)
+
+
+def _started_services(a: argparse.Namespace, cfg: dict[str, Any], router: Router) -> Services | None:
+    """The tool services (MCP servers) the settings ask for, started: as llama-server, before
+    it serves (None: none asked for).  One that cannot start ends the command."""
+    if not wanted(cfg):
+        return None
+    services = Services(tuple(a.llama_args), router.scheduler.inventory.mask_env(frozenset()))
+    try:
+        services.start()
+    except (RuntimeError, WorkerDied) as e:
+        router.close()
+        raise SystemExit(f"pyllmrouter serve: {e}") from None
+    return services
+
+
+def serve(a: argparse.Namespace) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, create_app  # noqa: PLC0415
+
     cfg, router = _settings_and_router(a)
-    services = None
-    if wanted(cfg):  # as llama-server: its MCP servers start before it serves
-        services = Services(tuple(a.llama_args), router.scheduler.inventory.mask_env(frozenset()))
-        try:
-            services.start()
-        except (RuntimeError, WorkerDied) as e:
-            router.close()
-            raise SystemExit(f"pyllmrouter serve: {e}") from None
+    services = _started_services(a, cfg, router)
     app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services,
                      allowed_hosts=allowed_hosts(a.host, a.allowed_hosts), native=a.native,
                      follow_ms=max(0, a.follow_ms))
@@ -284,7 +324,7 @@ def serve(a: argparse.Namespace) -> int:
             services.close()
         raise SystemExit(f"pyllmrouter serve: cannot listen on {a.host} port {a.port}: {e}") from None
     try:
-        Server(config).run(sockets=sockets)
+        _uvicorn_server(config, router, services).run(sockets=sockets)
     finally:
         if services is not None:
             services.close()

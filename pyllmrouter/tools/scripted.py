@@ -83,6 +83,7 @@ STORY_SCRIPT = [" Once", " upon", " a", " time,", " the", " router", " knew", " 
 
 _CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 _MARKERS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
+_N_HEAD, _N_FF = 4, 64  # the one layer's heads and feed-forward width
 
 
 def _byte_alphabet() -> list[str]:
@@ -106,49 +107,72 @@ def write_scripted(path: os.PathLike | str, template: str, script: list[str], lo
     import gguf
 
     path = Path(path)
-    alphabet = _byte_alphabet()
-    tokens = alphabet + ["Ġt"] + _CONTROL + _MARKERS
+    tokens, types = _vocabulary(script)
+    ids = {t: i for i, t in enumerate(tokens)}
+    successor = _successors(ids, script, loop)
+    n_embd = -(-len(tokens) // 64) * 64  # one dimension per token, whole heads
+    writer = gguf.GGUFWriter(path, "llama")
+    _add_header(writer, tokens, types, ids, template, n_embd)
+    _add_tensors(writer, successor, ids["<|im_end|>"], len(tokens), n_embd)
+    return finish(writer, path)
+
+
+def _vocabulary(script: list[str]) -> tuple[list[str], list]:
+    """The tokens (GPT-2's byte alphabet, "Ġt", ChatML's control tokens, the markers, then
+    the script's pieces not among them) and their token types."""
+    import gguf
+
+    tokens = _byte_alphabet() + ["Ġt"] + _CONTROL + _MARKERS
     types = [gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * len(_CONTROL) + \
         [gguf.TokenType.USER_DEFINED] * len(_MARKERS)
     for piece in script:
         if piece not in tokens:
             tokens.append(piece)
             types.append(gguf.TokenType.USER_DEFINED)
-    ids = {t: i for i, t in enumerate(tokens)}
-    im_end = ids["<|im_end|>"]
-    start = ids[alphabet[ord("\n")]]  # the generation prompt's last token
-    chain = [start] + [ids[p] for p in script] + [im_end]
+    return tokens, types
+
+
+def _successors(ids: dict[str, int], script: list[str], loop: bool) -> dict[int, int]:
+    """Each token of the chain (the generation prompt's last token, the script's pieces,
+    ``<|im_end|>``) to the next; with ``loop``, the last piece to the first."""
+    start = ids[_byte_alphabet()[ord("\n")]]  # the generation prompt's last token
+    chain = [start] + [ids[p] for p in script] + [ids["<|im_end|>"]]
     if len(set(chain)) != len(chain):
         raise ValueError("every piece of a script must be a distinct token (and not a newline alone)")
     successor = {a: b for a, b in zip(chain, chain[1:])}
     if loop:
         successor[chain[-2]] = chain[1]  # the last piece is followed by the first
+    return successor
 
-    n_vocab = len(tokens)
-    n_embd = -(-n_vocab // 64) * 64  # one dimension per token, whole heads
-    n_head, n_ff = 4, 64
-    writer = gguf.GGUFWriter(path, "llama")
+
+def _add_header(writer, tokens: list[str], types: list, ids: dict[str, int], template: str, n_embd: int) -> None:
+    """A one-layer llama's hyper-parameters, the byte-level BPE vocabulary and the chat template."""
     writer.add_name("scripted-chat")
     writer.add_context_length(4096)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(1)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head)
-    writer.add_rope_dimension_count(n_embd // n_head)
+    writer.add_feed_forward_length(_N_FF)
+    writer.add_head_count(_N_HEAD)
+    writer.add_head_count_kv(_N_HEAD)
+    writer.add_rope_dimension_count(n_embd // _N_HEAD)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(n_vocab)
+    writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types([int(t) for t in types])
     writer.add_token_merges(["Ġ t"])
     writer.add_bos_token_id(ids["<|endoftext|>"])
-    writer.add_eos_token_id(im_end)
+    writer.add_eos_token_id(ids["<|im_end|>"])
     writer.add_pad_token_id(ids["<|endoftext|>"])
     writer.add_add_bos_token(False)
     writer.add_chat_template(template)
 
+
+def _add_tensors(writer, successor: dict[int, int], im_end: int, n_vocab: int, n_embd: int) -> None:
+    """One-hot token embeddings, an output matrix that maps each token to its successor
+    (``<|im_end|>`` where it has none), and a layer that adds nothing (zero attention and
+    FFN outputs; its other weights small, random and seeded)."""
     embd = np.zeros((n_vocab, n_embd), dtype=np.float32)  # numpy order: ggml's ne reversed
     embd[np.arange(n_vocab), np.arange(n_vocab)] = 1.0
     out = np.zeros((n_vocab, n_embd), dtype=np.float32)
@@ -167,7 +191,6 @@ def write_scripted(path: os.PathLike | str, template: str, script: list[str], lo
         writer.add_tensor(f"blk.0.{name}.weight", small(n_embd, n_embd))
     writer.add_tensor("blk.0.attn_output.weight", np.zeros((n_embd, n_embd), dtype=np.float16))
     writer.add_tensor("blk.0.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-    writer.add_tensor("blk.0.ffn_gate.weight", small(n_ff, n_embd))
-    writer.add_tensor("blk.0.ffn_up.weight", small(n_ff, n_embd))
-    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((n_embd, n_ff), dtype=np.float16))
-    return finish(writer, path)
+    writer.add_tensor("blk.0.ffn_gate.weight", small(_N_FF, n_embd))
+    writer.add_tensor("blk.0.ffn_up.weight", small(_N_FF, n_embd))
+    writer.add_tensor("blk.0.ffn_down.weight", np.zeros((n_embd, _N_FF), dtype=np.float16))

@@ -27,6 +27,7 @@ import numpy as np
 
 __all__ = [
     "Shape",
+    "VisionShape",
     "LLAMA",
     "DRAFT",
     "MOE",
@@ -70,6 +71,22 @@ class Shape:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+
+@dataclass(frozen=True)
+class VisionShape:
+    """Hyper-parameters of a generated projector's vision tower (a CLIP ViT), tiny by default."""
+
+    n_embd: int = 32
+    n_layer: int = 2
+    image_size: int = 32
+    patch_size: int = 8
+    n_ff: int | None = None  # None: twice n_embd
+    n_head: int = 4
+
+    @property
+    def ff(self) -> int:
+        return self.n_ff or 2 * self.n_embd
 
 
 LLAMA = Shape("llama", n_embd=128, n_layer=2, n_head=4, n_head_kv=2, n_ff=256)
@@ -396,38 +413,37 @@ class _Holes:
 
 
 def write_projector(path: os.PathLike | str, n_embd_text: int = LLAMA.n_embd, seed: int = 0,
-                    n_embd: int = 32, n_layer: int = 2, image_size: int = 32, patch_size: int = 8,
-                    n_ff: int | None = None, n_head: int = 4, sparse: bool = False) -> Path:
-    """A LLaVA-style multimodal projector (mmproj): a CLIP ViT (tiny by default) and the
+                    vision: VisionShape = VisionShape(), sparse: bool = False) -> Path:
+    """A LLaVA-style multimodal projector (mmproj): a CLIP ViT of ``vision``'s shape and the
     two-layer MLP ("mlp" projector) into a text model of width ``n_embd_text``, as mtmd
     reads it.  ``sparse``: header and tensor table only, over a hole (probe, not run)."""
     import gguf
 
     path = Path(path)
     writer = gguf.GGUFWriter(path, "clip")
-    ff = n_ff or 2 * n_embd
+    ff = vision.ff
     writer.add_name("tiny-projector")
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_string("clip.projector_type", "mlp")
     writer.add_bool("clip.use_gelu", True)
-    writer.add_uint32("clip.vision.image_size", image_size)
-    writer.add_uint32("clip.vision.patch_size", patch_size)
-    writer.add_uint32("clip.vision.embedding_length", n_embd)
+    writer.add_uint32("clip.vision.image_size", vision.image_size)
+    writer.add_uint32("clip.vision.patch_size", vision.patch_size)
+    writer.add_uint32("clip.vision.embedding_length", vision.n_embd)
     writer.add_uint32("clip.vision.feed_forward_length", ff)
-    writer.add_uint32("clip.vision.block_count", n_layer)
+    writer.add_uint32("clip.vision.block_count", vision.n_layer)
     writer.add_uint32("clip.vision.projection_dim", n_embd_text)
-    writer.add_uint32("clip.vision.attention.head_count", n_head)
+    writer.add_uint32("clip.vision.attention.head_count", vision.n_head)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
     writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
     w = _Holes(writer) if sparse else _Weights(writer, seed)
-    e, n_pos = n_embd, (image_size // patch_size) ** 2 + 1
-    w.mat("v.patch_embd.weight", patch_size, patch_size, 3, e)
+    e, n_pos = vision.n_embd, (vision.image_size // vision.patch_size) ** 2 + 1
+    w.mat("v.patch_embd.weight", vision.patch_size, vision.patch_size, 3, e)
     w.vec("v.class_embd", e)
     w.mat("v.position_embd.weight", e, n_pos, f32=True)
     w.vec("v.pre_ln.weight", e, 1.0)
     w.vec("v.pre_ln.bias", e, 0.0)
-    for i in range(n_layer):
+    for i in range(vision.n_layer):
         b = f"v.blk.{i}."
         for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
             w.mat(b + t + ".weight", e, e)

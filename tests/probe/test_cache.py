@@ -75,7 +75,7 @@ def test_unwritable_cache_still_probes(tiny, monkeypatch, tmp_path):
 def test_a_file_loaded_beside_the_model_is_part_of_the_key(tiny, tmp_path, kind):
     # the same path, rewritten with a bigger component: probed again, not the old entry
     write = {
-        "mmproj": lambda p, i: tinymodels.write_projector(p, n_embd=32 * i),
+        "mmproj": lambda p, i: tinymodels.write_projector(p, vision=tinymodels.VisionShape(n_embd=32 * i)),
         "draft": lambda p, i: tinymodels.write_llama(p, dataclasses.replace(tinymodels.DRAFT, n_embd=64 * i), seed=1),
         "lora": lambda p, i: tinymodels.write_lora(p, rank=8 * i),
     }[kind]
