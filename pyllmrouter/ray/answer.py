@@ -1,9 +1,12 @@
 """A node's reply, read by the ingress: its items within their deadlines, then the
-client's response (whole, or an event stream), and the words for a node's failure.
+client's response (whole, or an event stream), the answer once every node has refused
+a request, and the words for a node's failure.
 
     replies ──▶ next_item: Beats skipped; none within SILENT seconds: Silent
             ──▶ relay(head, rest): the body whole (a node lost before its end: 502), or
                 chunk by chunk as an event stream (a node lost or silent: an error event)
+    refusals ─▶ NodeRefusals: each node's; once all have refused, 507 with each node's
+                figures, 503 where a node held out may take it, else the last 429 or 503
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from typing import Any, AsyncIterator
 
 from ray.exceptions import RayError
 from ray.serve.exceptions import RayServeException
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pyllmrouter.ray import cluster, failover
 from pyllmrouter.ray.messages import BEAT, Beat, Head
 from pyllmrouter.server.api_errors import ApiError
 
-__all__ = ["SILENT", "Silent", "next_item", "chunks_of", "relay", "fate", "lost_message", "node_named"]
+__all__ = ["SILENT", "Silent", "next_item", "chunks_of", "relay", "NodeRefusals", "fate", "lost_message",
+           "node_named"]
 
 SILENT = 5 * BEAT  # seconds without any item (a Beat comes every BEAT seconds) that mean the node is silent
 
@@ -113,3 +118,42 @@ async def relay(head: Head, replies, model: str | None, retried: str | None = No
             replies.cancel()
 
     return StreamingResponse(chunks(), status_code=head.status, headers=headers)
+
+
+class NodeRefusals:
+    """The nodes that refused one request before anything ran: each 507's figures, and the
+    last 429 or 503 as its node gave it."""
+
+    def __init__(self, model: str | None):
+        self.model = model
+        self.figures: dict[str, Any] = {}  # node -> its 507's figures (None: it said 429 or 503)
+        self.last: tuple[Head, bytes] | None = None  # the last 429 or 503
+
+    def nodes(self) -> set[str]:
+        return set(self.figures)
+
+    async def add(self, head: Head, rest: Any) -> bool:
+        """A refusal (its Head, and its body or the stream of it) recorded; True where its
+        node had refused the request already."""
+        try:
+            data = rest if isinstance(rest, bytes) else b"".join([c async for c in chunks_of(rest)])
+        except (RayError, RayServeException, Silent):  # the node lost while it said why it refused: it stands
+            data = b""
+        repeated = head.node in self.figures
+        if head.status == 507:
+            self.figures[head.node] = json.loads(data or b"{}")
+        else:
+            self.figures[head.node], self.last = None, (head, data)
+        return repeated
+
+    async def answer(self, held: set[str], retried: str | None) -> Response:
+        """The request's answer once every node has refused it (``held``: the nodes held out
+        after a failure that did not refuse it)."""
+        if self.last is None and held:  # a node held out may hold it: not a permanent 507
+            raise ApiError(503, f"model '{self.model}' fits on no node that answers now; node(s) "
+                                f"{', '.join(sorted(held))}, held out after a failure for up to "
+                                f"{failover.HOLD:g} s, may", "server_error", "nodes_held",
+                           headers={"Retry-After": str(int(failover.HOLD))})
+        if self.last is None:
+            return JSONResponse(cluster.no_node_fits(self.model, self.figures), status_code=507)
+        return await relay(*self.last, self.model, retried)

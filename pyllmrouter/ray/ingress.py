@@ -44,7 +44,7 @@ from starlette.responses import JSONResponse, Response
 from pyllmrouter.ray import cluster, failover, ranking
 from pyllmrouter.ray.ledger import Ledger
 from pyllmrouter.ray.messages import Accepted, Beat, Head, NodeRequest, Started
-from pyllmrouter.ray.answer import Silent, chunks_of, fate, lost_message, next_item, node_named, relay
+from pyllmrouter.ray.answer import NodeRefusals, Silent, chunks_of, fate, lost_message, next_item, node_named, relay
 from pyllmrouter import endpoints
 from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, guard_error
 from pyllmrouter.server.body import json_object, model_named
@@ -270,8 +270,7 @@ class Ingress:
         node had claimed its ticket (ray/ledger.py: the abandon that says so also forbids
         a later claim).  A request that does not ask for a stream takes its reply in one
         piece (Started, then one message, not one per chunk)."""
-        refusals: dict[str, Any] = {}
-        refused: tuple[Head, bytes] | None = None  # the last 429 or 503
+        refusals = NodeRefusals(model)
         arrived = time.monotonic()
         retried: str | None = None  # the lost nodes, once the request was sent on
         misdirected = 0  # 421s from a replica of another node
@@ -279,61 +278,14 @@ class Ingress:
         ticketed = repeats and model is not None and plain.node is None and plain.method == "POST" \
             and endpoints.takes_slot(plain.path)
         while True:
-            ticket = None
-            if ticketed:
-                self._issued = ticket = self._issued + 1
-                self._in_flight[ticket] = None
-            plain = replace(plain, exclude=plain.exclude | self._lost.now(), whole=not stream, ticket=ticket,
+            plain = replace(plain, exclude=plain.exclude | self._lost.now(), whole=not stream,
+                            ticket=self._issue() if ticketed else None,
                             ledger=self._ledger if ticketed else None)  # its ledger for good
-            replies = self.nodes.options(stream=True).handle.remote(plain)
-            began, at = False, None  # Started seen (or the ledger says claimed); the node that took it
-            headed = False
-            try:
-                first = await next_item(replies, ACCEPT_TIMEOUT)
-                if isinstance(first, Accepted):
-                    at = first.node
-                    self._actors[first.actor] = first.node
-                    first = await next_item(replies)
-                while isinstance(first, Started):
-                    began = True
-                    first = await next_item(replies)
-                headed = True
-            except asyncio.CancelledError:  # the client left: the node stops the request
-                replies.cancel()
-                raise
-            except Silent:  # no replica took it in time, or the one that did stopped answering
-                replies.cancel()
-                began = began or await self._given_up(plain)
-                retried = self._after_silence(plain, model, began, retried, repeats, at)
-                plain = replace(plain, waited=time.monotonic() - arrived)
+            reply = await self._attempt(plain, model, retried, repeats)
+            if isinstance(reply, str):  # lost or silent before it began: sent on
+                retried, plain = reply, replace(plain, waited=time.monotonic() - arrived)
                 continue
-            except StopAsyncIteration:  # the node's reply ended before it began
-                raise ApiError(502, f"the node serving '{model or plain.path}' ended its reply before it began",
-                               "server_error", "node_died") from None
-            except (RayError, RayServeException) as e:
-                replies.cancel()  # a node only unreachable for a while stops it too
-                began = began or await self._given_up(plain)
-                kind = failover.kind_of(e)
-                if kind == failover.UNSURE:  # unreachable: lost if its node does not answer a ping
-                    kind = await self._confirmed(e, at)
-                if kind == failover.APP:  # the node's app failed the request: no node was lost
-                    cause = getattr(e, "cause", None) or e
-                    raise ApiError(500, f"the node serving '{model or plain.path}' failed the request: "
-                                        f"{type(cause).__name__}: {cause}", "server_error") from None
-                if kind == failover.TRANSIENT:  # not a loss: the node stays in, the client tries again
-                    raise ApiError(503, f"{node_named(at)} serving '{model or plain.path}' is unavailable for "
-                                        f"now ({type(e).__name__}): {fate(began, repeats, at)}", "server_error",
-                                   "node_unavailable", headers={"Retry-After": "5"}) from None
-                retried = await self._sent_on(plain, model, e, began, retried, repeats, at)
-                plain = replace(plain, waited=time.monotonic() - arrived)
-                continue
-            finally:
-                if ticket is not None:  # nothing asks about its claim any more; one never made is refused
-                    self._in_flight.pop(ticket, None)
-                    if not headed:
-                        plain.ledger.abandon.remote(ticket, self._low())
-                    plain.ledger.settle.remote(ticket, self._low())
-            head, rest = first if isinstance(first, tuple) else (first, replies)
+            head, rest, began = reply
             self._actors[head.actor] = head.node
             if head.status == 421 and plain.node is not None:
                 if misdirected < 2:
@@ -347,27 +299,78 @@ class Ingress:
             if head.status not in (RETRIED if repeats else NOTHING_RAN) or model is None or began \
                     or plain.node is not None:
                 return await relay(head, rest, model, retried, self._lost_under_stream)
-            try:
-                data = rest if isinstance(rest, bytes) else b"".join([c async for c in chunks_of(rest)])
-            except (RayError, RayServeException, Silent):  # the node lost while it said why it refused: it stands
-                data = b""
-            repeated = head.node in refusals  # the request router had no other node left
-            if head.status == 507:
-                refusals[head.node] = json.loads(data or b"{}")
-            else:
-                refusals[head.node], refused = None, (head, data)
+            repeated = await refusals.add(head, rest)  # the request router had no other node left
             alive = set(await asyncio.to_thread(node_ids))  # (Ray's GCS asked: not in the event loop)
-            if repeated or alive - self._lost.now() <= set(refusals):
-                held = alive & self._lost.now() - set(refusals)
-                if refused is None and held:  # a node held out may hold it: not a permanent 507
-                    raise ApiError(503, f"model '{model}' fits on no node that answers now; node(s) "
-                                        f"{', '.join(sorted(held))}, held out after a failure for up to "
-                                        f"{failover.HOLD:g} s, may", "server_error", "nodes_held",
-                                   headers={"Retry-After": str(int(failover.HOLD))})
-                if refused is None:
-                    return JSONResponse(cluster.no_node_fits(model, refusals), status_code=507)
-                return await relay(*refused, model, retried)
+            if repeated or alive - self._lost.now() <= refusals.nodes():
+                return await refusals.answer(alive & self._lost.now() - refusals.nodes(), retried)
             plain = replace(plain, exclude=plain.exclude | {head.node}, waited=time.monotonic() - arrived)
+
+    def _issue(self) -> int:
+        """The next attempt's ticket (ledger.py), in flight from now."""
+        self._issued += 1
+        self._in_flight[self._issued] = None
+        return self._issued
+
+    async def _attempt(self, plain: NodeRequest, model: str | None, retried: str | None,
+                       repeats: bool) -> tuple[Head, Any, bool] | str:
+        """One attempt of ``plain``, read up to its Head: the Head, the rest of the reply
+        (its body whole, or the stream of its chunks) and whether it began (Started seen,
+        or the ledger says claimed); or, where it is to be sent on (its node lost or silent
+        before it began), the nodes lost under it for its header.  Its ticket, if any, is
+        settled whatever comes."""
+        replies = self.nodes.options(stream=True).handle.remote(plain)
+        began, at = False, None  # Started seen (or the ledger says claimed); the node that took it
+        headed = False
+        try:
+            first = await next_item(replies, ACCEPT_TIMEOUT)
+            if isinstance(first, Accepted):
+                at = first.node
+                self._actors[first.actor] = first.node
+                first = await next_item(replies)
+            while isinstance(first, Started):
+                began = True
+                first = await next_item(replies)
+            headed = True
+        except asyncio.CancelledError:  # the client left: the node stops the request
+            replies.cancel()
+            raise
+        except Silent:  # no replica took it in time, or the one that did stopped answering
+            replies.cancel()
+            began = began or await self._given_up(plain)
+            return self._after_silence(plain, model, began, retried, repeats, at)
+        except StopAsyncIteration:  # the node's reply ended before it began
+            raise ApiError(502, f"the node serving '{model or plain.path}' ended its reply before it began",
+                           "server_error", "node_died") from None
+        except (RayError, RayServeException) as e:
+            replies.cancel()  # a node only unreachable for a while stops it too
+            began = began or await self._given_up(plain)
+            return await self._after_failure(plain, model, e, began, retried, repeats, at)
+        finally:
+            if plain.ticket is not None:  # nothing asks about its claim any more; one never made is refused
+                self._in_flight.pop(plain.ticket, None)
+                if not headed:
+                    plain.ledger.abandon.remote(plain.ticket, self._low())
+                plain.ledger.settle.remote(plain.ticket, self._low())
+        head, rest = first if isinstance(first, tuple) else (first, replies)
+        return head, rest, began
+
+    async def _after_failure(self, plain: NodeRequest, model: str | None, e: BaseException, began: bool,
+                             retried: str | None, repeats: bool, at: str | None) -> str:
+        """A call that failed (``e``) before its Head: 500 where the node's app failed it,
+        503 where its node is only unreachable for now (it stays in), else its node is lost
+        and the request's fate is ``_sent_on``'s."""
+        kind = failover.kind_of(e)
+        if kind == failover.UNSURE:  # unreachable: lost if its node does not answer a ping
+            kind = await self._confirmed(e, at)
+        if kind == failover.APP:  # the node's app failed the request: no node was lost
+            cause = getattr(e, "cause", None) or e
+            raise ApiError(500, f"the node serving '{model or plain.path}' failed the request: "
+                                f"{type(cause).__name__}: {cause}", "server_error") from None
+        if kind == failover.TRANSIENT:  # not a loss: the node stays in, the client tries again
+            raise ApiError(503, f"{node_named(at)} serving '{model or plain.path}' is unavailable for "
+                                f"now ({type(e).__name__}): {fate(began, repeats, at)}", "server_error",
+                           "node_unavailable", headers={"Retry-After": "5"}) from None
+        return await self._sent_on(plain, model, e, began, retried, repeats, at)
 
     async def _confirmed(self, e: BaseException, at: str | None) -> str:
         """LOST where the node of a call that found its replica unreachable (``at``, or the

@@ -106,69 +106,17 @@ class NodeRouter:
             return
         yield Accepted(self.node, self.actor)
         await self._start()
-        scope = {
-            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
-            "scheme": "http", "path": request.path, "raw_path": request.path.encode(), "root_path": "",
-            "query_string": urlencode(request.query).encode(),
-            "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers],
-            "client": ("ray", 0), "server": ("pyllmrouter", 0),
-        }
-        messages: asyncio.Queue = asyncio.Queue()
-        rid = next((v for k, v in request.headers if k.lower() == "x-request-id"), None)
-
-        def ran(what: str) -> None:  # the run log's line, written at once (one write: whole, appended)
-            if self._run_log is not None and rid:
-                os.write(self._run_log, f"{rid}\t{what}\t{self.node}\n".encode())
-
-        async def running() -> bool:  # a slot held: may it run here? (the ledger says; ray/ledger.py)
-            try:
-                claimed = await asyncio.wait_for(request.ledger.claim.remote(request.ticket), CLAIM_TIMEOUT)
-            except (asyncio.TimeoutError, ray.exceptions.RayError):
-                return False  # unknown: it does not run here (Unclaimed, 503: the ingress may send it on)
-            if claimed:
-                ran("started")
-                messages.put_nowait(Started(self.node))
-            return bool(claimed)
-
-        async def slotted() -> bool:  # a slot held by one that takes a slot, with no ticket: it runs
-            ran("started")
-            messages.put_nowait(Started(self.node))
-            return True
-
-        # a model's inference POST waits for a free slot here, in arrival order with the others (not
-        # in the engine's queue): one with a ticket claims it first; one without (a conversation's,
-        # one for a named node) is never sent on
-        takes = request.method == "POST" and endpoints.repeatable("POST", request.path, {}) \
-            and endpoints.takes_slot(request.path)
-        wait = running if request.ticket is not None else slotted if takes else None
-        scope["extensions"] = {FORWARDED: Forwarded(request.waited, wait)}
-        left = asyncio.Event()
-        body_given = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal body_given
-            if not body_given:
-                body_given = True
-                return {"type": "http.request", "body": request.body, "more_body": False}
-            await left.wait()
-            return {"type": "http.disconnect"}
-
-        async def run() -> None:
-            try:
-                await self.app(scope, receive, messages.put)
-            finally:
-                messages.put_nowait(None)
-
-        task = asyncio.get_running_loop().create_task(run())
+        call = _AppCall(request, self.node, self._run_log)
+        task = asyncio.get_running_loop().create_task(call.run(self.app))
         head, body = None, []
         try:
-            while (message := await _next(messages)) is not None:
+            while (message := await _next(call.messages)) is not None:
                 if isinstance(message, (Started, Beat)):
                     yield message
                 elif message["type"] == "http.response.start":
                     headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in message["headers"])
                     head = Head(message["status"], headers, self.node, self.actor)
-                    ran(f"answered {head.status}")
+                    call.ran(f"answered {head.status}")
                     if not request.whole:
                         yield head
                 elif message.get("body"):
@@ -182,12 +130,82 @@ class NodeRouter:
                     raise RuntimeError(f"node {self.node}'s app sent no reply")
                 yield head, b"".join(body)
         finally:
-            left.set()
+            call.left.set()
 
     def __del__(self) -> None:
         router = getattr(self, "router", None)
         if router is not None:
             router.close()
+
+
+class _AppCall:
+    """One NodeRequest as this node's app runs it (``NodeRouter.handle`` reads what it
+    sends): its ASGI scope, its receive (the body, then a disconnect once ``left`` is set:
+    the reply done, or the call cancelled), its messages queued, a Started among them where
+    it takes a slot of its model, and its lines in the run log (``run_log``: the file's
+    descriptor, or None)."""
+
+    def __init__(self, request: NodeRequest, node: str, run_log: int | None):
+        self.request, self.node, self.run_log = request, node, run_log
+        self.rid = next((v for k, v in request.headers if k.lower() == "x-request-id"), None)
+        self.messages: asyncio.Queue = asyncio.Queue()  # the app's ASGI messages, then None at its end
+        self.left = asyncio.Event()
+        self._body_given = False
+        self.scope = self._scope()
+
+    def ran(self, what: str) -> None:
+        """The run log's line, written at once (one write: whole, appended)."""
+        if self.run_log is not None and self.rid:
+            os.write(self.run_log, f"{self.rid}\t{what}\t{self.node}\n".encode())
+
+    async def _running(self) -> bool:
+        """A slot held: may it run here? (the ledger says; ray/ledger.py)"""
+        request = self.request
+        try:
+            claimed = await asyncio.wait_for(request.ledger.claim.remote(request.ticket), CLAIM_TIMEOUT)
+        except (asyncio.TimeoutError, ray.exceptions.RayError):
+            return False  # unknown: it does not run here (Unclaimed, 503: the ingress may send it on)
+        if claimed:
+            self.ran("started")
+            self.messages.put_nowait(Started(self.node))
+        return bool(claimed)
+
+    async def _slotted(self) -> bool:
+        """A slot held by one that takes a slot, with no ticket: it runs."""
+        self.ran("started")
+        self.messages.put_nowait(Started(self.node))
+        return True
+
+    def _scope(self) -> dict[str, Any]:
+        request = self.request
+        # a model's inference POST waits for a free slot here, in arrival order with the others (not
+        # in the engine's queue): one with a ticket claims it first; one without (a conversation's,
+        # one for a named node) is never sent on
+        takes = request.method == "POST" and endpoints.repeatable("POST", request.path, {}) \
+            and endpoints.takes_slot(request.path)
+        wait = self._running if request.ticket is not None else self._slotted if takes else None
+        return {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
+            "scheme": "http", "path": request.path, "raw_path": request.path.encode(), "root_path": "",
+            "query_string": urlencode(request.query).encode(),
+            "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in request.headers],
+            "client": ("ray", 0), "server": ("pyllmrouter", 0),
+            "extensions": {FORWARDED: Forwarded(request.waited, wait)},
+        }
+
+    async def _receive(self) -> dict[str, Any]:
+        if not self._body_given:
+            self._body_given = True
+            return {"type": "http.request", "body": self.request.body, "more_body": False}
+        await self.left.wait()
+        return {"type": "http.disconnect"}
+
+    async def run(self, app) -> None:
+        """The request through ``app``; its messages end with None."""
+        try:
+            await app(self.scope, self._receive, self.messages.put)
+        finally:
+            self.messages.put_nowait(None)
 
 
 async def _next(messages: asyncio.Queue) -> Any:

@@ -91,107 +91,137 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
     """The management routes on ``app``; ``forward(request, model, raw, query=...)`` sends a
     request to a model's engine, ``body(request)`` reads a JSON object; ``settings``: what
     llama.cpp's parser made of the router's llama-server arguments."""
-    created = int(time.time())
-    build: list[str] = []
+    management = _Management(router, forward, body, settings)
+    streams = _ResumableStreams(router, forward, body)
+    for method, path, endpoint in (
+            ("GET", "/models", management.models),
+            ("POST", "/models", management.pull),
+            ("DELETE", "/models", management.delete),
+            ("POST", "/models/load", management.load),
+            ("POST", "/models/unload", management.unload),
+            ("GET", "/models/sse", management.models_sse),
+            ("GET", "/props", management.props),
+            ("GET", "/devices", management.devices),
+            ("GET", "/events", management.events),
+            ("GET", "/v1/stream", streams.stream_get),
+            ("POST", "/v1/streams/lookup", streams.streams_lookup),
+            ("DELETE", "/v1/stream", streams.stream_delete)):
+        app.add_api_route(path, endpoint, methods=[method])
 
-    async def call(fn, *args, **kw):
-        try:
-            return await asyncio.to_thread(fn, *args, **kw)
-        except RouterError as e:
-            raise from_router_error(e) from None
 
-    async def model_arg(request: Request) -> str:
-        name = (await body(request)).get("model")
+async def _call(fn, *args, **kw):
+    """``fn(*args, **kw)`` off the event loop; a RouterError it raises is its HTTP error."""
+    try:
+        return await asyncio.to_thread(fn, *args, **kw)
+    except RouterError as e:
+        raise from_router_error(e) from None
+
+
+class _Management:
+    """The model-management routes, one method each: the live model list, pulls into and
+    removals from llama.cpp's cache, loads and unloads, state changes, the router's
+    properties, its devices and its recent events.  A route's method (here and in
+    _ResumableStreams) has no docstring and no return annotation: FastAPI would publish
+    the one in its OpenAPI schema and take the other for a response model."""
+
+    def __init__(self, router: Router, forward: Callable[..., Awaitable[Response]],
+                 body: Callable[[Request], Awaitable[dict]], settings: dict[str, Any] | None) -> None:
+        self.router, self.forward, self.body, self.settings = router, forward, body, settings
+        self.created = int(time.time())  # every listed model's "created"
+        self._build: str | None = None  # llama.cpp's build, asked at the first GET /props
+
+    async def _model_arg(self, request: Request) -> str:
+        name = (await self.body(request)).get("model")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "'model' is required", param="model")
         return name
 
-    @app.get("/models")
-    async def models(request: Request):
-        if request.query_params.get("reload"):
-            try:
-                await call(router.reload)
-            except ValueError as e:  # a bad preset: nothing changed
-                raise ApiError(400, f"the model list was not read again: {e}", code="bad_preset") from None
-        st = router.status()
-        configs = {c.name: c for c in router.models()}
-        data = [_model_entry(n, m, configs[n], created, _instances(n, st["models"])) for n, m in st["models"].items()
-                if n in configs and not configs[n].hidden]  # hidden: a preset deduplicates it
-        data += [_download_entry(n, d, created) for n, d in st["downloads"].items() if n not in configs]
-        return {"object": "list", "data": data, "devices": st["devices"]}
-
-    async def in_cache(fn, name: str) -> dict:
+    async def _in_cache(self, fn, name: str) -> dict:
         """A pull into (or a removal from) llama.cpp's cache; a name it cannot take is a 400."""
         try:
-            await call(fn, name)
+            await _call(fn, name)
         except ValueError as e:
             raise ApiError(400, str(e), param="model") from None
         return {"success": True}
 
-    @app.post("/models")
-    async def pull(request: Request):
-        return await in_cache(router.pull, await model_arg(request))
+    async def models(self, request: Request):
+        router = self.router
+        if request.query_params.get("reload"):
+            try:
+                await _call(router.reload)
+            except ValueError as e:  # a bad preset: nothing changed
+                raise ApiError(400, f"the model list was not read again: {e}", code="bad_preset") from None
+        st = router.status()
+        configs = {c.name: c for c in router.models()}
+        data = [_model_entry(n, m, configs[n], self.created, _instances(n, st["models"]))
+                for n, m in st["models"].items()
+                if n in configs and not configs[n].hidden]  # hidden: a preset deduplicates it
+        data += [_download_entry(n, d, self.created) for n, d in st["downloads"].items() if n not in configs]
+        return {"object": "list", "data": data, "devices": st["devices"]}
 
-    @app.delete("/models")
-    async def delete(request: Request):
+    async def pull(self, request: Request):
+        return await self._in_cache(self.router.pull, await self._model_arg(request))
+
+    async def delete(self, request: Request):
         name = request.query_params.get("model")
         if not name:
             raise ApiError(400, "model must be a non-empty string (?model=)", param="model")
-        return await in_cache(router.delete, name)
+        return await self._in_cache(self.router.delete, name)
 
-    @app.post("/models/load")
-    async def load(request: Request):
-        await call(router.load, await model_arg(request))
+    async def load(self, request: Request):
+        await _call(self.router.load, await self._model_arg(request))
         return {"success": True}
 
-    @app.post("/models/unload")
-    async def unload(request: Request):
-        name = await model_arg(request)
-        done = await call(router.unload, name)
+    async def unload(self, request: Request):
+        name = await self._model_arg(request)
+        done = await _call(self.router.unload, name)
         return {"success": bool(done)}
 
-    @app.get("/models/sse")
-    async def models_sse():
-        return StreamingResponse(event_stream(router.scheduler.bus), media_type="text/event-stream",
+    async def models_sse(self):
+        return StreamingResponse(event_stream(self.router.scheduler.bus), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    @app.get("/props")
-    async def props(request: Request):
+    async def props(self, request: Request):
         name = request.query_params.get("model")
         if name is not None:
-            return await forward(request, name, b"")
-        if not build:
-            build.append(await asyncio.to_thread(_build_info))
-        st = router.status()
+            return await self.forward(request, name, b"")
+        if self._build is None:
+            self._build = await asyncio.to_thread(_build_info)
+        st, options = self.router.status(), self.router.options
         return {
             # llama-server's router (tools/server/server-models.cpp)
-            "role": "router", "max_instances": router.options.max_models, "models_autoload": router.options.autoload,
+            "role": "router", "max_instances": options.max_models, "models_autoload": options.autoload,
             "model_alias": "llama-server", "model_path": "none",
-            "default_generation_settings": {"params": {}, "n_ctx": 0}, "ui_settings": {}, "build_info": build[0],
-            "cors_proxy_enabled": bool((settings or {}).get("ui_mcp_proxy")),
+            "default_generation_settings": {"params": {}, "n_ctx": 0}, "ui_settings": {}, "build_info": self._build,
+            "cors_proxy_enabled": bool((self.settings or {}).get("ui_mcp_proxy")),
             # ours
-            "models": len(st["models"]), "max_models": router.options.max_models, "autoload": router.options.autoload,
-            "margin_bytes": router.options.margin,
+            "models": len(st["models"]), "max_models": options.max_models, "autoload": options.autoload,
+            "margin_bytes": options.margin,
         }
 
-    @app.get("/devices")
-    async def devices():
-        st = router.status()
+    async def devices(self):
+        st = self.router.status()
         return {"devices": st["devices"], "workers": st["workers"]}
 
-    @app.get("/events")
-    async def events():
-        evs = router.scheduler.bus.recent()
+    async def events(self):
+        evs = self.router.scheduler.bus.recent()
         t0 = evs[0].t if evs else 0.0
         return {"data": [{"seq": e.seq, "t": round(e.t - t0, 3), "event": e.event, "model": e.model, "devices": e.devices,
                           **({"data": e.data} if e.data else {})} for e in evs]}
 
-    # -- resumable streams: the engine of the model that serves the conversation -------
 
-    def owner(conv_id: str, models: dict[str, Any]) -> tuple[str | None, ApiError | None]:
+class _ResumableStreams:
+    """The resumable-stream routes, one method each: a conversation's stream is asked of
+    (or deleted at) the engine of the model that serves the conversation."""
+
+    def __init__(self, router: Router, forward: Callable[..., Awaitable[Response]],
+                 body: Callable[[Request], Awaitable[dict]]) -> None:
+        self.router, self.forward, self.body = router, forward, body
+
+    def _owner(self, conv_id: str, models: dict[str, Any]) -> tuple[str | None, ApiError | None]:
         """The conversation's model, if it can answer for its stream now; else the error
         (``models``: one status snapshot's, however many ids a request asks about)."""
-        name = router.conversations.owner(conv_id)
+        name = self.router.conversations.owner(conv_id)
         if name is None:
             return None, ApiError(404, "Stream not found or expired", "not_found_error", "not_found")
         m = models.get(name)
@@ -206,40 +236,38 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
                                        f"its stream is gone", "not_found_error", "not_found")
         return name, None
 
-    @app.get("/v1/stream")
-    async def stream_get(request: Request):
+    async def _models_now(self) -> dict[str, Any]:
+        return await asyncio.to_thread(self.router.status)  # off the event loop
+
+    async def stream_get(self, request: Request):
         conv_id = request.query_params.get("conv_id", "")
         if not conv_id:
             raise ApiError(400, "Missing conversation id in path", param="conv_id")
-        name, err = owner(conv_id, (await models_now())["models"])
+        name, err = self._owner(conv_id, (await self._models_now())["models"])
         if err is not None:
             raise err
-        return await forward(request, name, b"", autoload=False)
+        return await self.forward(request, name, b"", autoload=False)
 
-    async def models_now() -> dict[str, Any]:
-        return await asyncio.to_thread(router.status)  # off the event loop
-
-    @app.post("/v1/streams/lookup")
-    async def streams_lookup(request: Request):
+    async def streams_lookup(self, request: Request):
         raw = await request.body()
         if len(raw) > LOOKUP_BYTES:  # read no further: a body this size holds no useful lookup
             raise ApiError(400, f"a lookup takes at most {LOOKUP_IDS} conversation ids ({LOOKUP_BYTES} bytes of "
                                 f"body); this one has {len(raw)} bytes", param="conversation_ids")
-        ids = (await body(request)).get("conversation_ids")
+        ids = (await self.body(request)).get("conversation_ids")
         unique = list(dict.fromkeys(c for c in (ids if isinstance(ids, list) else []) if isinstance(c, str) and c))
         if len(unique) > LOOKUP_IDS:
             raise ApiError(400, f"a lookup takes at most {LOOKUP_IDS} conversation ids (duplicates counted once); "
                                 f"this one has {len(unique)}", param="conversation_ids")
-        models = (await models_now())["models"] if unique else {}
+        models = (await self._models_now())["models"] if unique else {}
         per_model: dict[str, list[str]] = {}
         for cid in unique:
-            name, err = owner(cid, models)
+            name, err = self._owner(cid, models)
             if err is None:
                 per_model.setdefault(name, []).append(cid)
         found: list[Any] = []
         for name, mine in per_model.items():
             raw = json.dumps({"conversation_ids": mine}).encode()
-            reply = await forward(request, name, raw, autoload=False)
+            reply = await self.forward(request, name, raw, autoload=False)
             try:
                 entries = json.loads(reply.body)
             except (ValueError, AttributeError):
@@ -247,13 +275,12 @@ def mount(app: FastAPI, router: Router, forward: Callable[..., Awaitable[Respons
             found += [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
         return found
 
-    @app.delete("/v1/stream")
-    async def stream_delete(request: Request):
+    async def stream_delete(self, request: Request):
         conv_id = request.query_params.get("conv_id", "")
         if not conv_id:
             raise ApiError(400, "Missing conversation id in path", param="conv_id")
-        name, err = owner(conv_id, (await models_now())["models"])
+        name, err = self._owner(conv_id, (await self._models_now())["models"])
         if err is None:
-            await forward(request, name, b"", autoload=False)
-        router.conversations.forget(conv_id)
+            await self.forward(request, name, b"", autoload=False)
+        self.router.conversations.forget(conv_id)
         return Response(status_code=204, media_type="application/json")
