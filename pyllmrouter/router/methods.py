@@ -35,7 +35,7 @@ import time
 from typing import (Any, Awaitable, Callable, Generator, Generic, Iterator, Literal, Mapping,
                     Sequence, TypeVar, overload)
 
-from pyllmrouter.errors import RequestTimeout
+from pyllmrouter.errors import RequestFailed, RequestTimeout
 from pyllmrouter.protocol import HttpReply
 from pyllmrouter.replies import ChatCompletion, ChatCompletionChunk, Completion, Embeddings, Message
 from pyllmrouter.router.exchange import Ask, Exchange, checked_seconds, remaining

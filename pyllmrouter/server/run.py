@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import contextlib
 import os
 import signal
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pyllmrouter.config import MiB, RouterOptions
 from pyllmrouter.devices import EmulatedInventory, RpcInventory, SystemInventory, parse_budgets
 from pyllmrouter.errors import WorkerDied
-from pyllmrouter.router.api import Router
 from pyllmrouter.router.services.tools import Services, settings, wanted
 from pyllmrouter.router.services.sources import Sources
 from pyllmrouter.server.browser import is_loopback_bind
+from pyllmrouter.server.starting import Starting
+
+if TYPE_CHECKING:
+    from pyllmrouter.router.api import Router
 
 __all__ = ["add_serve_arguments", "allowed_hosts", "parse_serve_args", "router_from_args", "serve"]
 
@@ -170,6 +174,8 @@ def router_from_args(a: argparse.Namespace) -> Router:
         debug_fake_timing=_FAKE_TIMING if _env("LLAMA_SERVER_DEBUG_FAKE_TIMING") else 0.0,
     )
     try:
+        from pyllmrouter.router.api import Router  # noqa: PLC0415  (after serve listens)
+
         return Router(models, inventory=inventory, options=options, sources=sources, watch=1.0 if a.watch else 0.0)
     except ValueError as e:  # device settings that cannot work
         raise SystemExit(f"pyllmrouter serve: {e}") from None
@@ -239,6 +245,37 @@ def _settings_and_router(a: argparse.Namespace) -> tuple[dict[str, Any], Router]
     return cfg, router
 
 
+def _built(a: argparse.Namespace):
+    """The router, its services and the uvicorn server of its app."""
+    import uvicorn  # noqa: PLC0415
+
+    from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, create_app  # noqa: PLC0415
+
+    cfg, router = _settings_and_router(a)
+    services = _started_services(a, cfg, router)
+    app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services,
+                     allowed_hosts=allowed_hosts(a.host, a.allowed_hosts), native=a.native,
+                     follow_ms=max(0, a.follow_ms))
+    # proxy_headers off: as llama-server, X-Forwarded-* are a client's headers like any other (uvicorn's
+    # middleware would rewrite the client's address and scheme from them, on every request)
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
+                            timeout_graceful_shutdown=a.shutdown_timeout, http=HTTP_PROTOCOL, proxy_headers=False,
+                            headers=DEFAULT_HEADERS)
+    return _uvicorn_server(config, router, services), router, services
+
+
+async def _take_held(server, held: list[socket.socket]) -> None:
+    """Each connection of ``held`` (taken from it) read from its first byte by ``server``'s
+    protocol, as a connection it accepted itself."""
+    loop = asyncio.get_running_loop()
+    protocol = functools.partial(server.config.http_protocol_class, config=server.config,
+                                 server_state=server.server_state, app_state=server.lifespan.state)
+    while held:
+        conn = held.pop(0)
+        conn.setblocking(False)
+        await loop.connect_accepted_socket(protocol, conn)
+
+
 def _uvicorn_server(config, router: Router, services: Services | None):
     """uvicorn's server for ``config``, ending as llama-server ends: on SIGTERM/SIGINT the
     connections workers follow are given back, tool calls end at once, requests in
@@ -250,6 +287,17 @@ def _uvicorn_server(config, router: Router, services: Services | None):
         Idle, it wakes once a second (the Date header's second), not uvicorn's ten times."""
 
         wake: Callable[[], None] = staticmethod(lambda: None)  # main_loop's: an exit is asked
+        held: list = []  # connections accepted while the app was built (server/starting.py)
+
+        async def startup(self, sockets=None) -> None:
+            """uvicorn's; then the connections held while the app was built are its own."""
+            held, self.held = self.held, []
+            try:
+                await super().startup(sockets)
+                await _take_held(self, held)
+            finally:
+                for conn in held:  # the server did not start: nobody will answer them
+                    conn.close()
 
         async def shutdown(self, sockets=None) -> None:
             """uvicorn's, the connections workers follow given back first (then closed)."""
@@ -302,29 +350,22 @@ def _started_services(a: argparse.Namespace, cfg: dict[str, Any], router: Router
 
 
 def serve(a: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
-
-    from pyllmrouter.server.app import DEFAULT_HEADERS, HTTP_PROTOCOL, create_app  # noqa: PLC0415
-
-    cfg, router = _settings_and_router(a)
-    services = _started_services(a, cfg, router)
-    app = create_app(router, api_key=a.api_key, max_body=int(a.max_body_mb * MiB), settings=cfg, services=services,
-                     allowed_hosts=allowed_hosts(a.host, a.allowed_hosts), native=a.native,
-                     follow_ms=max(0, a.follow_ms))
-    # proxy_headers off: as llama-server, X-Forwarded-* are a client's headers like any other (uvicorn's
-    # middleware would rewrite the client's address and scheme from them, on every request)
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info", access_log=a.access_log,
-                            timeout_graceful_shutdown=a.shutdown_timeout, http=HTTP_PROTOCOL, proxy_headers=False,
-                            headers=DEFAULT_HEADERS)
+    """Listen first, /health answered from then on (server/starting.py), then the router
+    and the app built; uvicorn serves from there, the connections held meanwhile included."""
     try:
         sockets = listen(a.host, a.port)
     except OSError as e:
-        router.close()
-        if services is not None:
-            services.close()
         raise SystemExit(f"pyllmrouter serve: cannot listen on {a.host} port {a.port}: {e}") from None
+    starting = Starting(sockets).start()
     try:
-        _uvicorn_server(config, router, services).run(sockets=sockets)
+        server, router, services = _built(a)
+    except BaseException:
+        for s in [*starting.stop(), *sockets]:
+            s.close()
+        raise
+    server.held = starting.stop()
+    try:
+        server.run(sockets=sockets)
     finally:
         if services is not None:
             services.close()

@@ -1,11 +1,12 @@
 """The package's shape, as docs/ARCHITECTURE.md draws it: no import circle, no module that
 reaches into another object's underscored names, policy that does no I/O, one meaning per
-name, functions a reader can hold (at most MAX_FUNCTION_LINES lines and MAX_PARAMETERS
+name, every name a module reads bound in it, functions a reader can hold (at most MAX_FUNCTION_LINES lines and MAX_PARAMETERS
 parameters; the few exceptions named, each with its reason).  Read from the source (ast), so a change that breaks a rule fails here."""
 
 from __future__ import annotations
 
 import ast
+import builtins
 import collections
 from pathlib import Path
 from typing import Iterator
@@ -170,3 +171,37 @@ def test_one_meaning_per_name():
                                   if isinstance(n, ast.ClassDef))
     assert [s for s, n in stems.items() if n > 1] == []
     assert [c for c, n in classes.items() if n > 1] == []
+
+
+def unbound_names(source: str) -> list[tuple[int, str]]:
+    """(line, name) of every name ``source`` reads that nothing in it binds (an import,
+    a definition, an assignment, a parameter...) and no builtin is: a name a move left
+    behind (a missing import is a NameError only when its line runs)."""
+    tree = ast.parse(source)
+    bound = set(dir(builtins)) | {"__file__", "__name__", "__doc__", "__spec__", "__path__"}
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in n.names)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(n.name)
+        elif isinstance(n, ast.arg):
+            bound.add(n.arg)
+        elif isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+            bound.add(n.id)
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            bound.add(n.name)
+        elif isinstance(n, (ast.MatchAs, ast.MatchStar)) and n.name:
+            bound.add(n.name)
+    return [(n.lineno, n.id) for n in ast.walk(tree)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and n.id not in bound]
+
+
+def test_every_name_a_module_reads_is_bound_in_it():
+    found = {str(p.relative_to(ROOT)): u for p in ROOT.rglob("*.py") if (u := unbound_names(p.read_text()))}
+    assert found == {}
+
+
+def test_a_name_read_but_never_bound_is_found():
+    source = "import json\n\ndef f(x):\n    try:\n        return json.loads(x)\n    except ValueError as e:\n" \
+             "        raise RequestFailed(str(e))\n"
+    assert unbound_names(source) == [(7, "RequestFailed")]

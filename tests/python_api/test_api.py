@@ -215,3 +215,24 @@ def test_the_extracted_keys_are_those_llama_cpps_own_tests_send():
     keys = known_keys()
     assert "max_tokens" in keys and "max_token" not in keys
     assert sent - keys == set()
+
+
+def test_a_stream_asked_for_that_comes_whole_raises_request_failed(tiny):
+    """``achat(stream=True)`` whose reply comes whole (``extra_body`` turned streaming off):
+    RequestFailed saying so (not another error), and the model free after it."""
+    out = last_json(script(PRELUDE.format(model=str(tiny["tiny-llama"])), """
+        import asyncio
+        msgs = [{"role": "user", "content": "hi"}]
+        with router(ModelConfig("m", ModelSpec(M, ("-c", "512")))) as r:
+            said = []
+            async def awaited():
+                try:
+                    async for _ in r.achat("m", msgs, stream=True, max_tokens=2, extra_body={"stream": False}):
+                        pass
+                except RequestFailed as e:
+                    said.append(str(e))
+            asyncio.run(awaited())
+            print(json.dumps({"said": said, "leases": r.status()["models"]["m"]["leases"]}))
+    """))
+    assert len(out["said"]) == 1 and "not a stream" in out["said"][0], out
+    assert out["leases"] == 0
