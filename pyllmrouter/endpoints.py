@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["Endpoint", "ENDPOINTS", "ENGINE_POST", "ENGINE_GET", "ENGINE_POSTS", "LABELLED", "lookup",
+__all__ = ["Endpoint", "ENDPOINTS", "HEALTH", "ENGINE_POST", "ENGINE_GET", "ENGINE_POSTS", "LABELLED", "lookup",
            "is_engine_post", "takes_slot", "repeatable", "load_only"]
 
 
@@ -43,6 +43,11 @@ class Endpoint:
     writes: bool = False
     prompt: tuple[str, ...] = ()
     local: bool = False
+
+
+# liveness: no API key asked (llama-server's), answered from serve's first moment
+# (server/starting.py) and by the app after it
+HEALTH = frozenset({"/health", "/v1/health"})
 
 
 def _engine(method: str, *paths: str, slot: bool = False, writes: bool = False,
@@ -64,7 +69,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     # for the model named by ?model= (without it, the router's own)
     *_engine("GET", "/props", "/metrics"),
     # the router's own that the engine's table has too (a model's own llama-server answers them)
-    *_engine("GET", "/health", "/v1/health", "/models", "/v1/models"),
+    *_engine("GET", *sorted(HEALTH), "/models", "/v1/models"),
     # the resumable streams (llama-server wires them for a model's own server)
     *_engine("GET", "/v1/stream", local=True), *_engine("POST", "/v1/streams/lookup", local=True),
     *_engine("DELETE", "/v1/stream", writes=True, local=True),

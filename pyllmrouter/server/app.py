@@ -37,7 +37,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from pyllmrouter.endpoints import ENGINE_GET, LABELLED, is_engine_post
+from pyllmrouter.endpoints import ENGINE_GET, HEALTH, LABELLED, is_engine_post
 from pyllmrouter.errors import RouterError, UnknownModel
 from pyllmrouter.router.api import Router
 from pyllmrouter.server import manage, ollama, page
@@ -49,6 +49,7 @@ from pyllmrouter.server.browser import LOCAL_ORIGINS, Gate, Blocked
 from pyllmrouter.server.connection import Handover, HttpProtocol
 from pyllmrouter.server.cors import Cors
 from pyllmrouter.server.relay import relay
+from pyllmrouter.server.starting import HEALTHY
 from pyllmrouter.server.metrics import Metrics
 
 __all__ = ["AppOptions", "create_app", "guard_error", "HTTP_PROTOCOL", "DEFAULT_HEADERS"]
@@ -60,7 +61,6 @@ HTTP_PROTOCOL = HttpProtocol
 # the native path (csrc/conduit.cpp, stamp): llama-server's Server; uvicorn adds Date
 DEFAULT_HEADERS = [("Server", "llama.cpp")]
 _DISABLED = json.dumps({"error": {"message": "this feature is disabled", "type": "feature_disabled"}}).encode()
-PUBLIC = frozenset({"/health", "/v1/health"})  # llama-server's: no API key asked
 @dataclass(frozen=True)
 class AppOptions:
     """The HTTP app's options (``pyllmrouter serve``'s flags).  ``settings``: what llama.cpp's
@@ -165,10 +165,11 @@ def _openai_model(name: str, m: dict[str, Any]) -> dict[str, Any]:
 def _mount_models(app: FastAPI, router: Router,
                   dispatch: Dispatch) -> Callable[[Request], Awaitable[Response]]:
     """/health, the OpenAI model list and a model's GET routes (?model=); the handler of those."""
-    @app.get("/health")
-    @app.get("/v1/health")
     async def health():
-        return {"status": "ok"}
+        return dict(HEALTHY)
+
+    for path in sorted(HEALTH):
+        app.add_api_route(path, health, methods=["GET"])
 
     @app.get("/v1/models")
     async def v1_models():
@@ -226,7 +227,7 @@ def guard_error(path: str, headers: dict[str, str], api_keys: str | tuple[str, .
     """The API key and body-size checks of a request (headers by lower-case name; any of
     ``api_keys`` opens it, none: no key asked): the error to answer, or None."""
     keys = (api_keys,) if isinstance(api_keys, str) else tuple(api_keys or ())
-    if keys and path not in PUBLIC and not page.is_public(path) and not has_valid_key(headers, keys):
+    if keys and path not in HEALTH and not page.is_public(path) and not has_valid_key(headers, keys):
         return ApiError(401, "invalid or missing API key", "authentication_error", "invalid_api_key")
     length = headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_body:
@@ -280,7 +281,7 @@ class _Guard:
                 send = _with_headers(send, extra)
                 if extra:  # and on a response a worker writes itself (the native data path)
                     scope.setdefault("extensions", {})[CORS_HEADERS] = extra
-        if refused is None and path not in PUBLIC:
+        if refused is None and path not in HEALTH:
             refused = self.gate.origin(origin, host, lambda: has_valid_key(headers, self.api_keys))
         if refused is None:
             refused = self.gate.body(scope["method"], path, origin, headers.get("content-type", ""),

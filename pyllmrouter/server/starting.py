@@ -20,11 +20,13 @@ import selectors
 import socket
 import threading
 
-__all__ = ["Starting", "HEALTH"]
+from pyllmrouter.endpoints import HEALTH
 
-HEALTH = frozenset({"/health", "/v1/health"})
+__all__ = ["Starting", "HEALTHY"]
+
+HEALTHY = {"status": "ok"}  # /health's answer, here and in the app
 MAX_HEAD = 16 << 10  # bytes of a connection's first read looked at
-_OK = json.dumps({"status": "ok"}).encode()
+_OK = json.dumps(HEALTHY).encode()
 _ANSWER = (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: application/json\r\n"
            b"Content-Length: " + str(len(_OK)).encode() + b"\r\nConnection: close\r\n\r\n" + _OK)
 
