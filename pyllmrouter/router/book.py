@@ -66,7 +66,6 @@ class Book:
         self._cond = threading.Condition(threading.RLock())
         self._registry = Registry(self.devices)
         self._queue: list[Ticket] = []
-        self._live: set[Lease] = set()  # the leases taken and not yet released
         self._queue_version = 0  # changes whenever a ticket joins, leaves or follows a new record
         self._firsts: tuple[int, dict[int, tuple[Ticket | None, Ticket | None]]] = (-1, {})  # first_waiting
         self._seq = itertools.count(1)
@@ -308,18 +307,11 @@ class Book:
             (rec.primary or rec).keep = None  # a request's keep_alive (if any) is set once it holds this
             if self.on_wait is not None:
                 self.on_wait((rec.primary or rec).name, rec.last_used - ticket.created)
-            lease = Lease(rec.name, rec.worker, rec, rec.drain[0] if rec.drain is not None else None,
-                          rec.follow_epoch, slot=rec.leases <= rec.slots())
-            self._live.add(lease)
-            return lease
+            return Lease(rec.name, rec.worker, rec, rec.drain[0] if rec.drain is not None else None,
+                         rec.follow_epoch, slot=rec.leases <= rec.slots())
 
     def release(self, lease: Lease) -> Record:
-        """``lease`` ended: once (a second release would count a request that is not there:
-        RuntimeError, whoever calls it)."""
         with self._cond:
-            if lease not in self._live:
-                raise RuntimeError(f"a lease on {lease.name!r} released twice (or never taken here)")
-            self._live.remove(lease)
             rec = lease.record
             rec.leases -= 1
             rec.last_used = time.monotonic()
