@@ -33,7 +33,7 @@ def test_the_preset_key_reads(tmp_path, tiny):
 
 
 def test_waiting_requests_start_a_second_instance_and_go_to_the_least_busy(story, tiny):
-    spec = ModelSpec(story, ("-np", "1", "-c", "2048"))
+    spec = ModelSpec(story, ("-np", "1", "-c", "2048", "--context-shift"))  # its streams last until stopped
     one = probe(spec).total
     other = ModelConfig("other", spec.replace(args=(*spec.args, "--temp", "0.5")), devices=("GPU1",))  # as big
     models = [ModelConfig("m", spec, replicas=2), other]

@@ -39,9 +39,10 @@ def ray_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny, ray_dir):
     # no heartbeat: a worker stopped on purpose (a machine that hangs before it dies) stays
-    # stopped until its node is killed, however slow the machine running the test
+    # stopped until its node is killed, however slow the machine running the test; a stream
+    # a test holds a slot with lasts until its node goes (not a context's worth of tokens)
     with deployed(ray_dir, tiny, MODELS, [NODE_MIB] * 3,
-                  queue_timeout=120, serve_args=("--heartbeat", "0")) as (c, port, nodes, start_node, _):
+                  queue_timeout=120, serve_args=("--heartbeat", "0"), endless=True) as (c, port, nodes, start_node, _):
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=180)
         _wait_measured(client, {n.node_id for n in nodes})
         yield c, client, nodes, start_node
@@ -127,29 +128,35 @@ def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
     worker = next(w["pid"] for w in client.get("/devices", params={"node": x}).json()["workers"]
                   if w["devices"] == ["GPU0"])
     os.kill(worker, signal.SIGSTOP)
-    for i in range(3):  # behind the stream in a's one slot
-        threads.append(threading.Thread(target=send, args=(f"queued{i}", {"model": "a", "prompt": "hi",
-                                                                           "max_tokens": 4})))
-    threads.append(threading.Thread(target=send, args=("queued-stream", {"model": "a", "prompt": "hi",
-                                                                          "max_tokens": 4, "stream": True})))
-    threads.append(threading.Thread(target=send, args=("load", {"model": "big", "prompt": "hi", "max_tokens": 4})))
-    for t in threads[2:]:
-        t.start()
-    deadline = time.monotonic() + 30
-    # the four behind the stream wait for a's slot at x's router (a request that may be sent on
-    # never waits in an engine's queue, where it would take its slot unseen)
-    while (_waiting(client, x, "a") < 4 or _state(client, x, "big") != "loading") and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert _state(client, x, "big") == "loading" and _in_flight(client, x, "a") == 1 and _waiting(client, x, "a") == 4
-    # a load asked of x as well (it joins the one under way there): not repeatable, never sent on
-    threads.append(threading.Thread(target=send, args=("explicit-load", {"model": "big"}, None, "/models/load")))
-    threads[-1].start()
-    time.sleep(1.0)
-    killed_at = time.monotonic()
-    assert kill_node(victim) > 1
-    for t in threads:
-        t.join(120)
-    c.remove_node(victim, allow_graceful=False)
+    killed = 0
+    try:
+        for i in range(3):  # behind the stream in a's one slot
+            threads.append(threading.Thread(target=send, args=(f"queued{i}", {"model": "a", "prompt": "hi",
+                                                                               "max_tokens": 4})))
+        threads.append(threading.Thread(target=send, args=("queued-stream", {"model": "a", "prompt": "hi",
+                                                                              "max_tokens": 4, "stream": True})))
+        threads.append(threading.Thread(target=send, args=("load", {"model": "big", "prompt": "hi", "max_tokens": 4})))
+        for t in threads[2:]:
+            t.start()
+        deadline = time.monotonic() + 30
+        # the four behind the stream wait for a's slot at x's router (a request that may be sent on
+        # never waits in an engine's queue, where it would take its slot unseen)
+        while (_waiting(client, x, "a") < 4 or _state(client, x, "big") != "loading") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert _state(client, x, "big") == "loading" and _in_flight(client, x, "a") == 1 and _waiting(client, x, "a") == 4
+        # a load asked of x as well (it joins the one under way there): not repeatable, never sent on
+        threads.append(threading.Thread(target=send, args=("explicit-load", {"model": "big"}, None, "/models/load")))
+        threads[-1].start()
+        time.sleep(1.0)
+        killed_at = time.monotonic()
+        killed = kill_node(victim)
+        assert killed > 1
+        for t in threads:
+            t.join(120)
+    finally:  # a failure before the kill: the node goes all the same, so the next tests find the
+        if not killed:  # world they would have found (not a worker left stopped)
+            kill_node(victim)
+        c.remove_node(victim, allow_graceful=False)
 
     status, _, text, _ = results["stream"]
     assert status == 200 and "died" in text and _events(text)[-1]["error"]["code"] == 502, text[-300:]

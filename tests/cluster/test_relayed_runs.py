@@ -23,7 +23,7 @@ SHORT = json.dumps({"prompt": "hi", "max_tokens": 2}).encode()
 
 
 def _router(path) -> Router:
-    models = [ModelConfig("a", ModelSpec(path, ("-np", "1"), n_ctx=2048))]
+    models = [ModelConfig("a", ModelSpec(path, ("-np", "1", "--context-shift"), n_ctx=2048))]  # LONG: until closed
     return Router(models, inventory=EmulatedInventory({"GPU0": 1 << 30}), margin=0)
 
 
@@ -96,7 +96,7 @@ def test_a_wait_for_a_slot_starts_another_instance_and_has_no_queue_timeout(stor
     """A model with ``replicas = 2``: a relayed request that finds the one slot taken
     starts the second instance and runs there; with one instance only, it waits past the
     queue timeout (as in its engine's queue) and runs once the slot frees."""
-    spec = ModelSpec(story, ("-np", "1", "-c", "2048"))
+    spec = ModelSpec(story, ("-np", "1", "-c", "2048", "--context-shift"))  # LONG: until closed
     one = probe(spec).total
     inventory = EmulatedInventory({"GPU0": one + one // 2, "GPU1": one + one // 2})
 

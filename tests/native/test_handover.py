@@ -261,7 +261,8 @@ def test_requests_past_the_slots_wait_in_the_worker_and_a_client_that_leaves_mea
     story = scripted.write_scripted(tmp_path / "story.gguf", scripted.THINK_TEMPLATE, scripted.STORY_SCRIPT,
                                     loop=True)
     preset = tmp_path / "models.ini"
-    preset.write_text(f"[one]\nmodel = {story}\nc = 4096\nnp = 1\nmetrics = true\nload-on-startup = true\n")
+    preset.write_text(f"[one]\nmodel = {story}\nc = 4096\nnp = 1\ncontext-shift = true\nmetrics = true\n"
+                      "load-on-startup = true\n")  # the endless stream lasts until stopped
     proc, url = start_serve(["--models-preset", str(preset), "--no-models-cache", "--models-memory-margin", "0",
                              "--emulate-devices", "GPU0=4GiB"])
     chat = {"model": "one", "messages": [{"role": "user", "content": "a story"}], "stream": True}
