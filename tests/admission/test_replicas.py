@@ -85,7 +85,11 @@ def test_waiting_requests_start_a_second_instance_and_go_to_the_least_busy(story
             moved = [n for n, m in r.status()["models"].items() if m["last_used"] != before[n]]
             assert moved == [owner], (moved, owner)
             return owner
-        assert served("fresh") == "m"
+
+        def seen() -> tuple:  # what a failure says: each instance, and the latest events
+            return ({n: (m["state"], m["leases"], m["loads"]) for n, m in r.status()["models"].items()},
+                    [(what, name) for _, what, name, _ in r.scheduler.events][-10:])
+        assert served("fresh") == "m", seen()
         r.conversations.served_by("c1", r.conversations.remember("c1", "m"), "m#2")  # c1 was served by m#2
         assert served("c1") == "m#2" and served("c1") == "m#2" and served("fresh") == "m"
         # another model needs GPU1: the idle extra instance goes first, and leaves the list

@@ -15,20 +15,18 @@ from pyllmrouter.tools.raynodes import add_node
 
 @contextlib.contextmanager
 def deployed(directory: Path, tiny: dict, models: dict[str, tuple[str, int]], sizes_mib: list[int],
-             queue_timeout: int, serve_args: tuple[str, ...] = (), endless: bool = False) -> Iterator[tuple]:
+             queue_timeout: int, serve_args: tuple[str, ...] = ()) -> Iterator[tuple]:
     """A head and one node per size (one emulated device of that many MiB each, the probe
     cache shared), ``models`` (name: (tiny model, context), one slot each) deployed by
     ``pyllmrouter ray``: (cluster, port, nodes, start_node(mib) for a node started again).
     Each node's replica logs the requests it ran (those with an X-Request-Id) to
-    ``directory/runs`` (replica.py).  ``serve_args``: more of serve's arguments; ``endless``:
-    the models shift their context when it fills (a long generation lasts until stopped)."""
+    ``directory/runs`` (replica.py).  ``serve_args``: more of serve's arguments."""
     from ray.cluster_utils import Cluster
 
     from pyllmrouter import cli
 
     preset = directory / "models.ini"
-    shift = "context-shift = true\n" if endless else ""
-    preset.write_text("".join(f"[{name}]\nmodel = {tiny[kind]}\nctx-size = {ctx}\nparallel = 1\n{shift}\n"
+    preset.write_text("".join(f"[{name}]\nmodel = {tiny[kind]}\nctx-size = {ctx}\nparallel = 1\n\n"
                               for name, (kind, ctx) in models.items()))
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
 

@@ -39,10 +39,9 @@ def ray_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny, ray_dir):
     # no heartbeat: a worker stopped on purpose (a machine that hangs before it dies) stays
-    # stopped until its node is killed, however slow the machine running the test; a stream
-    # a test holds a slot with lasts until its node goes (not a context's worth of tokens)
+    # stopped until its node is killed, however slow the machine running the test
     with deployed(ray_dir, tiny, MODELS, [NODE_MIB] * 3,
-                  queue_timeout=120, serve_args=("--heartbeat", "0"), endless=True) as (c, port, nodes, start_node, _):
+                  queue_timeout=120, serve_args=("--heartbeat", "0")) as (c, port, nodes, start_node, _):
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=180)
         _wait_measured(client, {n.node_id for n in nodes})
         yield c, client, nodes, start_node
@@ -65,16 +64,19 @@ def _wait_measured(client: httpx.Client, nodes: set[str], timeout: float = 180) 
 
 def _state(client: httpx.Client, node: str, model: str) -> str:
     view = client.get("/models", params={"node": node}).json()
+    assert "data" in view, view
     return next(m["status"]["value"] for m in view["data"] if m["id"] == model)
 
 
 def _in_flight(client: httpx.Client, node: str, model: str) -> int:
     view = client.get("/models", params={"node": node}).json()
+    assert "data" in view, view
     return next(m["in_flight"] for m in view["data"] if m["id"] == model)
 
 
 def _waiting(client: httpx.Client, node: str, model: str) -> int:
     view = client.get("/models", params={"node": node}).json()
+    assert "data" in view, view
     return next(m["waiting"]["requests"] for m in view["data"] if m["id"] == model)
 
 
@@ -99,37 +101,37 @@ def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
     r = client.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200 and r.headers["x-pyllmrouter-node"] == x  # best fit: beside a
     victim = next(n for n in nodes if n.node_id == x)
-    results: dict[str, tuple] = {}
-
-    def send(key: str, body: dict, started: threading.Event | None = None, path: str = "/v1/completions") -> None:
-        try:
-            with client.stream("POST", path, json=body) as r:
-                chunks = r.iter_raw()
-                first = next(chunks, b"")
-                if started is not None:
-                    started.set()
-                data = first + b"".join(chunks)
-                results[key] = (r.status_code, dict(r.headers), data.decode(errors="replace"), time.monotonic())
-        except httpx.HTTPError as e:
-            results[key] = (0, {}, repr(e), time.monotonic())
-
-    long = {"prompt": "hi", "max_tokens": 6000, "ignore_eos": True}
-    streaming = threading.Event()
-    threads = [threading.Thread(target=send, args=("stream", {"model": "a", "stream": True, **long}, streaming))]
-    threads[0].start()
-    assert streaming.wait(60)
-    threads.append(threading.Thread(target=send, args=("running", {"model": "b", **long})))
-    threads[-1].start()
-    deadline = time.monotonic() + 30
-    while _in_flight(client, x, "b") < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    # x's worker stopped (a machine that hangs before it dies): the load of big that
-    # comes next stays under way, and nothing on x answers any more
-    worker = next(w["pid"] for w in client.get("/devices", params={"node": x}).json()["workers"]
-                  if w["devices"] == ["GPU0"])
-    os.kill(worker, signal.SIGSTOP)
     killed = 0
     try:
+        results: dict[str, tuple] = {}
+
+        def send(key: str, body: dict, started: threading.Event | None = None, path: str = "/v1/completions") -> None:
+            try:
+                with client.stream("POST", path, json=body) as r:
+                    chunks = r.iter_raw()
+                    first = next(chunks, b"")
+                    if started is not None:
+                        started.set()
+                    data = first + b"".join(chunks)
+                    results[key] = (r.status_code, dict(r.headers), data.decode(errors="replace"), time.monotonic())
+            except httpx.HTTPError as e:
+                results[key] = (0, {}, repr(e), time.monotonic())
+
+        long = {"prompt": "hi", "max_tokens": 6000, "ignore_eos": True}
+        streaming = threading.Event()
+        threads = [threading.Thread(target=send, args=("stream", {"model": "a", "stream": True, **long}, streaming))]
+        threads[0].start()
+        assert streaming.wait(60)
+        threads.append(threading.Thread(target=send, args=("running", {"model": "b", **long})))
+        threads[-1].start()
+        deadline = time.monotonic() + 30
+        while _in_flight(client, x, "b") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # x's worker stopped (a machine that hangs before it dies): the load of big that
+        # comes next stays under way, and nothing on x answers any more
+        worker = next(w["pid"] for w in client.get("/devices", params={"node": x}).json()["workers"]
+                      if w["devices"] == ["GPU0"])
+        os.kill(worker, signal.SIGSTOP)
         for i in range(3):  # behind the stream in a's one slot
             threads.append(threading.Thread(target=send, args=(f"queued{i}", {"model": "a", "prompt": "hi",
                                                                                "max_tokens": 4})))
@@ -154,7 +156,7 @@ def test_a_node_killed_under_load_loses_nothing_that_had_not_begun(cluster):
         for t in threads:
             t.join(120)
     finally:  # a failure before the kill: the node goes all the same, so the next tests find the
-        if not killed:  # world they would have found (not a worker left stopped)
+        if not killed:  # world they would have found (no worker left stopped, one node fewer)
             kill_node(victim)
         c.remove_node(victim, allow_graceful=False)
 
