@@ -60,10 +60,12 @@ class Jobs:
         self._lock = threading.Lock()
 
     def spawn(self, fn, *args) -> None:
+        """``fn(*args)`` in a thread of its own, listed for ``join`` once it has started (a
+        join, close's, never meets a thread not started yet)."""
         t = threading.Thread(target=fn, args=args, daemon=True)
         with self._lock:
+            t.start()
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
 
     def join(self, timeout: float) -> None:
         with self._lock:
