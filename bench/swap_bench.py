@@ -7,7 +7,7 @@ long conversation, served in alternation.  Side by side in one run:
   - llama-server's router mode (--models-max 1), built from the pinned source.
 
     scripts/build_llama_tools.sh llama-server    # once
-    python bench/swap_bench.py [--prompt-words 920] [--swaps 3] [--out FILE]
+    python bench/swap_bench.py [--prompt-words 920] [--swaps 3] [--rounds 3] [--out FILE]
 
 Both models are generated ~100M-parameter llamas (the same shape, different
 weights) with one slot and a context that holds the conversation.  Each turn
@@ -17,7 +17,9 @@ model took its place, so its time to first token includes the swap: the load,
 and re-reading the conversation (or restoring it).  Prints a table and writes
 JSON (default bench/results/swap_bench.json): per server the p50 and each
 turn's time to first token and prompt tokens taken from cache, the ratios, and
-the bytes ours kept.
+the bytes ours kept.  The servers take turns in each of ``--rounds`` rounds (the
+order rotates); a ratio is the geometric mean of the rounds' p50 ratios with its
+95 % interval (paired rounds: the same minutes of a noisy machine).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-from _load import save, stream_sse
+from _load import ratio_interval, save, stream_sse
 
 from pyllmrouter.tables import render
 from pyllmrouter.tools import tinymodels
@@ -70,58 +72,77 @@ def run(base: str, words: int, swaps: int) -> list[dict]:
     return out
 
 
+def serve(name: str, preset: Path, tmp: str, llama_server: str) -> tuple[subprocess.Popen, str]:
+    """One of SERVERS started on ``preset``: (its process, its base URL)."""
+    if name.startswith("ours"):
+        keep = "1024" if name == "ours, kept" else "0"
+        return start_serve(["--models-preset", str(preset), "--models-max", "1", "--emulate-devices", "GPU0=1TiB",
+                            "--kv-keep-ram", keep], env={**os.environ, "PYLLMROUTER_CACHE": str(Path(tmp) / "cache")})
+    port = free_port()
+    proc = subprocess.Popen([llama_server, "--models-preset", str(preset), "--models-max", "1",
+                             "--port", str(port), "--host", "127.0.0.1", "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    wait_healthy(base, proc)
+    return proc, base
+
+
+def one_round(k: int, preset: Path, tmp: str, args) -> tuple[dict[str, list[dict]], dict]:
+    """Every server once, in an order rotated by ``k``: (each one's turns, what ours kept)."""
+    results, kept = {}, {}
+    for name in SERVERS[k % len(SERVERS):] + SERVERS[:k % len(SERVERS)]:
+        proc, base = serve(name, preset, tmp, args.llama_server)
+        try:
+            results[name] = run(base, args.prompt_words, args.swaps)
+            if name == "ours, kept":
+                listing = httpx.get(f"{base}/models", timeout=30).json()["data"]
+                kept = {m["id"]: m["memory"]["kept"] for m in listing}
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    return results, kept
+
+
+def after_swap(turns: list[dict]) -> list[float]:
+    return [r["ttft_s"] for r in turns if r["turn"] > 0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-words", type=int, default=920, help="words of each conversation's first message")
     ap.add_argument("--swaps", type=int, default=3, help="turns per model after its first")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds, each server once per round")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--llama-server", default=str(llama_tool("llama-server")))
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "swap_bench.json")
     args = ap.parse_args()
     if not Path(args.llama_server).exists():
         raise SystemExit(f"{args.llama_server} not found: run scripts/build_llama_tools.sh llama-server first")
-    results, kept = {}, {}
+    rounds, kept = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         models = {m: tinymodels.write_llama(Path(tmp) / f"{m}.gguf", SHAPE, seed=i) for i, m in enumerate("ab")}
         preset = Path(tmp) / "swap.ini"
         preset.write_text("".join(f"[{m}]\nmodel = {p}\nc = {args.ctx}\nnp = 1\n" for m, p in models.items()))
-        for name in SERVERS:
-            env = {"PYLLMROUTER_CACHE": str(Path(tmp) / "cache")}
-            if name.startswith("ours"):
-                keep = "1024" if name == "ours, kept" else "0"
-                proc, base = start_serve(["--models-preset", str(preset), "--models-max", "1",
-                                          "--emulate-devices", "GPU0=1TiB", "--kv-keep-ram", keep],
-                                         env={**os.environ, **env})
-            else:
-                port = free_port()
-                proc = subprocess.Popen([args.llama_server, "--models-preset", str(preset), "--models-max", "1",
-                                         "--port", str(port), "--host", "127.0.0.1", "--no-webui"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                base = f"http://127.0.0.1:{port}"
-                wait_healthy(base, proc)
-            try:
-                results[name] = run(base, args.prompt_words, args.swaps)
-                if name == "ours, kept":
-                    listing = httpx.get(f"{base}/models", timeout=30).json()["data"]
-                    kept[name] = {m["id"]: m["memory"]["kept"] for m in listing}
-            finally:
-                proc.terminate()
-                proc.wait(60)
-    after = {name: [r["ttft_s"] for r in rs if r["turn"] > 0] for name, rs in results.items()}
-    p50 = {name: statistics.median(xs) for name, xs in after.items()}
+        for k in range(args.rounds):
+            results, kept = one_round(k, preset, tmp, args)
+            rounds.append(results)
+    every = {name: [t for r in rounds for t in after_swap(r[name])] for name in SERVERS}
+    p50 = {name: statistics.median(xs) for name, xs in every.items()}
+    per_round = {name: [statistics.median(after_swap(r[name])) for r in rounds] for name in SERVERS}
     rows = []
     for name in SERVERS:
-        rs = [r for r in results[name] if r["turn"] > 0]
-        rows.append([name, f"{p50[name]:.3f}", f"{p50['llama-server router'] / p50[name]:.2f}",
-                     f"{p50['ours, not kept'] / p50[name]:.2f}",
-                     " ".join(f"{r['ttft_s']:.2f}" for r in rs),
-                     " ".join(str(r["cached_tokens"]) for r in rs),
-                     str(results[name][0]["prompt_tokens"])])
-    print(render(["server", "TTFT after swap p50 s", "x faster than llama-server router",
-                  "x faster than ours not kept", "each swap's TTFT s", "cached tokens", "first prompt tokens"], rows))
-    print(f"\nkept at the end (bytes in RAM / on disk, files): {json.dumps(kept.get('ours, kept', {}))}")
-    save(args.out, {"bench": "swap", "prompt_words": args.prompt_words, "swaps": args.swaps,
-                    "ctx": args.ctx, "runs": results, "ttft_after_swap_p50_s": p50,
+        vs_peer = ratio_interval(per_round["llama-server router"], per_round[name])
+        vs_off = ratio_interval(per_round["ours, not kept"], per_round[name])
+        rows.append([name, f"{p50[name]:.3f}", " ".join(f"{x:.2f}" for x in per_round[name]),
+                     f"{vs_peer[0]:.2f} [{vs_peer[1]:.2f}, {vs_peer[2]:.2f}]",
+                     f"{vs_off[0]:.2f} [{vs_off[1]:.2f}, {vs_off[2]:.2f}]",
+                     " ".join(str(r["cached_tokens"]) for r in rounds[-1][name] if r["turn"] > 0),
+                     str(rounds[-1][name][0]["prompt_tokens"])])
+    print(render(["server", "TTFT after swap p50 s", "each round's p50 s", "x faster than llama-server router [95 %]",
+                  "x faster than ours not kept [95 %]", "cached tokens (last round)", "first prompt tokens"], rows))
+    print(f"\nkept at the end (bytes in RAM / on disk, files): {json.dumps(kept)}")
+    save(args.out, {"bench": "swap", "prompt_words": args.prompt_words, "swaps": args.swaps, "rounds": args.rounds,
+                    "ctx": args.ctx, "runs": rounds, "ttft_after_swap_p50_s": p50, "per_round_p50_s": per_round,
                     "kept": kept})
 
 
