@@ -116,6 +116,10 @@ t=$SECONDS
 spec="."
 [ ${#extras[@]} -gt 0 ] && spec=".[$(IFS=,; echo "${extras[*]}")]"
 pip install --no-build-isolation -e "$spec"
+# the package's bytecode, compiled once now as pip does for a wheel: an editable install
+# leaves it to the first import, and an environment with PYTHONDONTWRITEBYTECODE set would
+# compile every module again in every process (the router's and each worker's start)
+"$py" -m compileall -q -j 0 pyllmrouter >/dev/null
 took "extension" "$t"
 if [ -n "$peer_pid" ]; then
   if wait "$peer_pid"; then
