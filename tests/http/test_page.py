@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,14 @@ def _api(base: str, method: str, path: str, body: dict | None = None) -> dict:
     return data
 
 
+def _metric(base: str, model: str, name: str) -> float:
+    """One series of a model's llama-server /metrics."""
+    req = urllib.request.Request(f"{base}/metrics?model={model}", headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        lines = r.read().decode().splitlines()
+    return next(float(line.split()[-1]) for line in lines if line.startswith(name + " "))
+
+
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     why = _why_no_browser()
@@ -66,6 +75,7 @@ alias = assistant
 [story]
 model = {story}
 c = 32768
+metrics = true
 
 [coder]
 model = {tool}
@@ -226,17 +236,24 @@ def test_a_chat_streams_with_reasoning_apart_and_stop_frees_the_model(server, br
     browser.find_element("id", "chat-send").click()
     answer = lambda: browser.find_elements("css selector", "#chat-log .msg.assistant .answer")[-1]  # noqa: E731
     wait_for(lambda: answer().text.count("Once upon a time") >= 2, what="tokens streaming in")
-    assert browser.find_element("id", "chat-stop").is_enabled()
+    stop = browser.find_element("id", "chat-stop")
+    assert stop.is_enabled()
+    chunks = lambda: int(answer().get_attribute("data-chunks"))  # noqa: E731
+    log = browser.find_element("id", "chat-log")
+    below = lambda: stop.rect["y"] - log.rect["y"]  # noqa: E731
+    at, seen = below(), chunks()
+    wait_for(lambda: chunks() > seen + 300, what="more of the story")
+    assert below() == at  # the button stays put under the log while the answer grows
     story = lambda: next(m for m in _api(server, "GET", "/models")["data"] if m["id"] == "story")  # noqa: E731
-    assert story()["in_flight"] == 1  # still generating: up to its 32768-token context
-    browser.find_element("id", "chat-stop").click()
+    assert story()["in_flight"] == 1  # still generating: up to its slot's context
+    stop.click()
     wait_for(lambda: status.get_attribute("data-state") == "stopped", what=f"the stop ({status.text!r})")
     wait_for(lambda: story()["in_flight"] == 0, timeout=5, what="the lease freed by the stop")
     shown = answer().text
     time.sleep(0.5)
     assert answer().text == shown  # nothing more comes
-    tokens = len(shown.split())
-    assert tokens < 30000  # cut short, not run to its context's end
+    n_ctx = _api(server, "GET", "/slots?model=story")[0]["n_ctx"]  # llama-server's own accounts
+    assert _metric(server, "story", "llamacpp:n_tokens_max") < n_ctx - 100  # cut short, not run to its end
 
     shots = os.environ.get("PYLLMROUTER_SCREENSHOT_DIR")
     if shots:
