@@ -268,8 +268,12 @@ def test_requests_past_the_slots_wait_in_the_worker_and_a_client_that_leaves_mea
     chat = {"model": "one", "messages": [{"role": "user", "content": "a story"}], "stream": True}
     try:
         first = connect(url)
-        first.sendall(request("POST", "/v1/chat/completions", {**chat, "max_tokens": 100000}))
+        first.sendall(request("POST", "/v1/chat/completions", chat))  # no max_tokens: until it is closed
         assert first.recv(1 << 16).startswith(b"HTTP/1.1 200")  # in the slot, streaming
+        # read as it comes (a client that stopped reading would leave the gate once the worker
+        # holds max_pending of its stream: conduit.h), until the socket is shut below
+        reader = threading.Thread(target=lambda: all(iter(lambda: first.recv(1 << 16), b"")), daemon=True)
+        reader.start()
         second_out: list = []
         second = threading.Thread(target=lambda: second_out.append(httpx.post(
             url + "/v1/chat/completions", json={**chat, "max_tokens": 5}, timeout=120)))
@@ -287,7 +291,9 @@ def test_requests_past_the_slots_wait_in_the_worker_and_a_client_that_leaves_mea
         leaving.close()
         wait_for(lambda: metric(url, "pyllmrouter_model_requests_in_flight") == 2, 30)
         assert second.is_alive() and not second_out  # the slot is still the first stream's
-        first.close()  # the first stream ends: the second takes the slot
+        first.shutdown(socket.SHUT_RDWR)  # the first stream ends: the second takes the slot
+        reader.join(30)
+        first.close()
         second.join(120)
         assert second_out and second_out[0].status_code == 200
         done = [line for line in second_out[0].text.splitlines() if line.startswith("data: ")]
