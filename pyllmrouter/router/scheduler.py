@@ -180,7 +180,8 @@ class Scheduler:
         it alone asked for (a load, a drain of a busy model) does not happen.  ``prefer``:
         the instance of the model to take where it has a free slot (a conversation's last).
         ``loader``: the lease that loads the instance ``name`` itself (roster.grow): no
-        queue limit refuses or counts it, and it drains nothing.  ``waited``: seconds the
+        queue limit refuses or counts it, it drains nothing, and ``timeout`` bounds its
+        wait for room, not its load once admitted (a new worker's start included).  ``waited``: seconds the
         request waited on another node before (it keeps its place in line: Book.enqueue);
         ``slot``: the lease is taken only with one of the instance's slots free, in the
         order such requests came (the request runs at once, never queued in its engine:
@@ -248,6 +249,8 @@ class Scheduler:
                         why, deadline = "waiting for a free slot", time.monotonic() + timeout
                         self._roster.grow(rec.primary or rec, arriving=1)
                     book.note(ticket, why)
+                    if ticket.loader and rec.state is State.LOADING:  # admitted: the load's own timeout bounds it
+                        deadline = time.monotonic() + timeout
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise QueueTimeout(rec.name, timeout, why)

@@ -114,7 +114,28 @@ def test_a_full_queue_does_not_stop_the_instance_it_asks_for(story):
         assert first.started.wait(60)
         second = Stream(base, "m")  # waits for the slot: the queue is full now
         try:
-            wait_for(lambda: state(r, "m#2") == "loaded", 60, "the second instance")
+            wait_for(lambda: state(r, "m#2") == "loaded", 60,
+                     lambda: f"the second instance: {instances(r, 'm')}, events {r.scheduler.bus.recent()[-12:]}")
+        finally:
+            first.close()
+            second.close()
+        assert not [e for e in r.scheduler.bus.recent() if e.event == "replica-not-loaded"]
+
+
+def test_an_extra_instance_whose_load_outlasts_a_turn_still_loads(story):
+    """An extra instance's load is asked to find room within a turn (it drains nothing);
+    once admitted, its load (a new worker's start included) takes what it takes, as any
+    load (before: given up a turn after it was asked, its load under way, so on a slow
+    machine no extra instance ever served)."""
+    spec, inventory = one_instance_per_gpu(story, 2)
+    with Router([ModelConfig("m", spec, replicas=2)], inventory=inventory, margin=0, turn=0.2) as r, \
+            serving(r) as base:
+        first = Stream(base, "m")
+        assert first.started.wait(60)
+        second = Stream(base, "m")  # waits for the slot: an extra instance is asked for
+        try:
+            wait_for(lambda: state(r, "m#2") == "loaded", 60,
+                     lambda: f"the second instance: {instances(r, 'm')}, events {r.scheduler.bus.recent()[-12:]}")
         finally:
             first.close()
             second.close()

@@ -49,14 +49,16 @@ def serving(router: Router, **app_options):
         t.join(30)
 
 
-def wait_for(predicate, timeout: float = 60.0, what: str = "a condition"):
+def wait_for(predicate, timeout: float = 60.0, what="a condition"):
+    """``predicate()``'s first true value within ``timeout``; else AssertionError naming
+    ``what`` (a string, or a callable that says what was seen then)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 # -- the live list's rules, pure ------------------------------------------------------
