@@ -519,12 +519,12 @@ def test_a_later_reload_is_never_undone_by_an_earlier_one(tiny, story, tmp_path)
     the name, was applied again when ``old`` went, and ``new`` came back)."""
     preset = tmp_path / "models.ini"
     a = f"[a]\nmodel = {tiny['tiny-llama']}\nc = 256\n"
-    preset.write_text(a + f"[old]\nmodel = {story}\nnp = 1\nc = 2048\n")
+    preset.write_text(a + f"[old]\nmodel = {story}\nnp = 1\nc = 2048\ncontext-shift = true\n")
     with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 8 << 30}), margin=0) as r, \
             serving(r) as base:
         busy = Stream(base, "old")
         assert busy.started.wait(60)
-        preset.write_text(a + f"[new]\nmodel = {story}\nnp = 1\nc = 2048\nalias = old\n")
+        preset.write_text(a + f"[new]\nmodel = {story}\nnp = 1\nc = 2048\ncontext-shift = true\nalias = old\n")
         r.reload()
         assert {m.name for m in r.models()} == {"a", "new"}  # at once, while old finishes
         preset.write_text(a)
@@ -544,12 +544,12 @@ def test_the_model_lists_follow_the_list_while_a_renamed_model_finishes(tiny, st
     models)."""
     preset = tmp_path / "models.ini"
     t = f"model = {tiny['tiny-llama']}\nc = 256\n"
-    preset.write_text(f"[old]\nmodel = {story}\nnp = 1\nc = 2048\n[a]\n{t}alias = x\n[b]\n{t}alias = y\n")
+    preset.write_text(f"[old]\nmodel = {story}\nnp = 1\nc = 2048\ncontext-shift = true\n[a]\n{t}alias = x\n[b]\n{t}alias = y\n")
     with Router.from_preset(preset, inventory=EmulatedInventory({"GPU0": 8 << 30}), margin=0) as r, \
             serving(r) as base:
         busy = Stream(base, "old")
         assert busy.started.wait(60)
-        preset.write_text(f"[new]\nmodel = {story}\nnp = 1\nc = 2048\nalias = old\n[a]\n{t}alias = y\n[b]\n{t}alias = x\n")
+        preset.write_text(f"[new]\nmodel = {story}\nnp = 1\nc = 2048\ncontext-shift = true\nalias = old\n[a]\n{t}alias = y\n[b]\n{t}alias = x\n")
         r.reload()
         try:
             listed = {m["id"] for m in httpx.get(base + "/v1/models", timeout=30).json()["data"]}
@@ -782,7 +782,7 @@ def state_of(sched: Scheduler, name: str) -> str:
 def test_with_autoload_off_a_request_that_waited_through_an_unload_does_not_load(tiny, story):
     """autoload off: a request that arrives while the model is loaded but its unload waits for
     a stream gets NotLoaded once the unload is done (before: it loaded the model again)."""
-    with Router([ModelConfig("a", ModelSpec(story, ("-np", "1", "-c", "2048")))],
+    with Router([ModelConfig("a", ModelSpec(story, ("-np", "1", "-c", "2048", "--context-shift")))],
                 inventory=EmulatedInventory({"GPU0": 8 << 30}), margin=0, autoload=False) as r, serving(r) as base:
         r.load("a")
         busy = Stream(base, "a")
