@@ -53,7 +53,7 @@ from pyllmrouter.router.roster import Roster
 from pyllmrouter.router.workers.costs import WorkerCosts
 from pyllmrouter.router.workers.keep import KeepStore
 from pyllmrouter.router.workers.measure import Measurer, worker_spec
-from pyllmrouter.router.workers.handle import Launch, WorkerHandle
+from pyllmrouter.router.workers.handle import START_TIMEOUT, Launch, WorkerHandle
 from pyllmrouter.router.workers.sets import WORKER, WorkerSet
 
 __all__ = ["Scheduler", "Record", "Lease", "KEPT"]
@@ -181,7 +181,8 @@ class Scheduler:
         the instance of the model to take where it has a free slot (a conversation's last).
         ``loader``: the lease that loads the instance ``name`` itself (roster.grow): no
         queue limit refuses or counts it, it drains nothing, and ``timeout`` bounds its
-        wait for room, not its load once admitted (a new worker's start included).  ``waited``: seconds the
+        wait for room; once admitted, a new worker's start and the load bound it (their
+        own timeouts, START_TIMEOUT and ``load_timeout``).  ``waited``: seconds the
         request waited on another node before (it keeps its place in line: Book.enqueue);
         ``slot``: the lease is taken only with one of the instance's slots free, in the
         order such requests came (the request runs at once, never queued in its engine:
@@ -214,6 +215,7 @@ class Scheduler:
         book = self._book
         deadline = time.monotonic() + timeout
         reading: tuple[Any, dict[str, int]] | None = None  # (the Book's mark, free memory), since the last wait
+        loading_until: float | None = None  # a loader's: once its instance was admitted (LOADING)
         while True:
             with book.locked():
                 rec = book.follow(ticket)
@@ -249,8 +251,10 @@ class Scheduler:
                         why, deadline = "waiting for a free slot", time.monotonic() + timeout
                         self._roster.grow(rec.primary or rec, arriving=1)
                     book.note(ticket, why)
-                    if ticket.loader and rec.state is State.LOADING:  # admitted: the load's own timeout bounds it
-                        deadline = time.monotonic() + timeout
+                    if ticket.loader and rec.state is State.LOADING:  # admitted: its worker's start and load bound it
+                        if loading_until is None:
+                            loading_until = time.monotonic() + START_TIMEOUT + self.options.load_timeout
+                        deadline = max(deadline, loading_until)
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise QueueTimeout(rec.name, timeout, why)

@@ -55,6 +55,7 @@ _BOOT = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); signal.si
          "import json, os, sys; sys.path[:] = json.loads(os.environ.pop('PYLLMROUTER_SYS_PATH')); "
          f"from {WORKER_ENTRY} import main; main()")
 _TAIL = 20  # lines of a worker's stderr kept to explain its death
+START_TIMEOUT = 120.0  # seconds a worker has to initialise its backends once spawned
 # a line that says why a process ended: ggml's abort or assert ("file.cpp:547: Failed to
 # connect..."), Python's exception line, or a line that says error or failed; not a frame
 # of the backtrace ggml prints after its message
@@ -181,7 +182,7 @@ class WorkerHandle:
         self._writer: threading.Thread | None = None
         self._ids = itertools.count(1)
 
-    def start(self, timeout: float = 120.0) -> None:
+    def start(self, timeout: float = START_TIMEOUT) -> None:
         """Spawn the process and wait until it has initialised its backends."""
         parent, child = Pipe()
         ours, theirs = channel()  # the native data path: connections handed over (conduit.py)
