@@ -63,6 +63,21 @@ def instances(router: Router, model: str) -> dict[str, dict]:
     return {n: m for n, m in router.status()["models"].items() if n == model or m.get("replica_of") == model}
 
 
+def grows_behind_a_stream(r: Router, base: str) -> None:
+    """One stream in ``m``'s one slot, a second waiting for it: ``m#2`` loads, and no extra
+    instance was given up on the way."""
+    first = Stream(base, "m")
+    assert first.started.wait(60)
+    second = Stream(base, "m")  # waits for the slot: an extra instance is asked for
+    try:
+        wait_for(lambda: state(r, "m#2") == "loaded", 60,
+                 lambda: f"the second instance: {instances(r, 'm')}, events {r.scheduler.bus.recent()[-12:]}")
+    finally:
+        first.close()
+        second.close()
+    assert not [e for e in r.scheduler.bus.recent() if e.event == "replica-not-loaded"]
+
+
 def one_instance_per_gpu(story, gpus: int = 3) -> tuple[ModelSpec, EmulatedInventory]:
     spec = ModelSpec(story, ("-np", "1", "-c", "2048", "--context-shift"))  # its streams last until stopped
     one = probe(spec).total
@@ -110,36 +125,18 @@ def test_a_full_queue_does_not_stop_the_instance_it_asks_for(story):
     spec, inventory = one_instance_per_gpu(story, 2)
     with Router([ModelConfig("m", spec, replicas=2, max_queue=1)], inventory=inventory, margin=0) as r, \
             serving(r) as base:
-        first = Stream(base, "m")
-        assert first.started.wait(60)
-        second = Stream(base, "m")  # waits for the slot: the queue is full now
-        try:
-            wait_for(lambda: state(r, "m#2") == "loaded", 60,
-                     lambda: f"the second instance: {instances(r, 'm')}, events {r.scheduler.bus.recent()[-12:]}")
-        finally:
-            first.close()
-            second.close()
-        assert not [e for e in r.scheduler.bus.recent() if e.event == "replica-not-loaded"]
+        grows_behind_a_stream(r, base)  # the second stream fills the queue
 
 
 def test_an_extra_instance_whose_load_outlasts_a_turn_still_loads(story):
     """An extra instance's load is asked to find room within a turn (it drains nothing);
-    once admitted, its load (a new worker's start included) takes what it takes, as any
-    load (before: given up a turn after it was asked, its load under way, so on a slow
-    machine no extra instance ever served)."""
+    once admitted, it waits for a new worker's start and its load, as any load (before:
+    given up a turn after it was asked, its load under way, so on a slow machine no extra
+    instance ever served)."""
     spec, inventory = one_instance_per_gpu(story, 2)
     with Router([ModelConfig("m", spec, replicas=2)], inventory=inventory, margin=0, turn=0.2) as r, \
             serving(r) as base:
-        first = Stream(base, "m")
-        assert first.started.wait(60)
-        second = Stream(base, "m")  # waits for the slot: an extra instance is asked for
-        try:
-            wait_for(lambda: state(r, "m#2") == "loaded", 60,
-                     lambda: f"the second instance: {instances(r, 'm')}, events {r.scheduler.bus.recent()[-12:]}")
-        finally:
-            first.close()
-            second.close()
-        assert not [e for e in r.scheduler.bus.recent() if e.event == "replica-not-loaded"]
+        grows_behind_a_stream(r, base)
 
 
 def test_a_model_whose_own_instance_went_loads_it_again_where_it_was(story):
