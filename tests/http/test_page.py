@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from pyllmrouter.engine.probe import probe
 from pyllmrouter.remote import request
 from pyllmrouter.tools import scripted
 from pyllmrouter.tools.loopback import start_serve
+from test_handover import metric
 from test_live import wait_for
 
 pytestmark = pytest.mark.slow
@@ -41,14 +41,6 @@ def _api(base: str, method: str, path: str, body: dict | None = None) -> dict:
     status, data = request(base, method, path, body, KEY)
     assert status == 200, data
     return data
-
-
-def _metric(base: str, model: str, name: str) -> float:
-    """One series of a model's llama-server /metrics."""
-    req = urllib.request.Request(f"{base}/metrics?model={model}", headers={"Authorization": f"Bearer {KEY}"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        lines = r.read().decode().splitlines()
-    return next(float(line.split()[-1]) for line in lines if line.startswith(name + " "))
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +245,8 @@ def test_a_chat_streams_with_reasoning_apart_and_stop_frees_the_model(server, br
     time.sleep(0.5)
     assert answer().text == shown  # nothing more comes
     n_ctx = _api(server, "GET", "/slots?model=story")[0]["n_ctx"]  # llama-server's own accounts
-    assert _metric(server, "story", "llamacpp:n_tokens_max") < n_ctx - 100  # cut short, not run to its end
+    tokens = metric(server, "llamacpp:n_tokens_max", "story", {"Authorization": f"Bearer {KEY}"})
+    assert tokens < n_ctx - 100  # cut short, not run to its end
 
     shots = os.environ.get("PYLLMROUTER_SCREENSHOT_DIR")
     if shots:
